@@ -1,0 +1,13 @@
+"""Fine-tune and evaluate models larger than accelerator memory with PyTorch Lightning.
+
+Importing the package registers ``Trainer(strategy="superpipe")``: Lightning only registers its own strategies,
+and has no entry point for third-party ones.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
+
+SuperpipeStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["SuperpipeStrategy"]

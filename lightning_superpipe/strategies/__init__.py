@@ -1,0 +1,5 @@
+"""Lightning strategies."""
+
+from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
+
+__all__ = ["SuperpipeStrategy"]

@@ -1,0 +1,270 @@
+"""``SuperpipeStrategy``: train and evaluate models larger than the accelerator's memory on one device.
+
+The model's home is host memory. Its blocks (decoder layers, vision stages) stream through the device just in
+time, in forward and again in backward; gradients return to the host block by block; the optimizer steps the
+host parameters, so its state never occupies the device. This module is thin glue between Lightning's hooks and
+the streaming engine in :mod:`lightning_superpipe.streaming`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_superpipe.memory.host import check_host_memory
+from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, find_blocks
+from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.hooks import BlockStreamingHook, TrunkHook, trunk_modules
+
+_MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class SuperpipeStrategy(SingleDeviceStrategy):
+    """Streams a host-resident model's blocks through one device; optimizer and masters stay on the host.
+
+    Args:
+        resident_blocks: Blocks kept on the device permanently. More is faster and uses more device memory.
+        prefetch: Blocks copied to the device ahead of the one computing. More hides more copy time behind
+            compute and uses more device memory.
+        blocks: Which modules stream: module classes or a predicate (as FSDP's
+            ``activation_checkpointing_policy``). By default, the longest ``nn.ModuleList``/``nn.Sequential`` of
+            same-type modules.
+        device: The compute device; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
+        accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+    """
+
+    strategy_name = "superpipe"
+
+    def __init__(
+        self,
+        resident_blocks: int = 1,
+        prefetch: int = 1,
+        blocks: Optional[BlockPolicy] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        accelerator: Optional[Accelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        self.resident_blocks = resident_blocks
+        self.prefetch = prefetch
+        self.block_policy = blocks
+        # Empty until the accelerator connector fills it with the devices the Trainer resolved.
+        self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
+        self._engine: Optional[StreamingEngine] = None
+        self._hooks: list[Union[BlockStreamingHook, TrunkHook]] = []
+
+    # ------------------------------------------------------------------ device selection
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The devices the Trainer resolved; Lightning's connector sets them, and this strategy uses one."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[Union[int, str, torch.device]]) -> None:
+        if len(devices) > 1:
+            raise MisconfigurationException(
+                f"`Trainer(strategy='superpipe')` streams through one device, but the Trainer resolved {len(devices)}"
+                f" ({', '.join(str(d) for d in devices)}). Use `Trainer(devices=1)`; several devices are not"
+                " supported yet."
+            )
+        self._parallel_devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+        if self._parallel_devices:
+            self._root_device = self._parallel_devices[0]
+
+    # ------------------------------------------------------------------ set-up and tear-down
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
+
+    @override
+    def model_to_device(self) -> None:
+        """Puts buffers on the device and starts streaming; parameters stay in host memory."""
+        assert self.model is not None
+        self._stop_streaming()
+        model = self.model
+        blocks = find_blocks(model, self.block_policy)
+        block_params, trunk_params = assign_parameters(model, blocks)
+        transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
+        if self.root_device.type == "cuda":
+            # Re-homing into pinned flat buffers copies each block once more before the old storage goes.
+            extra = sum(p.numel() * p.element_size() for params in block_params for p in params)
+            if transfer_dtype is not None:
+                extra += sum(p.numel() * transfer_dtype.itemsize for params in block_params for p in params)
+            check_host_memory(extra, f"pinned homes for {describe(blocks)}")
+        # Buffers (and torchmetrics states) go to the device; parameters are returned unchanged, so they stay home.
+        model._apply(lambda t: t if isinstance(t, nn.Parameter) else t.to(self.root_device))
+        self._engine = StreamingEngine(
+            block_params,
+            trunk_params,
+            self.root_device,
+            resident_blocks=self.resident_blocks,
+            prefetch=self.prefetch,
+            transfer_dtype=transfer_dtype,
+        )
+        self._hooks = [BlockStreamingHook(self._engine, i, block) for i, block in enumerate(blocks)]
+        self._hooks += [TrunkHook(self._engine, module) for module in trunk_modules(model, blocks)]
+        for hook in self._hooks:
+            hook.attach()
+        if isinstance(model, LightningModule):
+            model._device = self.root_device  # what `self.device` in the user's LightningModule should say
+
+    @override
+    def teardown(self) -> None:
+        self._stop_streaming()
+        super().teardown()
+
+    def _stop_streaming(self) -> None:
+        for hook in self._hooks:
+            hook.detach()
+        self._hooks = []
+        self._engine = None
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Builds the model in host memory: it never needs to fit on the device."""
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def engine(self) -> StreamingEngine:
+        if self._engine is None:
+            raise RuntimeError("SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`.")
+        return self._engine
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self.engine.start_pass(training=True)
+        output = super().training_step(*args, **kwargs)
+        report = self.memory_report()
+        assert self.lightning_module is not None
+        for key in ("device_bytes", "peak_device_bytes"):
+            self.lightning_module.log(f"superpipe/{key}", float(report[key]), on_step=True, on_epoch=False)
+        return output
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        self.engine.finish_backward()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The next forward must stream the weights this step produced.
+        self.engine.refresh()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._forward_only("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._forward_only("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only("predict_step", *args, **kwargs)
+
+    def _forward_only(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        self.engine.start_pass(training=False)
+        try:
+            return getattr(super(), step)(*args, **kwargs)
+        finally:
+            self.engine.finish_pass()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._engine is not None:
+            self._engine.refresh(everything=True)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # The parent moves optimizer state to the device; here it stays with the host parameters.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------------ memory report
+
+    def memory_report(self) -> dict[str, int]:
+        """What the strategy holds where, in bytes.
+
+        Returns:
+            ``peak_device_bytes`` (most block weights and gradients held on the device at once, from the
+            strategy's ledger), ``device_bytes`` (held now), ``largest_block_bytes``, ``num_blocks``,
+            ``resident_blocks``, ``prefetch``, ``trunk_device_bytes`` (parameters outside blocks, resident),
+            ``host_bytes`` (block homes and staging), ``param_bytes``, ``trainable_param_bytes``,
+            ``optimizer_state_bytes`` and, on CUDA, ``cuda_max_allocated_bytes``.
+        """
+        engine = self.engine
+        assert self.lightning_module is not None
+        params = list(self.lightning_module.parameters())
+        report = {
+            "peak_device_bytes": engine.ledger.peak_bytes,
+            "device_bytes": engine.ledger.total_bytes,
+            "largest_block_bytes": engine.largest_block_bytes(),
+            "num_blocks": len(engine.homes),
+            "resident_blocks": engine.resident_blocks,
+            "prefetch": engine.prefetch,
+            "trunk_device_bytes": engine.trunk_device_bytes(),
+            "host_bytes": engine.host_bytes(),
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+            "optimizer_state_bytes": sum(
+                t.numel() * t.element_size()
+                for optimizer in self.optimizers
+                for state in optimizer.state.values()
+                for t in state.values()
+                if isinstance(t, Tensor)
+            ),
+        }
+        if self.root_device.type == "cuda":
+            report["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.root_device)
+        return report
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.__name__)

@@ -1,0 +1,135 @@
+"""Finding the blocks of a model: the repeated modules that stream through the device one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Union
+
+from torch import nn
+
+#: How a user names the blocks: module classes (every outermost instance is a block) or a predicate, in the
+#: style of FSDP's ``activation_checkpointing_policy``. ``None`` finds them automatically.
+BlockPolicy = Union[set[type[nn.Module]], list[type[nn.Module]], tuple[type[nn.Module], ...], Callable[[nn.Module], bool]]
+
+
+class NoBlocksFoundError(ValueError):
+    """Raised when a model has no blocks to stream and the user did not name any."""
+
+
+def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.Module]:
+    """Returns the model's blocks in execution order.
+
+    By default the blocks are the longest run of same-type modules held in one ``nn.ModuleList`` or
+    ``nn.Sequential`` (the decoder layers of a ``transformers`` model, the stages of a vision model, a user's
+    stack). A policy overrides that: a collection of module classes selects every outermost instance of those
+    classes; a callable selects every outermost module for which it returns ``True``. Order is the order of
+    ``model.modules()``, which is the execution order for sequential stacks.
+
+    Args:
+        model: The model to search.
+        policy: Module classes or a predicate naming the blocks, or ``None`` for automatic discovery.
+
+    Raises:
+        NoBlocksFoundError: If nothing qualifies; the message says how to name the blocks.
+    """
+    if policy is None:
+        blocks = _longest_uniform_run(model)
+    else:
+        predicate = _as_predicate(policy)
+        blocks = _outermost(model, predicate)
+    blocks = [block for block in blocks if any(True for _ in block.parameters())]
+    if not blocks:
+        how = "found no `nn.ModuleList`/`nn.Sequential` of two or more same-type modules with parameters"
+        if policy is not None:
+            how = f"the block policy {policy!r} matched no module with parameters"
+        raise NoBlocksFoundError(
+            f"SuperpipeStrategy {how} in {type(model).__name__}. Name the blocks to stream explicitly, e.g."
+            " `SuperpipeStrategy(blocks={MyLayer})` with your layer class, or"
+            " `SuperpipeStrategy(blocks=lambda module: isinstance(module, MyLayer))`."
+        )
+    return blocks
+
+
+def _longest_uniform_run(model: nn.Module) -> list[nn.Module]:
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(child) for child in children}) != 1:
+            continue
+        if len(children) > len(best):
+            best = children
+    return best
+
+
+def _as_predicate(policy: BlockPolicy) -> Callable[[nn.Module], bool]:
+    if isinstance(policy, (set, list, tuple, frozenset)):
+        classes = tuple(policy)
+        if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
+            raise TypeError(f"`blocks` must hold `nn.Module` subclasses, got {policy!r}.")
+        return lambda module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(f"`blocks` must be a set of module classes or a callable, got {policy!r}.")
+
+
+def _outermost(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """Modules matching ``predicate`` that are not inside another match (blocks must not nest)."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if predicate(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    for child in model.children():
+        visit(child)
+    return found
+
+
+def describe(blocks: Iterable[nn.Module]) -> str:
+    """A short human description, e.g. ``'24 x LlamaDecoderLayer'``."""
+    blocks = list(blocks)
+    names = sorted({type(block).__name__ for block in blocks})
+    return f"{len(blocks)} x {'/'.join(names)}"
+
+
+def assign_parameters(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+    """Splits the model's parameters into those that stream with each block and the resident rest.
+
+    A parameter streams with a block only if that block alone uses it; one shared with the rest of the model or
+    with another block (tied weights) stays resident, so that it stays tied.
+
+    Returns:
+        The streamed parameters of each block, in block order, and the resident ("trunk") parameters.
+    """
+    users: dict[nn.Parameter, set[int]] = {}
+    for index, block in enumerate(blocks):
+        for param in block.parameters():
+            users.setdefault(param, set()).add(index)
+    outside = {param for param in _parameters_outside(model, blocks)}
+    per_block: list[list[nn.Parameter]] = [[] for _ in blocks]
+    for param, owners in users.items():
+        if len(owners) == 1 and param not in outside:
+            per_block[next(iter(owners))].append(param)
+    streamed = {param for params in per_block for param in params}
+    trunk = [param for param in model.parameters() if param not in streamed]
+    return per_block, trunk
+
+
+def _parameters_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parameter]:
+    inside = {id(block) for block in blocks}
+    found: list[nn.Parameter] = []
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in inside:
+            return
+        found.extend(module._parameters[name] for name in module._parameters if module._parameters[name] is not None)
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found

@@ -1,0 +1,396 @@
+"""The streaming engine: which block's weights are on the device, when they arrive, where gradients go.
+
+The device holds three things for the blocks:
+
+* ``resident_blocks`` blocks permanently (evenly spaced, so that while a resident block computes the copy
+  stream gets a whole block's compute time to bring the next streamed one);
+* a pool of ``prefetch + 1`` slots, each the size of the largest block, allocated once: one slot for the block
+  computing now and ``prefetch`` for the blocks predicted next;
+* the trunk: the parameters outside blocks (embeddings, heads, norms), resident, as device copies of their
+  host masters.
+
+The engine predicts the order in which blocks are needed from the pass it is in: a training pass runs the
+blocks forward and then, recomputing each from its checkpoint, backward; an evaluation pass runs them forward,
+again and again (generation). While block ``i`` computes, the next blocks in that order are copied in.
+
+Gradients leave the device as soon as a block's backward delivers them; they are accumulated in fp32 into the
+``.grad`` of the host parameters, so the optimizer, its state and the master weights never leave the host.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_superpipe.memory.host import BlockHome, ParamSlice
+from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.ledger import DeviceLedger
+
+
+@dataclass
+class _Slot:
+    """A device buffer that holds one block's weights at a time."""
+
+    flat: Tensor
+    block: Optional[int] = None
+    version: int = -1
+    ready: Event = None  # the copy into ``flat`` finished
+    free: Event = None  # compute finished reading ``flat``
+
+
+@dataclass
+class _PendingGradients:
+    """Gradients on their way to the host, accumulated into ``.grad`` once their copy finished."""
+
+    slices: list[ParamSlice] = field(default_factory=list)
+    staged: list[Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    done: Event = None
+
+
+class StreamingEngine:
+    """Moves the weights of ``blocks`` between their host homes and the compute device.
+
+    Args:
+        block_params: The parameters that stream with each block, in block order.
+        trunk_params: The parameters that stay resident on the device (outside blocks, or tied).
+        device: The compute device.
+        resident_blocks: How many blocks stay on the device permanently.
+        prefetch: How many blocks are copied in ahead of the one computing.
+        transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
+    """
+
+    def __init__(
+        self,
+        block_params: Sequence[Sequence[nn.Parameter]],
+        trunk_params: Sequence[nn.Parameter],
+        device: torch.device,
+        resident_blocks: int,
+        prefetch: int,
+        transfer_dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        num_blocks = len(block_params)
+        self.device = device
+        self.copier = Copier(device)
+        self.ledger = DeviceLedger()
+        self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
+        self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
+        pin = self.copier.is_cuda
+        self.homes = [
+            BlockHome(params, transfer_dtype or params[0].dtype, pin=pin) if params else None for params in block_params
+        ]
+        self._version = 0
+
+        self._resident: dict[int, Tensor] = {}
+        self._resident_ready: dict[int, Event] = {}
+        for index in _evenly_spaced(num_blocks, self.resident_blocks):
+            home = self.homes[index]
+            if home is not None:
+                self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=device)
+                self.ledger.add_weights(home.transfer_bytes)
+
+        streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
+        self._slots: list[_Slot] = []
+        if streamed:
+            slot_numel = max(self.homes[i].numel for i in streamed)
+            slot_dtype = self.homes[streamed[0]].transfer.dtype
+            for _ in range(min(self.prefetch + 1, len(streamed))):
+                flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
+                self._slots.append(_Slot(flat))
+                self.ledger.add_weights(flat.numel() * flat.element_size())
+        self._busy: Optional[_Slot] = None
+
+        if pin:
+            for param in trunk_params:
+                param.data = param.detach().pin_memory()
+        # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
+        self._trunk: dict[nn.Parameter, Tensor] = {
+            param: torch.empty_like(param, device=device) for param in trunk_params
+        }
+        self._trunk_ready: Event = None
+        self._trunk_slices = [ParamSlice(param, 0, param.numel(), param.shape) for param in trunk_params]
+
+        # Gradient staging (CUDA only): one block's worth, plus the trunk's, in page-locked memory.
+        self._block_staging: Optional[Tensor] = None
+        self._trunk_staging: dict[nn.Parameter, Tensor] = {}
+        if self.copier.is_cuda:
+            trainable_numel = max((home.numel for home in self.homes if home is not None and home.trainable), default=0)
+            if trainable_numel:
+                self._block_staging = torch.empty(trainable_numel, dtype=self._slots_or_resident_dtype(), pin_memory=True)
+            self._trunk_staging = {
+                param: torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
+                for param in trunk_params
+                if param.requires_grad
+            }
+        self._pending_block: Optional[_PendingGradients] = None
+        self._pending_trunk: list[_PendingGradients] = []
+        self._trunk_uses: dict[nn.Parameter, int] = {}
+        self._trunk_sums: dict[nn.Parameter, Tensor] = {}
+
+        self._order: list[int] = []
+        self._cyclic = False
+        self._cursor = -1
+        self.refresh(everything=True)
+
+    # ------------------------------------------------------------------ passes
+
+    def start_pass(self, training: bool) -> None:
+        """Sets the order in which blocks are expected: forward then backward in training, forward (repeated)
+        otherwise."""
+        forward = list(range(len(self.homes)))
+        self._order = forward + forward[::-1] if training else forward
+        self._cyclic = not training
+        self._cursor = -1
+
+    def finish_pass(self) -> None:
+        """Ends a forward-only pass: the block computing last is done."""
+        self._release_busy()
+
+    def finish_backward(self) -> None:
+        """Ends a training pass: every gradient is on the host and no copy reads host memory any more (the
+        optimizer is about to write it)."""
+        self._release_busy()
+        self._drain_block_gradients()
+        for param, grad in self._trunk_sums.items():
+            self._send_trunk_gradient(param, grad)
+        self._trunk_sums.clear()
+        for pending in self._pending_trunk:
+            self._accumulate(pending)
+        self._pending_trunk.clear()
+        self.copier.synchronize()
+
+    def refresh(self, everything: bool = False) -> None:
+        """Makes the device copies match the host masters after they changed (an optimizer step, a load).
+
+        Args:
+            everything: Also refresh frozen parameters (after a checkpoint load); otherwise only trainable ones
+                changed.
+        """
+        self.copier.synchronize()
+        self._version += 1
+        for home in self.homes:
+            if home is not None:
+                home.refresh_transfer(everything)
+        # The device may still be reading the old copies (the tail of the last backward).
+        computed = self.copier.mark_compute()
+        for index, buffer in self._resident.items():
+            home = self.homes[index]
+            if everything or home.trainable:
+                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, after=computed)
+        for param, copy in self._trunk.items():
+            if everything or param.requires_grad:
+                self._trunk_ready = self.copier.to_device(copy, param.detach(), after=computed)
+        # Whatever runs next (a training step, validation) starts at the first block: bring it in now.
+        self.start_pass(training=True)
+        self._prefetch()
+
+    # ------------------------------------------------------------------ weights
+
+    def acquire(self, index: int) -> list[Tensor]:
+        """Returns block ``index``'s weights on the device, one view per streamed parameter, and starts the copies
+        of the blocks expected next.
+
+        The block stays in its slot until another block is acquired or the pass ends, since in backward the
+        autograd engine still reads its recomputed weights after the recomputation returns.
+        """
+        self._advance(index)
+        home = self.homes[index]
+        assert home is not None, f"block {index} has no streamed parameters"
+        if index in self._resident:
+            self._release_busy()
+            self.copier.wait_on_compute(self._resident_ready.pop(index, None))
+            flat = self._resident[index]
+        else:
+            slot = self._slot_holding(index)
+            if slot is not self._busy:
+                self._release_busy()
+            if slot is None:
+                slot = self._load(index, avoid=set())
+            self._busy = slot
+            self.copier.wait_on_compute(slot.ready)
+            slot.ready = None
+            flat = slot.flat
+        self._prefetch()
+        return [piece.view_of(flat) for piece in home.slices]
+
+    def trunk_tensor(self, param: nn.Parameter) -> Tensor:
+        """The device copy of a resident (trunk) parameter."""
+        if self._trunk_ready is not None:
+            self.copier.wait_on_compute(self._trunk_ready)
+            self._trunk_ready = None
+        return self._trunk[param]
+
+    def is_trunk(self, param: nn.Parameter) -> bool:
+        return param in self._trunk
+
+    def _advance(self, index: int) -> None:
+        """Moves the prediction cursor to ``index``'s next expected position (re-synchronising if the model called
+        the blocks in an order the pass did not predict)."""
+        order = self._order
+        for step in range(1, len(order) + 1):
+            position = self._cursor + step
+            if self._cyclic:
+                position %= len(order)
+            elif position >= len(order):
+                break
+            if order[position] == index:
+                self._cursor = position
+                return
+        self._cursor = order.index(index) if index in order else -1
+
+    def _upcoming(self) -> Iterator[int]:
+        """Streamed blocks expected after the cursor, nearest first, without repeats."""
+        seen: set[int] = set()
+        order = self._order
+        for step in range(1, len(order) + 1):
+            position = self._cursor + step
+            if self._cyclic:
+                position %= len(order)
+            elif position >= len(order):
+                return
+            index = order[position]
+            if index in seen or index in self._resident or self.homes[index] is None:
+                continue
+            seen.add(index)
+            yield index
+
+    def _prefetch(self) -> None:
+        window: list[int] = []
+        for index in self._upcoming():
+            if len(window) == self.prefetch:
+                break
+            window.append(index)
+        keep = set(window)
+        if self._busy is not None and self._busy.block is not None:
+            keep.add(self._busy.block)
+        for index in window:
+            if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
+                break
+
+    def _slot_holding(self, index: int) -> Optional[_Slot]:
+        for slot in self._slots:
+            if slot.block == index and slot.version == self._version:
+                return slot
+        return None
+
+    def _load(self, index: int, avoid: set[int]) -> Optional[_Slot]:
+        """Starts copying block ``index`` into a slot that is not busy and holds no block in ``avoid``."""
+        for slot in sorted(self._slots, key=lambda s: s.version == self._version):  # stale slots first
+            if slot is self._busy or (slot.version == self._version and slot.block in avoid):
+                continue
+            home = self.homes[index]
+            slot.block, slot.version = index, self._version
+            slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, after=slot.free)
+            return slot
+        return None
+
+    def _release_busy(self) -> None:
+        if self._busy is not None:
+            self._busy.free = self.copier.mark_compute()
+            self._busy = None
+
+    # ------------------------------------------------------------------ gradients
+
+    def receive_block_gradients(self, index: int, grads: Sequence[Optional[Tensor]]) -> None:
+        """Takes the gradients of block ``index``'s trainable parameters (in ``home.trainable`` order) off the
+        device."""
+        self._drain_block_gradients()
+        home = self.homes[index]
+        pending = _PendingGradients()
+        offset = 0
+        for piece, grad in zip(home.trainable, grads):
+            if grad is None:
+                continue
+            pending.slices.append(piece)
+            pending.nbytes += grad.numel() * grad.element_size()
+            if self._block_staging is None:
+                pending.staged.append(grad)
+            else:
+                staged = self._block_staging[offset : offset + grad.numel()].view(grad.shape)
+                offset += grad.numel()
+                pending.done = self.copier.to_host(staged, grad)
+                pending.staged.append(staged)
+        self.ledger.add_gradients(pending.nbytes)
+        self._pending_block = pending
+        if not self.copier.is_cuda:
+            self._drain_block_gradients()
+
+    def register_trunk_use(self, param: nn.Parameter) -> None:
+        """Counts one module that uses resident parameter ``param`` (tied parameters have several)."""
+        self._trunk_uses[param] = self._trunk_uses.get(param, 0) + 1
+
+    def receive_trunk_gradient(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Takes the gradient of one resident parameter off the device."""
+        if self._trunk_uses.get(param, 0) > 1:
+            # Autograd sums the gradients of a tied parameter before accumulating them into ``.grad``; doing the
+            # same keeps gradient accumulation exact. The sum stays on the device until the backward ends.
+            previous = self._trunk_sums.get(param)
+            self._trunk_sums[param] = grad if previous is None else previous + grad
+            return
+        self._send_trunk_gradient(param, grad)
+
+    def _send_trunk_gradient(self, param: nn.Parameter, grad: Tensor) -> None:
+        pending = _PendingGradients([ParamSlice(param, 0, param.numel(), param.shape)])
+        if param in self._trunk_staging:
+            staged = self._trunk_staging[param]
+            pending.done = self.copier.to_host(staged, grad)
+            pending.staged.append(staged)
+            self._pending_trunk.append(pending)
+        else:
+            pending.staged.append(grad)
+            self._accumulate(pending)
+
+    def _drain_block_gradients(self) -> None:
+        if self._pending_block is not None:
+            self._accumulate(self._pending_block)
+            self.ledger.remove_gradients(self._pending_block.nbytes)
+            self._pending_block = None
+
+    def _accumulate(self, pending: _PendingGradients) -> None:
+        """Adds staged gradients into the fp32 ``.grad`` of their host parameters, as autograd would."""
+        self.copier.wait_on_host(pending.done)
+        for piece, staged in zip(pending.slices, pending.staged):
+            param = piece.param
+            if param.grad is None:
+                param.grad = staged.to(param.dtype, copy=True)
+            else:
+                param.grad.add_(staged)
+
+    # ------------------------------------------------------------------ accounting
+
+    def host_bytes(self) -> int:
+        """Host bytes held for streaming: block homes and gradient staging."""
+        homes = sum(home.host_bytes for home in self.homes if home is not None)
+        staging = 0 if self._block_staging is None else self._block_staging.numel() * self._block_staging.element_size()
+        staging += sum(t.numel() * t.element_size() for t in self._trunk_staging.values())
+        return homes + staging
+
+    def trunk_device_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._trunk.values())
+
+    def largest_block_bytes(self) -> int:
+        return max((home.transfer_bytes for home in self.homes if home is not None), default=0)
+
+    def _slots_or_resident_dtype(self) -> torch.dtype:
+        home = next(home for home in self.homes if home is not None)
+        return home.transfer.dtype
+
+
+def _clamp(name: str, value: int, limit: int, what: str) -> int:
+    if value < 0:
+        raise ValueError(f"SuperpipeStrategy({name}={value}) must be zero or more.")
+    if value > limit:
+        warnings.warn(f"SuperpipeStrategy({name}={value}) is more than {what} ({limit}); using {limit}.", stacklevel=3)
+        return limit
+    return value
+
+
+def _evenly_spaced(count: int, chosen: int) -> list[int]:
+    if chosen <= 0:
+        return []
+    return sorted({min(count - 1, int((k + 0.5) * count / chosen)) for k in range(chosen)})
