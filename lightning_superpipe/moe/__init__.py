@@ -1,0 +1,20 @@
+"""Paged MoE precision: expert weights paged as bit planes between device and host under a budget.
+
+``page_experts(model, budget_bytes=...)`` converts a supported ``transformers`` MoE model in place
+and returns a :class:`PagedExperts` handle; :class:`PagedMoECallback` does the same around
+Lightning's validation, test and predict loops.
+"""
+
+from lightning_superpipe.moe.api import PagedExperts, kv_cache_bytes, page_experts
+from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
+from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "TOP_LEVEL",
+    "PageKey",
+    "PagedExperts",
+    "UnsupportedMoEModelError",
+    "kv_cache_bytes",
+    "page_experts",
+]

@@ -1,0 +1,491 @@
+"""Page store: expert weights cut into pages whose precision moves between device and host.
+
+Every page (a block of rows of one expert's ``gate_up_proj`` or ``down_proj``) has a complete
+master copy in host memory (pinned on CUDA): its original weights, its 8 bit planes and its
+group metadata. The device holds a *subset* chosen by the planner:
+
+* level ``TOP_LEVEL`` (reported as 16 bits): the original weights, nothing else;
+* level ``b <= 8``: bit planes ``0 .. b-1`` plus the group scale and minimum.
+
+Because the host copy is never modified, demoting a page only frees device tensors (no copy back)
+and promoting it only uploads what is missing; promotion is therefore exact. Planes are held on
+the device in *segments* that end at level boundaries (e.g. planes ``[0, 2)``, ``[2, 3)``,
+``[3, 4)``, ``[4, 8)`` for levels 8/4/3/2), so any demotion frees whole tensors.
+
+On CUDA uploads run on a side stream. A promotion stays *pending* (the page keeps computing at
+its old precision) until its copy has finished; a demotion from the original weights to bit
+planes takes effect at once and the compute stream waits for the planes on their first use. On
+the CPU the same code runs with synchronous copies (device and host are then the same memory, so
+the "uploads" are views and cost nothing, but the byte accounting is the same as on CUDA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_superpipe.moe.layouts import EXPERT_PROJECTIONS, MoELayer
+from lightning_superpipe.moe.quant import CODE_BITS, dequantize, metadata_dtype, pack_bit_planes, quantize_groupwise
+
+__all__ = ["TOP_LEVEL", "CopyEngine", "CudaCopyEngine", "Page", "PageStore", "SyncCopyEngine"]
+
+TOP_LEVEL = 16
+"""Level of a page whose original weights are on the device. Reported as 16 bits whatever the
+model's dtype; its device bytes are the real size of the original weights."""
+
+
+class CopyEngine:
+    """Moves host tensors to the device; subclasses decide whether the copy is asynchronous.
+
+    Args:
+        device: Target device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """Start copying ``host`` to the device and return the device tensor."""
+        return host.to(self.device)
+
+    def fence(self) -> object | None:
+        """Return a marker completed once all uploads issued so far have landed (``None``: already)."""
+        return None
+
+    def is_done(self, fence: object | None) -> bool:
+        """Whether the uploads before ``fence`` have landed."""
+        return fence is None
+
+    def wait(self, fence: object | None) -> None:
+        """Make the compute stream wait for ``fence`` before it uses the uploaded data."""
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        """Tell the allocator that ``tensor``, uploaded by this engine, is now used by compute."""
+
+
+class SyncCopyEngine(CopyEngine):
+    """Synchronous copies (CPU, or CUDA when asynchronous moves are not wanted)."""
+
+
+class CudaCopyEngine(CopyEngine):
+    """Asynchronous host-to-device copies on a dedicated CUDA stream, ordered by events.
+
+    Args:
+        device: A CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device=device)
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            return host.to(self.device, non_blocking=True)
+
+    def fence(self) -> object | None:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def is_done(self, fence: object | None) -> bool:
+        return fence is None or fence.query()
+
+    def wait(self, fence: object | None) -> None:
+        if fence is not None:
+            torch.cuda.current_stream(self.device).wait_event(fence)
+
+    def hand_over(self, tensor: torch.Tensor) -> None:
+        # The tensor was allocated on the copy stream; without this its memory could be reused by
+        # a later upload while a compute kernel still reads it.
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+@dataclass
+class DeviceCopy:
+    """What of a page is (or is being put) on the device.
+
+    Args:
+        level: Precision this data provides, ``TOP_LEVEL`` or a number of bit planes.
+        weight: Original weights (``TOP_LEVEL`` only).
+        segments: Bit plane segments, consecutive, starting at plane 0 (or, for a pending
+            promotion, at the plane the page already has).
+        scale: Group scales (bit-plane levels only).
+        minimum: Group minima (bit-plane levels only).
+        fence: Copy marker; the data may be read once it has completed.
+    """
+
+    level: int
+    weight: torch.Tensor | None = None
+    segments: list[torch.Tensor] = field(default_factory=list)
+    scale: torch.Tensor | None = None
+    minimum: torch.Tensor | None = None
+    fence: object | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """All device tensors held."""
+        held = [self.weight, self.scale, self.minimum, *self.segments]
+        return [t for t in held if t is not None]
+
+    def nbytes(self) -> int:
+        """Device bytes held."""
+        return sum(t.nbytes for t in self.tensors())
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """Where a page's weights live in the model.
+
+    Args:
+        layer: Index of the MoE layer.
+        proj: Index in ``EXPERT_PROJECTIONS`` (0: ``gate_up_proj``, 1: ``down_proj``).
+        expert: Expert index within the layer.
+        block: Row block index within the projection.
+    """
+
+    layer: int
+    proj: int
+    expert: int
+    block: int
+
+
+class Page:
+    """One page: its host master copy and its device copy.
+
+    Args:
+        key: Location of the page.
+        host_weight: Original weights ``[rows, cols]`` in host memory.
+        host_planes: ``uint8`` bit planes ``[8, rows * cols // 8]`` in host memory.
+        host_scale: Group scales ``[rows, groups]`` in host memory.
+        host_minimum: Group minima ``[rows, groups]`` in host memory.
+    """
+
+    def __init__(
+        self,
+        key: PageKey,
+        host_weight: torch.Tensor,
+        host_planes: torch.Tensor,
+        host_scale: torch.Tensor,
+        host_minimum: torch.Tensor,
+    ) -> None:
+        self.key = key
+        self.host_weight = host_weight
+        self.host_planes = host_planes
+        self.host_scale = host_scale
+        self.host_minimum = host_minimum
+        self.current: DeviceCopy | None = None
+        self.pending: DeviceCopy | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the page's weights, ``[rows, cols]``."""
+        return self.host_weight.shape
+
+    @property
+    def level(self) -> int:
+        """Precision the page computes at now (0 before it was first placed)."""
+        return self.current.level if self.current is not None else 0
+
+    @property
+    def target_level(self) -> int:
+        """Precision the page is at or on its way to."""
+        return self.pending.level if self.pending is not None else self.level
+
+    def device_nbytes(self) -> int:
+        """Device bytes of the page, including an upload in flight."""
+        held = self.current.nbytes() if self.current is not None else 0
+        return held + (self.pending.nbytes() if self.pending is not None else 0)
+
+    def bytes_at(self, level: int) -> int:
+        """Device bytes the page holds once settled at ``level``."""
+        if level == TOP_LEVEL:
+            return self.host_weight.nbytes
+        plane_bytes = self.host_planes.shape[-1] * level
+        return plane_bytes + self.host_scale.nbytes + self.host_minimum.nbytes
+
+
+class PageStore:
+    """All pages of a model's routed experts, with the moves between levels.
+
+    Args:
+        layers: The model's MoE layers; their expert parameters are read, not modified.
+        device: Device that computes with the experts.
+        group_size: Columns per quantization group.
+        levels: Allowed levels, ``TOP_LEVEL`` and bit counts in ``1 .. 8`` (8 is always included).
+        rows_per_page: Rows of a projection per page (``None``: one page per expert and
+            projection). Must divide both ``2 * intermediate`` and ``hidden``.
+        copy_engine: How host data reaches the device (default: asynchronous on CUDA).
+    """
+
+    def __init__(
+        self,
+        layers: list[MoELayer],
+        *,
+        device: torch.device,
+        group_size: int,
+        levels: Iterable[int],
+        rows_per_page: int | None,
+        copy_engine: CopyEngine | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.levels = _check_levels(levels)
+        self.group_size = group_size
+        self.rows_per_page = rows_per_page
+        self.copy = copy_engine or (
+            CudaCopyEngine(self.device) if self.device.type == "cuda" else SyncCopyEngine(self.device)
+        )
+        # Segment boundaries of the bit planes: every level <= 8 and 0.
+        self._bounds = sorted({0, *(b for b in self.levels if b != TOP_LEVEL)})
+        self.pages: list[Page] = []
+        self._index: dict[tuple[int, int, int], list[Page]] = {}
+        self.column_errors: dict[tuple[int, int], torch.Tensor] = {}
+        self._host_weights: dict[tuple[int, int], torch.Tensor] = {}
+        self._device_bytes = 0
+        for layer in layers:
+            for proj, name in enumerate(EXPERT_PROJECTIONS):
+                self._add_projection(layer.index, proj, getattr(layer.experts, name))
+
+    # ------------------------------------------------------------------ building
+    def _add_projection(self, layer: int, proj: int, param: torch.Tensor) -> None:
+        num_experts, rows, cols = param.shape
+        rows_per_page = self.rows_per_page or rows
+        if rows % rows_per_page:
+            raise ValueError(
+                f"rows_per_page={rows_per_page} must divide the rows of every expert projection; "
+                f"{EXPERT_PROJECTIONS[proj]} of layer {layer} has {rows}. Use a common divisor "
+                f"(e.g. {math.gcd(rows, rows_per_page)}) or None for one page per expert and projection."
+            )
+        blocks = rows // rows_per_page
+        pin = self.device.type == "cuda"
+        meta_dtype = metadata_dtype(param)
+        host_weight = _to_host(param.detach(), pin)
+        page_numel = rows_per_page * cols
+        host_planes = _host_empty((num_experts, blocks, CODE_BITS, page_numel // 8), torch.uint8, pin)
+        groups = cols // self.group_size
+        host_scale = _host_empty((num_experts, rows, groups), meta_dtype, pin)
+        host_minimum = _host_empty((num_experts, rows, groups), meta_dtype, pin)
+        quant_levels = [b for b in self.levels if b != TOP_LEVEL]
+        errors = torch.empty(num_experts, blocks, len(quant_levels), cols, dtype=torch.float32)
+        # One expert at a time bounds the float32 working memory of quantization.
+        for expert in range(num_experts):
+            weight = param.detach()[expert]
+            codes = quantize_groupwise(weight, self.group_size, meta_dtype)
+            planes = pack_bit_planes(codes.codes.reshape(blocks, page_numel))
+            host_planes[expert].copy_(planes)
+            host_scale[expert].copy_(codes.scale)
+            host_minimum[expert].copy_(codes.minimum)
+            block_shape = (blocks, rows_per_page, cols)
+            block_scale = codes.scale.reshape(blocks, rows_per_page, groups)
+            block_minimum = codes.minimum.reshape(blocks, rows_per_page, groups)
+            reference = weight.float().reshape(block_shape)
+            for i, bits in enumerate(quant_levels):
+                rebuilt = dequantize(planes[:, :bits], block_scale, block_minimum, block_shape, torch.float32)
+                errors[expert, :, i] = (rebuilt - reference).square_().sum(dim=1).cpu()
+        self.column_errors[(layer, proj)] = errors
+        self._host_weights[(layer, proj)] = host_weight
+        for expert in range(num_experts):
+            pages = []
+            for block in range(blocks):
+                rows_slice = slice(block * rows_per_page, (block + 1) * rows_per_page)
+                page = Page(
+                    PageKey(layer, proj, expert, block),
+                    host_weight[expert, rows_slice],
+                    host_planes[expert, block],
+                    host_scale[expert, rows_slice],
+                    host_minimum[expert, rows_slice],
+                )
+                pages.append(page)
+                self.pages.append(page)
+            self._index[(layer, proj, expert)] = pages
+
+    def host_weight(self, layer: int, proj: int) -> torch.Tensor:
+        """Host master copy of one fused projection ``[E, rows, cols]`` (the original weights)."""
+        return self._host_weights[(layer, proj)]
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def min_level(self) -> int:
+        """Lowest allowed level."""
+        return min(self.levels)
+
+    def device_bytes(self) -> int:
+        """Expert bytes on the device now, including uploads in flight."""
+        return self._device_bytes
+
+    def recount_device_bytes(self) -> int:
+        """Recount :meth:`device_bytes` from the tensors themselves (for checks)."""
+        return sum(page.device_nbytes() for page in self.pages)
+
+    def bytes_table(self) -> torch.Tensor:
+        """``int64 [pages, levels]``: device bytes of each page at each of ``self.levels``."""
+        return torch.tensor([[page.bytes_at(level) for level in self.levels] for page in self.pages])
+
+    def promotion_bytes(self, page_id: int, level: int) -> int:
+        """Extra device bytes while ``page_id`` is being promoted to ``level``.
+
+        A promotion to the original weights keeps the page's bit planes until the upload lands,
+        so both are counted; a promotion between bit-plane levels only adds planes.
+        """
+        page = self.pages[page_id]
+        if level == TOP_LEVEL:
+            return page.bytes_at(TOP_LEVEL)
+        return page.bytes_at(level) - page.bytes_at(page.target_level)
+
+    # ------------------------------------------------------------------ moves
+    def set_level(self, page_id: int, level: int) -> None:
+        """Move a page to ``level``: free device data to demote, upload what is missing to promote.
+
+        Args:
+            page_id: Index in :attr:`pages`.
+            level: One of :attr:`levels`.
+        """
+        if level not in self.levels:
+            raise ValueError(f"level {level} is not one of the store's levels {self.levels}")
+        page = self.pages[page_id]
+        before = page.device_nbytes()
+        if level > page.target_level:
+            self._promote(page, level)
+        elif level < page.target_level:
+            self._demote(page, level)
+        self._device_bytes += page.device_nbytes() - before
+
+    def _upload_planes(self, page: Page, start: int, stop: int) -> list[torch.Tensor]:
+        lo, hi = self._bounds.index(start), self._bounds.index(stop)
+        return [self.copy.upload(page.host_planes[a:b]) for a, b in zip(self._bounds[lo:hi], self._bounds[lo + 1 : hi + 1])]
+
+    def _planes_copy(self, page: Page, level: int) -> DeviceCopy:
+        segments = self._upload_planes(page, 0, level)
+        scale, minimum = self.copy.upload(page.host_scale), self.copy.upload(page.host_minimum)
+        return DeviceCopy(level, segments=segments, scale=scale, minimum=minimum, fence=self.copy.fence())
+
+    def _promote(self, page: Page, level: int) -> None:
+        if page.current is None:  # first placement: nothing to keep computing with meanwhile
+            page.current = self._fresh_copy(page, level)
+            return
+        if level == TOP_LEVEL:
+            incoming = DeviceCopy(level, weight=self.copy.upload(page.host_weight))
+        else:
+            # Extends an upload in flight, if any: planes from the target level up.
+            earlier = page.pending.segments if page.pending is not None else []
+            incoming = DeviceCopy(level, segments=earlier + self._upload_planes(page, page.target_level, level))
+        incoming.fence = self.copy.fence()
+        page.pending = incoming
+        self._settle(page)
+
+    def _fresh_copy(self, page: Page, level: int) -> DeviceCopy:
+        if level == TOP_LEVEL:
+            return DeviceCopy(level, weight=self.copy.upload(page.host_weight), fence=self.copy.fence())
+        return self._planes_copy(page, level)
+
+    def _demote(self, page: Page, level: int) -> None:
+        page.pending = None  # cancel: the upload's memory is ordered on the copy stream
+        current = page.current
+        if current is None or current.level == level:
+            return
+        if current.level < level:  # the cancelled upload overshot; upload less instead
+            self._promote(page, level)
+        elif current.level == TOP_LEVEL:
+            page.current = self._planes_copy(page, level)
+        else:
+            current.segments = current.segments[: self._bounds.index(level)]
+            current.level = level
+
+    def _settle(self, page: Page) -> None:
+        """Commit a landed upload; make compute wait for data it is about to read."""
+        pending = page.pending
+        if pending is not None and self.copy.is_done(pending.fence):
+            for tensor in pending.tensors():
+                self.copy.hand_over(tensor)
+            if pending.level == TOP_LEVEL:
+                page.current = pending
+            else:
+                page.current.segments.extend(pending.segments)
+                page.current.level = pending.level
+            page.pending = None
+        current = page.current
+        if current is not None and current.fence is not None:
+            self.copy.wait(current.fence)
+            for tensor in current.tensors():
+                self.copy.hand_over(tensor)
+            current.fence = None
+
+    def synchronize(self) -> None:
+        """Wait for every upload in flight and commit it."""
+        if isinstance(self.copy, CudaCopyEngine):
+            self.copy.stream.synchronize()
+        for page in self.pages:
+            if page.pending is not None:
+                before = page.device_nbytes()
+                self._settle(page)
+                self._device_bytes += page.device_nbytes() - before
+
+    def release(self) -> None:
+        """Drop every device copy (the host master copies stay)."""
+        for page in self.pages:
+            page.current = page.pending = None
+        self._device_bytes = 0
+
+    # ------------------------------------------------------------------ compute
+    def weight(self, layer: int, proj: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device weights ``[rows, cols]`` of one expert's projection at the pages' current levels.
+
+        Args:
+            layer: MoE layer index.
+            proj: Projection index in ``EXPERT_PROJECTIONS``.
+            expert: Expert index.
+            dtype: dtype of the result (the model's compute dtype).
+
+        Returns:
+            The original weights for pages at ``TOP_LEVEL`` (no copy), dequantized ones otherwise.
+        """
+        blocks = [self._page_weight(page, dtype) for page in self._index[(layer, proj, expert)]]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
+
+    def reference_weight(self, layer: int, proj: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """The original weights of one expert's projection, streamed from host memory.
+
+        Used to compute full-precision references within a device budget: only the experts in use
+        are on the device, transiently.
+        """
+        host = self._host_weights[(layer, proj)][expert]
+        return host.to(self.device, dtype=dtype, non_blocking=True)
+
+    def _page_weight(self, page: Page, dtype: torch.dtype) -> torch.Tensor:
+        changed = page.pending is not None
+        before = page.device_nbytes() if changed else 0
+        self._settle(page)
+        if changed:
+            self._device_bytes += page.device_nbytes() - before
+        current = page.current
+        if current is None:
+            raise RuntimeError(f"page {page.key} has no device copy; the store was released")
+        if current.level == TOP_LEVEL:
+            return current.weight if current.weight.dtype == dtype else current.weight.to(dtype)
+        planes = current.segments[0] if len(current.segments) == 1 else torch.cat(current.segments, dim=0)
+        return dequantize(planes, current.scale, current.minimum, page.shape, dtype)
+
+
+def _check_levels(levels: Iterable[int]) -> tuple[int, ...]:
+    chosen = tuple(sorted(set(levels), reverse=True))
+    allowed = {TOP_LEVEL, *range(1, CODE_BITS + 1)}
+    if not chosen or any(level not in allowed for level in chosen) or CODE_BITS not in chosen:
+        raise ValueError(
+            f"levels={tuple(levels)} must be drawn from {TOP_LEVEL} (original weights) and 1..8 bits "
+            "and include 8, e.g. (16, 8, 4, 3, 2)."
+        )
+    return chosen
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """Host copy of ``tensor``; a CPU tensor that needs no pinning is used as it is (no copy)."""
+    if tensor.device.type == "cpu" and not pin:
+        return tensor
+    host = _host_empty(tuple(tensor.shape), tensor.dtype, pin)
+    host.copy_(tensor)
+    return host

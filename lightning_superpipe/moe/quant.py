@@ -1,0 +1,170 @@
+"""Group-wise asymmetric 8-bit quantization stored as bit planes.
+
+A weight matrix ``[rows, cols]`` is cut into groups of ``group_size`` consecutive columns of one
+row; each group gets its own ``scale`` and ``minimum`` so that
+``w ~= minimum + scale * q`` with an 8-bit code ``q`` in ``[0, 255]``.
+
+The codes are stored as eight *bit planes*: plane ``k`` holds bit ``7 - k`` (plane 0 is the most
+significant bit) of every code, packed eight weights per byte. Keeping only the first ``b`` planes
+keeps the top ``b`` bits of every code, i.e. which of ``2**b`` buckets of ``2**(8-b)`` codes the
+weight falls in; :func:`dequantize` rebuilds such a weight at the middle of its bucket, which is
+about as accurate as quantizing to ``b`` bits directly and much better than truncating. Putting
+the lower planes back restores the 8-bit code exactly (``(hi << s) | lo``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CODE_BITS", "GroupCodes", "dequantize", "pack_bit_planes", "quantize_groupwise", "unpack_codes"]
+
+CODE_BITS = 8
+"""Bits of the full code; ``dequantize`` with all planes rebuilds exactly this precision."""
+
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+@dataclass(frozen=True)
+class GroupCodes:
+    """Result of :func:`quantize_groupwise`.
+
+    Args:
+        codes: ``uint8`` codes, same shape as the weight.
+        scale: Step between neighbouring codes, ``[*leading, rows, cols // group_size]``.
+        minimum: Value of code 0, same shape as ``scale``.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+
+def _check_group_size(cols: int, group_size: int) -> None:
+    if group_size <= 0 or cols % group_size:
+        raise ValueError(
+            f"group_size={group_size} must be a positive divisor of the input dimension {cols}; "
+            f"pick one that divides it (e.g. {_largest_divisor(cols, 128)})."
+        )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def metadata_dtype(weight: torch.Tensor) -> torch.dtype:
+    """Pick the dtype of the per-group scale and minimum for ``weight``.
+
+    float16 halves the metadata bytes and keeps ~3 decimal digits, plenty next to 8-bit codes; it is
+    only abandoned for weights outside its range.
+
+    Args:
+        weight: The weights that will be quantized.
+
+    Returns:
+        ``torch.float16`` or, if some weight is too large for it, ``torch.float32``.
+    """
+    return torch.float16 if weight.detach().abs().max().item() < _FLOAT16_MAX / 2 else torch.float32
+
+
+def quantize_groupwise(
+    weight: torch.Tensor, group_size: int, meta_dtype: torch.dtype = torch.float16
+) -> GroupCodes:
+    """Quantize ``weight`` group-wise to asymmetric 8-bit codes.
+
+    The codes are computed against the *stored* (rounded) scale and minimum so that dequantizing
+    with the stored metadata is consistent.
+
+    Args:
+        weight: ``[..., cols]`` floating-point weights; groups run along the last dimension.
+        group_size: Columns per group; must divide ``cols``.
+        meta_dtype: dtype in which scale and minimum are stored.
+
+    Returns:
+        The codes and per-group metadata.
+    """
+    cols = weight.shape[-1]
+    _check_group_size(cols, group_size)
+    grouped = weight.detach().float().reshape(*weight.shape[:-1], cols // group_size, group_size)
+    low = grouped.amin(dim=-1)
+    high = grouped.amax(dim=-1)
+    tiny = torch.finfo(meta_dtype).tiny
+    scale = ((high - low) / (2**CODE_BITS - 1)).clamp_min(tiny).to(meta_dtype)
+    minimum = low.to(meta_dtype)
+    codes = torch.round((grouped - minimum.float().unsqueeze(-1)) / scale.float().unsqueeze(-1))
+    codes = codes.clamp_(0, 2**CODE_BITS - 1).to(torch.uint8).reshape(weight.shape)
+    return GroupCodes(codes=codes, scale=scale, minimum=minimum)
+
+
+def pack_bit_planes(codes: torch.Tensor) -> torch.Tensor:
+    """Split 8-bit codes into packed bit planes.
+
+    Args:
+        codes: ``uint8`` tensor ``[*leading, n]`` with ``n`` divisible by 8.
+
+    Returns:
+        ``uint8`` tensor ``[*leading, 8, n // 8]``; plane ``k`` holds bit ``7 - k`` of each code and
+        byte ``t`` of a plane packs weights ``8t .. 8t+7`` (weight ``8t + m`` in bit ``m``).
+    """
+    n = codes.shape[-1]
+    if n % 8:
+        raise ValueError(f"bit planes pack 8 weights per byte; got {n} weights, not a multiple of 8")
+    device = codes.device
+    plane_shift = torch.arange(CODE_BITS - 1, -1, -1, dtype=torch.uint8, device=device).view(-1, 1, 1)
+    lane_shift = torch.arange(8, dtype=torch.uint8, device=device)
+    octets = codes.reshape(*codes.shape[:-1], 1, n // 8, 8)
+    bits = (octets >> plane_shift) & 1  # [*leading, 8 planes, n/8, 8 lanes]
+    return (bits << lane_shift).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_codes(planes: torch.Tensor) -> torch.Tensor:
+    """Join the top ``b`` packed bit planes back into ``b``-bit codes.
+
+    Args:
+        planes: ``uint8`` tensor ``[*leading, b, n // 8]`` holding planes ``0 .. b-1``.
+
+    Returns:
+        ``uint8`` tensor ``[*leading, n]`` of codes in ``[0, 2**b - 1]`` (the top ``b`` bits of the
+        8-bit codes).
+    """
+    lane_shift = torch.arange(8, dtype=torch.uint8, device=planes.device)
+    bits = ((planes.unsqueeze(-1) >> lane_shift) & 1).flatten(-2)  # [*leading, b, n]
+    code = bits.select(-2, 0)
+    for k in range(1, planes.shape[-2]):
+        code = (code << 1) | bits.select(-2, k)
+    return code
+
+
+def dequantize(
+    planes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rebuild weights from their top ``b`` bit planes (``b = planes.shape[-2]``).
+
+    With fewer than 8 planes each weight is rebuilt at the middle of its bucket of
+    ``2**(8-b)`` codes; with all 8 it is rebuilt exactly at its code.
+
+    Args:
+        planes: ``uint8`` ``[*leading, b, n // 8]`` top bit planes.
+        scale: ``[*leading, rows, groups]`` per-group step.
+        minimum: ``[*leading, rows, groups]`` per-group minimum.
+        shape: ``[*leading, rows, cols]`` shape of the weights (``rows * cols == n``).
+        dtype: dtype of the result.
+
+    Returns:
+        The dequantized weights, ``shape``, ``dtype``, on the planes' device.
+    """
+    bits = planes.shape[-2]
+    shift = CODE_BITS - bits
+    code = unpack_codes(planes).float()
+    if shift:
+        # Middle of the bucket [hi << s, (hi << s) + 2**s - 1].
+        code = code * float(2**shift) + (2**shift - 1) / 2
+    groups = scale.shape[-1]
+    grouped = code.reshape(*scale.shape, shape[-1] // groups)
+    weight = torch.addcmul(minimum.float().unsqueeze(-1), grouped, scale.float().unsqueeze(-1))
+    return weight.reshape(shape).to(dtype)
