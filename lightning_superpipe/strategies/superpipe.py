@@ -34,6 +34,23 @@ from lightning_superpipe.streaming.hooks import BlockStreamingHook, TrunkHook, t
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
+def _host_bytes_to_come(
+    block_params: list[list[nn.Parameter]], transfer_dtype: Optional[torch.dtype], training: bool
+) -> int:
+    """Host bytes the run will allocate beyond the model it already holds.
+
+    Re-homing a block briefly holds it twice; mixed precision adds a transfer copy of every block; training adds
+    fp32 gradients and (Adam-like) two moments for every trainable parameter.
+    """
+    params = [p for block in block_params for p in block]
+    nbytes = max((sum(p.numel() * p.element_size() for p in block) for block in block_params), default=0)
+    if transfer_dtype is not None:
+        nbytes += sum(p.numel() for p in params) * transfer_dtype.itemsize
+    if training:
+        nbytes += 3 * sum(p.numel() * 4 for p in params if p.requires_grad)
+    return nbytes
+
+
 class SuperpipeStrategy(SingleDeviceStrategy):
     """Streams a host-resident model's blocks through one device; optimizer and masters stay on the host.
 
@@ -72,6 +89,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
         self._hooks: list[Union[BlockStreamingHook, TrunkHook]] = []
+        self._fitting = False
+        self._last_report: Optional[dict[str, int]] = None
 
     # ------------------------------------------------------------------ device selection
 
@@ -100,6 +119,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
         self.model_to_device()
         self.model = self._setup_model(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -116,12 +136,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         blocks = find_blocks(model, self.block_policy)
         block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
-        if self.root_device.type == "cuda":
-            # Re-homing into pinned flat buffers copies each block once more before the old storage goes.
-            extra = sum(p.numel() * p.element_size() for params in block_params for p in params)
-            if transfer_dtype is not None:
-                extra += sum(p.numel() * transfer_dtype.itemsize for params in block_params for p in params)
-            check_host_memory(extra, f"pinned homes for {describe(blocks)}")
+        check_host_memory(
+            _host_bytes_to_come(block_params, transfer_dtype, training=self._fitting),
+            f"homes for {describe(blocks)}, gradients and optimizer state",
+        )
         # Buffers (and torchmetrics states) go to the device; parameters are returned unchanged, so they stay home.
         model._apply(lambda t: t if isinstance(t, nn.Parameter) else t.to(self.root_device))
         self._engine = StreamingEngine(
@@ -141,6 +159,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._engine is not None:
+            self._last_report = self.memory_report()
         self._stop_streaming()
         super().teardown()
 
@@ -235,8 +255,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             strategy's ledger), ``device_bytes`` (held now), ``largest_block_bytes``, ``num_blocks``,
             ``resident_blocks``, ``prefetch``, ``trunk_device_bytes`` (parameters outside blocks, resident),
             ``host_bytes`` (block homes and staging), ``param_bytes``, ``trainable_param_bytes``,
-            ``optimizer_state_bytes`` and, on CUDA, ``cuda_max_allocated_bytes``.
+            ``optimizer_state_bytes`` and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures
+            it ended with.
         """
+        if self._engine is None and self._last_report is not None:
+            return dict(self._last_report)
         engine = self.engine
         assert self.lightning_module is not None
         params = list(self.lightning_module.parameters())

@@ -14,6 +14,7 @@ class DeviceLedger:
         self.weight_bytes = 0
         self.gradient_bytes = 0
         self.peak_bytes = 0
+        self.peak_gradient_bytes = 0
 
     @property
     def total_bytes(self) -> int:
@@ -25,6 +26,7 @@ class DeviceLedger:
 
     def add_gradients(self, nbytes: int) -> None:
         self.gradient_bytes += nbytes
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self.gradient_bytes)
         self._update_peak()
 
     def remove_gradients(self, nbytes: int) -> None:
@@ -32,6 +34,7 @@ class DeviceLedger:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.total_bytes
+        self.peak_gradient_bytes = self.gradient_bytes
 
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.total_bytes)

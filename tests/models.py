@@ -1,0 +1,147 @@
+"""Small models and a LightningModule shared by the strategy tests: built from configs, nothing downloaded."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB = 96
+SEQ = 16
+
+
+def gpt2(dropout: float = 0.1) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=3, n_head=2,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def llama(dropout: float = 0.1) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attention_dropout=dropout, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def vit(dropout: float = 0.1) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, num_labels=5, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+    )
+    return ViTForImageClassification(config)
+
+
+def sequential(dropout: float = 0.1) -> nn.Module:
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Dropout(dropout), nn.Linear(48, 24), nn.LayerNorm(24))
+
+    return nn.Sequential(nn.Linear(12, 24), nn.Sequential(*[block() for _ in range(4)]), nn.Linear(24, 3))
+
+
+class Task(pl.LightningModule):
+    """Trains ``model`` on a fixed batch stream and records every loss it sees.
+
+    Args:
+        build: Builds the model (called under the seed the test set).
+        kind: ``"lm"`` (causal LM on token ids), ``"image"`` (classification of images) or ``"vector"``.
+        optimizer: ``"adamw"`` or ``"sgd"``.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], kind: str, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.model = build()
+        self.kind = kind
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def forward(self, batch: Any) -> Tensor:
+        if self.kind == "lm":
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+        if self.kind == "image":
+            return self.model(pixel_values=batch[0], labels=batch[1]).loss
+        return nn.functional.cross_entropy(self.model(batch[0]), batch[1])
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self(batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self(batch)
+        self.val_losses.append(loss.item())
+        self.log("val_loss", loss)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, foreach=False
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def data(kind: str, batches: int = 24, batch_size: int = 4, seed: int = 0) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    n = batches * batch_size
+    if kind == "lm":
+        dataset = TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=generator))
+    elif kind == "image":
+        dataset = TensorDataset(torch.randn(n, 3, 16, 16, generator=generator), torch.randint(0, 5, (n,), generator=generator))
+    else:
+        dataset = TensorDataset(torch.randn(n, 12, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+FAMILIES = {"gpt2": (gpt2, "lm"), "llama": (llama, "lm"), "vit": (vit, "image"), "sequential": (sequential, "vector")}
+
+
+def trainer(strategy: Any, **overrides: Any) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu", devices=1, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.5,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+    )
+    options.update(overrides)
+    return pl.Trainer(strategy=strategy, **options)
+
+
+def build_task(family: str, seed: int = 7, **kwargs: Any) -> Task:
+    build, kind = FAMILIES[family]
+    pl.seed_everything(seed, verbose=False)
+    return Task(build, kind, **kwargs)
+
+
+def fit(family: str, strategy: Any, seed: int = 7, optimizer: str = "adamw", **overrides: Any) -> Task:
+    task = build_task(family, seed, optimizer=optimizer)
+    pl.seed_everything(seed + 1, verbose=False)
+    trainer(strategy, **overrides).fit(task, data(FAMILIES[family][1]))
+    return task
+
+
+def max_relative_difference(a: nn.Module, b: nn.Module) -> float:
+    worst = 0.0
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        if x.is_floating_point():
+            worst = max(worst, ((x.cpu() - y.cpu()).norm() / (y.cpu().norm() + 1e-12)).item())
+    return worst

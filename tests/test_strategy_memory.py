@@ -1,0 +1,109 @@
+"""What the strategy holds on the device: the ledger's bound, and no reference to a block after it is done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.streaming.engine import StreamingEngine
+from tests import models
+
+
+class _Probe(models.pl.Callback):
+    """Records the ledger after every micro-batch and checks the slot storages after each forward."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.gradient_peaks: list[int] = []
+        self.extra_references: list[int] = []
+        self.largest_block_bytes = 0
+
+    def on_before_backward(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, loss: torch.Tensor) -> None:
+        # Forward is done, backward has not started: autograd must hold no view of any slot (every streamed block
+        # is checkpointed), so each slot's storage is referenced by the slot's own flat tensor alone (and by the
+        # temporary storage object asked for the count).
+        engine: StreamingEngine = trainer.strategy.engine
+        for slot in engine._slots:
+            self.extra_references.append(torch._C._storage_Use_Count(slot.flat.untyped_storage()._cdata) - 2)
+
+    def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
+        ledger = trainer.strategy.engine.ledger
+        self.largest_block_bytes = trainer.strategy.engine.largest_block_bytes()
+        self.peaks.append(ledger.peak_bytes)
+        self.gradient_peaks.append(ledger.peak_gradient_bytes)
+
+
+@pytest.mark.parametrize(("resident_blocks", "prefetch"), [(0, 0), (1, 1), (0, 2), (2, 1)])
+def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int) -> None:
+    probe = _Probe()
+    strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch)
+    task = models.build_task("llama")
+    models.trainer(strategy, max_steps=4, callbacks=[probe]).fit(task, models.data("lm"))
+    block_bytes = sum(p.numel() * 4 for p in task.model.model.layers[0].parameters())
+    largest = probe.largest_block_bytes
+    assert block_bytes <= largest <= block_bytes * 1.1  # alignment padding only
+    assert max(probe.peaks) <= (resident_blocks + prefetch + 1) * largest + largest
+    assert strategy.memory_report()["peak_device_bytes"] == max(probe.peaks)  # still readable after fit
+    # One block of gradients at most, and the gradients of a whole block did pass through.
+    assert block_bytes * 0.99 <= max(probe.gradient_peaks) <= block_bytes
+    assert probe.extra_references and max(probe.extra_references) == 0
+
+
+def test_memory_report_is_logged_and_counts_host_bytes() -> None:
+    task = models.build_task("gpt2")
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
+    seen: dict[str, int] = {}
+
+    class Snapshot(models.pl.Callback):
+        def on_train_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+            seen.update(strategy.memory_report())
+            seen.update({k: v for k, v in trainer.callback_metrics.items() if k.startswith("superpipe/")})
+
+    models.trainer(strategy, max_steps=2, callbacks=[Snapshot()]).fit(task, models.data("lm"))
+    blocks = task.model.transformer.h
+    assert seen["num_blocks"] == len(blocks) == 3
+    assert seen["resident_blocks"] == 0 and seen["prefetch"] == 1
+    assert seen["largest_block_bytes"] >= sum(p.numel() * 4 for p in blocks[0].parameters())
+    assert seen["host_bytes"] >= sum(p.numel() * 4 for p in blocks.parameters())
+    assert seen["param_bytes"] == seen["trainable_param_bytes"] == sum(p.numel() * 4 for p in task.parameters())
+    assert seen["optimizer_state_bytes"] >= 2 * seen["trainable_param_bytes"]  # AdamW: two moments
+    assert seen["peak_device_bytes"] >= 2 * seen["largest_block_bytes"]  # two slots
+    assert float(seen["superpipe/peak_device_bytes"]) == seen["peak_device_bytes"]
+
+
+def test_backward_reads_weights_fetched_again_not_stale_copies() -> None:
+    """Poison every slot between forward and backward: gradients must not change, because backward recomputes
+    each block with its weights fetched again."""
+
+    class Poison(models.pl.Callback):
+        def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
+            for slot in trainer.strategy.engine._slots:
+                slot.flat.fill_(float("nan"))
+
+    plain = models.fit("llama", "auto")
+    streamed = models.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Poison()])
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+
+
+def test_blocks_stream_on_every_pass() -> None:
+    """With no resident blocks and no prefetch, each block is copied once in forward and once in backward."""
+    loads: list[int] = []
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=0)
+
+    class Count(models.pl.Callback):
+        def on_train_start(self, trainer: models.pl.Trainer, *args: object) -> None:
+            engine = trainer.strategy.engine
+            original = engine._load
+
+            def counting_load(index: int, avoid: set[int]) -> object:
+                loads.append(index)
+                return original(index, avoid)
+
+            engine._load = counting_load  # type: ignore[method-assign]
+
+    models.trainer(strategy, max_steps=1, accumulate_grad_batches=1, callbacks=[Count()]).fit(
+        models.build_task("llama"), models.data("lm")
+    )
+    assert loads == [0, 1, 2, 1, 0]  # block 2 stays for its own backward; the last step's refresh is not counted
