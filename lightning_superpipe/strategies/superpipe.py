@@ -8,6 +8,7 @@ the streaming engine in :mod:`lightning_superpipe.streaming`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Callable, Optional, Union
@@ -15,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -31,7 +33,24 @@ from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters,
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import BlockStreamingHook, TrunkHook, trunk_modules
 
+_RNG_KEY = "superpipe_rng_states"
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states dropout and data order draw from; no numpy state, so ``torch.load(weights_only=True)``
+    still reads the checkpoint."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _host_bytes_to_come(
@@ -232,6 +251,21 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             self.engine.finish_pass()
 
     # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        # Plain Lightning does not save the RNG state, so dropout after a resume differs from an uninterrupted run.
+        checkpoint[_RNG_KEY] = _rng_states()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if _RNG_KEY in checkpoint:
+            _set_rng_states(checkpoint[_RNG_KEY])
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
