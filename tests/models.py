@@ -113,7 +113,18 @@ def data(kind: str, batches: int = 24, batch_size: int = 4, seed: int = 0) -> Da
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 
 
-FAMILIES = {"gpt2": (gpt2, "lm"), "llama": (llama, "lm"), "vit": (vit, "image"), "sequential": (sequential, "vector")}
+def tied(dropout: float = 0.1) -> nn.Module:
+    """A stack whose first and last blocks share a layer, and whose output head is tied to its input."""
+    shared = nn.Linear(24, 24)
+    stack = nn.Sequential(
+        nn.Sequential(shared, nn.GELU(), nn.Dropout(dropout)),
+        nn.Sequential(nn.Linear(24, 24), nn.GELU()),
+        nn.Sequential(nn.Linear(24, 24), shared, nn.LayerNorm(24)),
+    )
+    return nn.Sequential(nn.Linear(12, 24), stack, nn.Linear(24, 3))
+
+
+FAMILIES = {"gpt2": (gpt2, "lm"), "llama": (llama, "lm"), "vit": (vit, "image"), "sequential": (sequential, "vector"), "tied": (tied, "vector")}
 
 
 def trainer(strategy: Any, **overrides: Any) -> pl.Trainer:

@@ -123,7 +123,8 @@ class BlockStreamingHook:
 
     def _compute(self, *args: Any, **kwargs: Any) -> Any:
         assert self._original_forward is not None
-        tensors = dict(zip(self._streamed, self.engine.acquire(self.index)))
+        # A block whose parameters are all shared with others has nothing to stream: all of it is resident.
+        tensors = dict(zip(self._streamed, self.engine.acquire(self.index))) if self._streamed else {}
         if torch.is_grad_enabled() and self._trainable:
             on_device = _ToDevice.apply(self._deliver, tuple(tensors[p] for p in self._trainable), *self._trainable)
             tensors.update(zip(self._trainable, on_device))

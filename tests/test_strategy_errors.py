@@ -1,0 +1,104 @@
+"""Bad input gets one clear, actionable error, and the model is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.memory import host
+from lightning_superpipe.memory.host import HostMemoryError
+from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks
+from lightning_superpipe.streaming.blocks import assign_parameters
+from tests import models
+
+
+def test_registered_under_its_name_and_usable_as_an_instance() -> None:
+    trainer = models.trainer("superpipe")
+    assert isinstance(trainer.strategy, SuperpipeStrategy)
+    assert trainer.strategy.root_device == torch.device("cpu")
+    trainer = models.trainer(SuperpipeStrategy(resident_blocks=3, prefetch=2))
+    assert (trainer.strategy.resident_blocks, trainer.strategy.prefetch) == (3, 2)
+
+
+def test_several_devices_are_refused_with_the_users_call() -> None:
+    with pytest.raises(MisconfigurationException, match=r"strategy='superpipe'.*resolved 2.*devices=1"):
+        models.trainer("superpipe", devices=2)
+
+
+def test_a_model_without_blocks_says_how_to_name_them() -> None:
+    class Flat(models.Task):
+        def __init__(self) -> None:
+            super().__init__(lambda: nn.Linear(12, 3), "vector")
+
+    with pytest.raises(NoBlocksFoundError, match=r"SuperpipeStrategy\(blocks=\{MyLayer\}\)"):
+        models.trainer("superpipe").fit(Flat(), models.data("vector"))
+
+
+def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
+    strategy = SuperpipeStrategy(resident_blocks=9, prefetch=5)
+    with pytest.warns(UserWarning, match=r"resident_blocks=9\) is more than the number of blocks \(4\); using 4"):
+        models.trainer(strategy, max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
+    assert strategy.memory_report()["resident_blocks"] == 4
+    assert strategy.memory_report()["prefetch"] == 0
+    with pytest.raises(ValueError, match=r"prefetch=-1\) must be zero or more"):
+        models.trainer(SuperpipeStrategy(prefetch=-1)).fit(models.build_task("sequential"), models.data("vector"))
+
+
+def test_a_host_too_small_is_refused_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 1024)
+    task = models.build_task("llama")
+    before = {name: param.detach().clone() for name, param in task.named_parameters()}
+    with pytest.raises(HostMemoryError, match=r"needs about .* more host memory .* only 1 KiB is available"):
+        models.trainer("superpipe").fit(task, models.data("lm"))
+    for name, param in task.named_parameters():
+        assert torch.equal(param, before[name])  # nothing lost
+
+
+def test_an_error_inside_a_block_leaves_the_parameters_in_place() -> None:
+    class Failing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(24, 24)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+    task = models.build_task("sequential")
+    task.model[1][2] = Failing()
+    with pytest.raises(RuntimeError, match="boom"):
+        models.trainer(SuperpipeStrategy(blocks={nn.Sequential, Failing}), max_steps=1).fit(task, models.data("vector"))
+    assert isinstance(task.model[1][2].linear.weight, nn.Parameter)
+    assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in task.parameters())
+
+
+def test_block_discovery_and_policies() -> None:
+    llama = models.llama()
+    assert find_blocks(llama) == list(llama.model.layers)
+    decoder_layer = type(llama.model.layers[0])
+    assert find_blocks(llama, {decoder_layer}) == list(llama.model.layers)
+    assert find_blocks(llama, lambda m: isinstance(m, decoder_layer)) == list(llama.model.layers)
+    with pytest.raises(NoBlocksFoundError, match="policy"):
+        find_blocks(llama, {nn.Conv2d})
+    with pytest.raises(TypeError, match="nn.Module"):
+        find_blocks(llama, {int})  # type: ignore[arg-type]
+
+
+def test_parameters_shared_between_blocks_stay_resident_and_tied() -> None:
+    model = models.tied()
+    stack = model[1]
+    shared = stack[0][0]
+    blocks = find_blocks(model)
+    assert blocks == list(stack)
+    per_block, trunk = assign_parameters(model, blocks)
+    assert per_block[0] == []  # all of block 0 is shared
+    assert [id(p) for p in per_block[1]] == [id(p) for p in stack[1].parameters()]
+    assert {id(shared.weight), id(shared.bias)} <= {id(p) for p in trunk}
+
+    plain = models.fit("tied", "auto")
+    streamed = models.fit("tied", SuperpipeStrategy(resident_blocks=0))
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert streamed.model[1][0][0] is streamed.model[1][2][1]
