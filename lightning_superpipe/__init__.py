@@ -6,8 +6,9 @@ and has no entry point for third-party ones.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_superpipe.moe import PagedMoECallback
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SuperpipeStrategy"]
+__all__ = ["PagedMoECallback", "SuperpipeStrategy"]

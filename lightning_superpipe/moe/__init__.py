@@ -5,7 +5,8 @@ and returns a :class:`PagedExperts` handle; :class:`PagedMoECallback` does the s
 Lightning's validation, test and predict loops.
 """
 
-from lightning_superpipe.moe.api import PagedExperts, kv_cache_bytes, page_experts
+from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, kv_cache_bytes, page_experts
+from lightning_superpipe.moe.callback import PagedMoECallback
 from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey
 
@@ -13,8 +14,10 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "TOP_LEVEL",
     "PageKey",
+    "PagedMoECallback",
     "PagedExperts",
     "UnsupportedMoEModelError",
+    "full_expert_bytes",
     "kv_cache_bytes",
     "page_experts",
 ]

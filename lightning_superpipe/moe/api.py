@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_superpipe.moe.damage import ActivationStats, RoutingStats, page_damage
+from lightning_superpipe.moe.damage import ActivationStats, DamageModel, RoutingStats
 from lightning_superpipe.moe.experts import BINDING_ATTR, PAGED_EXPERTS_IMPLEMENTATION, ExpertsRuntime
 from lightning_superpipe.moe.layouts import EXPERT_PROJECTIONS, MoELayer, find_moe_layers
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
 
-__all__ = ["PagedExperts", "kv_cache_bytes", "page_experts"]
+__all__ = ["PagedExperts", "full_expert_bytes", "kv_cache_bytes", "page_experts"]
 
 DEFAULT_LEVELS: tuple[int, ...] = (TOP_LEVEL, 8, 4, 3, 2)
 
@@ -133,8 +133,9 @@ class PagedExperts:
             store.levels, store.bytes_table(), hysteresis=hysteresis, exchange_ratio=exchange_ratio
         )
         self.routing = RoutingStats(layers, half_life_tokens=routing_half_life_tokens)
-        shapes = {key: (errors.shape[0], errors.shape[-1]) for key, errors in store.column_errors.items()}
-        self.activations = ActivationStats(shapes)
+        _, two_inter, hidden = store.host_weight(layers[0].index, 0).shape
+        self.activations = ActivationStats(layers, hidden, two_inter // 2)
+        self.damage_model = DamageModel(store)
         self.runtime = ExpertsRuntime(store, self.activations)
         self.moves = MoveCounts()
         self.rebalance_every = rebalance_every
@@ -308,15 +309,14 @@ class PagedExperts:
                     _call(self.model, batch, device)
         finally:
             self.activations.recording = False
+        self.damage_model.update_errors(self.activations)
         if self._current:
             self._refresh_damage()
             self.rebalance(exchange=True)
 
     def _refresh_damage(self) -> None:
-        observed = self.routing.tokens_seen() > 0
-        recorded = any(count.sum() > 0 for count in self.activations.count.values())
-        shares = self.routing.shares() if observed else None
-        self.planner.set_damage(page_damage(self.store, shares, self.activations if recorded else None))
+        shares = self.routing.shares() if self.routing.tokens_seen() > 0 else None
+        self.planner.set_damage(self.damage_model.damage(shares))
         self._routing_seen = self.routing.updates
 
     @contextlib.contextmanager
@@ -375,6 +375,11 @@ class PagedExperts:
                 delattr(layer.experts, BINDING_ATTR)
             self._pretrained.set_experts_implementation(self._previous_implementation)
         self._restored = True
+
+
+def full_expert_bytes(model: nn.Module) -> int:
+    """Size of a supported model's routed experts at 16 bits per weight (before paging)."""
+    return 2 * sum(getattr(layer.experts, name).numel() for layer in find_moe_layers(model) for name in EXPERT_PROJECTIONS)
 
 
 def kv_cache_bytes(cache: Any) -> int:

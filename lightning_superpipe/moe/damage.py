@@ -3,12 +3,17 @@
 The damage of a page of expert ``e`` at a level is the Hessian-diagonal weighted error of its
 weights, weighted by how often ``e`` is used::
 
-    damage = share_e * sum_j E_e[x_j^2] * sum_i (W_ij - W^_ij)^2
+    damage = share_e * sum_ij r_i * E_e[w^2 x_j^2] * (W_ij - W^_ij)^2
 
-where ``E_e[x_j^2]`` is the mean square of input feature ``j`` over the tokens routed to ``e``
-(the ``gate_up_proj`` input, or the ``down_proj`` input ``act(gate) * up``), and ``share_e`` the
-running share of tokens routed to ``e``, counted by hooks on the routers. Without calibration data
-``E[x^2] = 1`` and shares are uniform: the damage is then the plain weight error.
+``E_e[.]`` is the mean over the calibration tokens routed to ``e``, ``x`` the projection's input
+(the ``gate_up_proj`` input, or the ``down_proj`` input ``act(gate) * up``), ``w`` the token's
+routing weight for ``e`` (the expert's output is scaled by it), and ``share_e`` the running share of
+tokens routed to ``e``, counted by hooks on the routers. ``r_i`` puts both projections in the same
+units, the error of the MoE block's output: 1 for ``down_proj`` rows; for ``gate_up_proj`` rows, the
+mean square of ``d h_i / d z_i`` (``act'(gate_i) * up_i`` for a gate row, ``act(gate_i)`` for an up
+row) times the squared norm of ``down_proj``'s column ``i``. Without calibration data ``r = 1``,
+``E[w^2 x^2] = 1`` and shares are uniform until routing is observed: the damage is then the plain
+weight error.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from lightning_superpipe.moe.layouts import MoELayer
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageStore
 
-__all__ = ["ActivationStats", "RoutingStats", "page_damage"]
+__all__ = ["ActivationStats", "DamageModel", "RoutingStats"]
 
 
 class RoutingStats:
@@ -96,71 +101,145 @@ class RoutingStats:
 
 
 class ActivationStats:
-    """Sum of squared expert inputs per expert and feature, recorded by the paged experts forward.
+    """Routing-weighted second moments of expert inputs, recorded by the paged experts forward.
+
+    Per layer and expert: ``sum w^2 x_j^2`` of the ``gate_up_proj`` input, ``sum w^2 h_j^2`` of the
+    ``down_proj`` input, ``sum w^2 (dh_i/dz_i)^2`` of the ``gate_up_proj`` outputs, ``sum w^2`` and
+    the number of tokens.
 
     Args:
-        shapes: ``(layer, proj) -> (experts, cols)`` of every expert projection's input.
+        layers: The model's MoE layers.
+        hidden_size: Model width.
+        intermediate_size: Width of one expert.
     """
 
-    def __init__(self, shapes: dict[tuple[int, int], tuple[int, int]]) -> None:
-        self.sum_sq = {key: torch.zeros(experts, cols, dtype=torch.float64) for key, (experts, cols) in shapes.items()}
-        self.count = {key: torch.zeros(experts, dtype=torch.float64) for key, (experts, _) in shapes.items()}
+    def __init__(self, layers: list[MoELayer], hidden_size: int, intermediate_size: int) -> None:
+        def zeros(*shape: int) -> list[torch.Tensor]:
+            return [torch.zeros(layer.num_experts, *shape, dtype=torch.float64) for layer in layers]
+
+        self.input_sq = zeros(hidden_size)
+        self.hidden_sq = zeros(intermediate_size)
+        self.slope_sq = zeros(2 * intermediate_size)
+        self.weight_sq = zeros()
+        self.tokens = zeros()
         self.recording = False
 
-    def record(self, layer: int, proj: int, expert: int, inputs: torch.Tensor) -> None:
-        """Add the inputs ``[tokens, cols]`` that expert ``expert`` received."""
+    def record(
+        self,
+        layer: int,
+        expert: int,
+        inputs: torch.Tensor,
+        gate_up: torch.Tensor,
+        act_fn: torch.nn.Module,
+        routing_weights: torch.Tensor,
+    ) -> None:
+        """Add one expert's tokens.
+
+        Args:
+            layer: MoE layer index.
+            expert: Expert index.
+            inputs: ``[tokens, hidden]`` inputs of the expert.
+            gate_up: ``[tokens, 2 * intermediate]`` output of its ``gate_up_proj``.
+            act_fn: The experts' activation.
+            routing_weights: ``[tokens]`` routing weights of the expert for those tokens.
+        """
         if not self.recording:
             return
-        self.sum_sq[(layer, proj)][expert] += inputs.detach().float().square().sum(dim=0).double().cpu()
-        self.count[(layer, proj)][expert] += inputs.shape[0]
+        w_sq = routing_weights.detach().float().square().unsqueeze(-1)
+        gate, up = gate_up.detach().float().chunk(2, dim=-1)
+        # Central difference: works for any elementwise activation, also under inference mode.
+        step = 1e-3
+        slope = (act_fn(gate + step) - act_fn(gate - step)) / (2 * step)
+        activated = act_fn(gate)
+        sensitivity = torch.cat([slope * up, activated], dim=-1)
+        hidden = activated * up
+        for stat, values in (
+            (self.input_sq, inputs.detach().float()),
+            (self.hidden_sq, hidden),
+            (self.slope_sq, sensitivity),
+        ):
+            stat[layer][expert] += (w_sq * values.square()).sum(dim=0).double().cpu()
+        self.weight_sq[layer][expert] += w_sq.sum().double().cpu()
+        self.tokens[layer][expert] += inputs.shape[0]
 
-    def mean_sq(self, layer: int, proj: int, prior_tokens: float = 1.0) -> torch.Tensor:
-        """``float64 [E, cols]``: ``E[x_j^2]`` per expert, shrunk towards the layer mean.
+    @property
+    def recorded(self) -> bool:
+        """Whether any token was recorded."""
+        return any(tokens.sum() > 0 for tokens in self.tokens)
 
-        An expert that received few tokens gets an estimate pulled towards the mean over all
-        experts of the layer (``prior_tokens`` pseudo-tokens of it); with no data at all the
-        result is 1 everywhere (weight-only error).
+    def _per_token(self, stat: torch.Tensor, tokens: torch.Tensor, prior_tokens: float) -> torch.Tensor:
+        """Mean per routed token, shrunk towards the layer mean for experts with few tokens."""
+        layer_mean = stat.sum(dim=0) / tokens.sum().clamp_min(1.0)
+        extra = (1,) * (stat.dim() - 1)
+        return (stat + prior_tokens * layer_mean) / (tokens + prior_tokens).view(-1, *extra)
+
+    def projection_weights(
+        self, layer: int, down_proj: torch.Tensor, prior_tokens: float = 1.0
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[None, torch.Tensor]]:
+        """Row and column weights of both projections of a layer, per routed token.
+
+        Args:
+            layer: MoE layer index.
+            down_proj: ``[E, hidden, intermediate]`` original ``down_proj`` weights of the layer.
+            prior_tokens: Pseudo-tokens of the layer mean added to every expert.
+
+        Returns:
+            ``((rows, cols) of gate_up_proj, (None, cols) of down_proj)``.
         """
-        sum_sq, count = self.sum_sq[(layer, proj)], self.count[(layer, proj)]
-        total = count.sum()
-        if total == 0:
-            return torch.ones_like(sum_sq)
-        layer_mean = sum_sq.sum(dim=0) / total
-        return (sum_sq + prior_tokens * layer_mean) / (count + prior_tokens).unsqueeze(-1)
+        tokens = self.tokens[layer]
+        weight_sq = self._per_token(self.weight_sq[layer], tokens, prior_tokens)
+        slope_sq = self._per_token(self.slope_sq[layer], tokens, prior_tokens)
+        # E[w^2 s^2] / E[w^2]: the routing weight is counted once, in the column weights.
+        slope_sq = slope_sq / weight_sq.clamp_min(1e-30).unsqueeze(-1)
+        column_norm_sq = down_proj.double().square().sum(dim=1).repeat(1, 2)  # [E, 2I]
+        gate_up_rows = slope_sq * column_norm_sq
+        gate_up_cols = self._per_token(self.input_sq[layer], tokens, prior_tokens)
+        down_cols = self._per_token(self.hidden_sq[layer], tokens, prior_tokens)
+        return (gate_up_rows, gate_up_cols), (None, down_cols)
 
 
-def page_damage(
-    store: PageStore, shares: list[torch.Tensor] | None, activations: ActivationStats | None
-) -> torch.Tensor:
-    """Predicted damage of every page at every level of the store.
+class DamageModel:
+    """Predicted damage of every page at every level of a store.
+
+    The routing-independent part (error weighted by activation statistics, per routed token) is
+    computed once per calibration; routing shares multiply it whenever they are refreshed.
 
     Args:
-        store: The page store (its per-page column errors are precomputed).
-        shares: Routing shares per layer (``None``: uniform).
-        activations: Input statistics (``None``: weight-only error).
-
-    Returns:
-        ``float64 [pages, levels]`` in the order of ``store.pages`` and ``store.levels``; zero at
-        ``TOP_LEVEL``.
+        store: The page store.
     """
-    quant_levels = [b for b in store.levels if b != TOP_LEVEL]
-    per_projection: dict[tuple[int, int], torch.Tensor] = {}
-    for (layer, proj), errors in store.column_errors.items():
-        num_experts = errors.shape[0]
-        mean_sq = (
-            activations.mean_sq(layer, proj) if activations is not None else torch.ones(num_experts, errors.shape[-1], dtype=torch.float64)
+
+    def __init__(self, store: PageStore) -> None:
+        self.store = store
+        self._bit_columns = [
+            i for i, level in enumerate(store.levels) if level != TOP_LEVEL
+        ]
+        self.base = torch.zeros(len(store.pages), len(store.levels), dtype=torch.float64)
+        self.update_errors(None)
+
+    def update_errors(self, activations: ActivationStats | None) -> None:
+        """Recompute the per-token weighted errors (``None`` or no data: weight-only errors)."""
+        per_projection: dict[tuple[int, int], torch.Tensor] = {}
+        calibrated = activations is not None and activations.recorded
+        for layer, proj in self.store.projections():
+            if calibrated:
+                down_proj = self.store.host_weight(layer, 1)
+                rows, cols = activations.projection_weights(layer, down_proj)[proj]
+            else:
+                rows, cols = None, None
+            per_projection[(layer, proj)] = self.store.weighted_errors(layer, proj, rows, cols)
+        for i, page in enumerate(self.store.pages):
+            key = page.key
+            self.base[i, self._bit_columns] = per_projection[(key.layer, key.proj)][key.expert, key.block]
+
+    def damage(self, shares: list[torch.Tensor] | None) -> torch.Tensor:
+        """``float64 [pages, levels]``: damage per page and level (zero at ``TOP_LEVEL``).
+
+        Args:
+            shares: Routing share of every expert per layer (``None``: uniform).
+        """
+        if shares is None:
+            return self.base.clone()
+        page_share = torch.tensor(
+            [float(shares[page.key.layer][page.key.expert]) for page in self.store.pages], dtype=torch.float64
         )
-        share = shares[layer] if shares is not None else torch.ones(num_experts, dtype=torch.float64)
-        # [E, blocks, levels]
-        weighted = torch.einsum("ebkc,ec->ebk", errors.double(), mean_sq) * share.view(-1, 1, 1)
-        per_projection[(layer, proj)] = weighted
-    # Column k of the result comes from level quant_levels.index(level) of the per-projection table.
-    columns = [quant_levels.index(level) if level != TOP_LEVEL else None for level in store.levels]
-    damage = torch.zeros(len(store.pages), len(store.levels), dtype=torch.float64)
-    for i, page in enumerate(store.pages):
-        key = page.key
-        row = per_projection[(key.layer, key.proj)][key.expert, key.block]
-        for k, column in enumerate(columns):
-            if column is not None:
-                damage[i, k] = row[column]
-    return damage
+        return self.base * page_share.unsqueeze(-1)

@@ -87,10 +87,10 @@ def paged_experts_forward(
         current_state = hidden_states[token_idx]
         gate_up = F.linear(current_state, runtime.weight(layer, 0, expert, dtype))
         current_hidden_states = self._apply_gate(gate_up)
-        runtime.activations.record(layer, 0, expert, current_state)
-        runtime.activations.record(layer, 1, expert, current_hidden_states)
+        routing_weights = top_k_weights[token_idx, top_k_pos]
+        runtime.activations.record(layer, expert, current_state, gate_up, self.act_fn, routing_weights)
         current_hidden_states = F.linear(current_hidden_states, runtime.weight(layer, 1, expert, dtype))
-        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        current_hidden_states = current_hidden_states * routing_weights[:, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
 

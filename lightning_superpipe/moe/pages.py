@@ -240,8 +240,9 @@ class PageStore:
         self._bounds = sorted({0, *(b for b in self.levels if b != TOP_LEVEL)})
         self.pages: list[Page] = []
         self._index: dict[tuple[int, int, int], list[Page]] = {}
-        self.column_errors: dict[tuple[int, int], torch.Tensor] = {}
         self._host_weights: dict[tuple[int, int], torch.Tensor] = {}
+        self._host_planes: dict[tuple[int, int], torch.Tensor] = {}
+        self._host_meta: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._device_bytes = 0
         for layer in layers:
             for proj, name in enumerate(EXPERT_PROJECTIONS):
@@ -266,25 +267,15 @@ class PageStore:
         groups = cols // self.group_size
         host_scale = _host_empty((num_experts, rows, groups), meta_dtype, pin)
         host_minimum = _host_empty((num_experts, rows, groups), meta_dtype, pin)
-        quant_levels = [b for b in self.levels if b != TOP_LEVEL]
-        errors = torch.empty(num_experts, blocks, len(quant_levels), cols, dtype=torch.float32)
         # One expert at a time bounds the float32 working memory of quantization.
         for expert in range(num_experts):
-            weight = param.detach()[expert]
-            codes = quantize_groupwise(weight, self.group_size, meta_dtype)
-            planes = pack_bit_planes(codes.codes.reshape(blocks, page_numel))
-            host_planes[expert].copy_(planes)
+            codes = quantize_groupwise(param.detach()[expert], self.group_size, meta_dtype)
+            host_planes[expert].copy_(pack_bit_planes(codes.codes.reshape(blocks, page_numel)))
             host_scale[expert].copy_(codes.scale)
             host_minimum[expert].copy_(codes.minimum)
-            block_shape = (blocks, rows_per_page, cols)
-            block_scale = codes.scale.reshape(blocks, rows_per_page, groups)
-            block_minimum = codes.minimum.reshape(blocks, rows_per_page, groups)
-            reference = weight.float().reshape(block_shape)
-            for i, bits in enumerate(quant_levels):
-                rebuilt = dequantize(planes[:, :bits], block_scale, block_minimum, block_shape, torch.float32)
-                errors[expert, :, i] = (rebuilt - reference).square_().sum(dim=1).cpu()
-        self.column_errors[(layer, proj)] = errors
         self._host_weights[(layer, proj)] = host_weight
+        self._host_planes[(layer, proj)] = host_planes
+        self._host_meta[(layer, proj)] = (host_scale, host_minimum)
         for expert in range(num_experts):
             pages = []
             for block in range(blocks):
@@ -303,6 +294,51 @@ class PageStore:
     def host_weight(self, layer: int, proj: int) -> torch.Tensor:
         """Host master copy of one fused projection ``[E, rows, cols]`` (the original weights)."""
         return self._host_weights[(layer, proj)]
+
+    def projections(self) -> list[tuple[int, int]]:
+        """``(layer, proj)`` of every paged projection."""
+        return list(self._host_weights)
+
+    def weighted_errors(
+        self, layer: int, proj: int, row_weight: torch.Tensor | None, col_weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Weighted squared quantization error of every page of a projection at every bit level.
+
+        ``sum_ij row_weight[i] * col_weight[j] * (W_ij - W^_ij)^2`` over each page's rows, with
+        ``W^`` rebuilt exactly as the experts forward rebuilds it. Computed one expert at a time
+        on the store's device.
+
+        Args:
+            layer: MoE layer index.
+            proj: Projection index.
+            row_weight: ``[E, rows]`` weight of each output row (``None``: 1).
+            col_weight: ``[E, cols]`` weight of each input column (``None``: 1).
+
+        Returns:
+            ``float64 [E, blocks, bit levels]``, bit levels in the order of :attr:`levels` without
+            ``TOP_LEVEL``.
+        """
+        host_weight = self._host_weights[(layer, proj)]
+        host_planes = self._host_planes[(layer, proj)]
+        host_scale, host_minimum = self._host_meta[(layer, proj)]
+        num_experts, rows, cols = host_weight.shape
+        blocks = host_planes.shape[1]
+        bit_levels = [b for b in self.levels if b != TOP_LEVEL]
+        block_shape = (blocks, rows // blocks, cols)
+        errors = torch.empty(num_experts, blocks, len(bit_levels), dtype=torch.float64)
+        for expert in range(num_experts):
+            weight = host_weight[expert].to(self.device, torch.float32).reshape(block_shape)
+            planes = host_planes[expert].to(self.device)
+            scale = host_scale[expert].to(self.device).reshape(blocks, rows // blocks, -1)
+            minimum = host_minimum[expert].to(self.device).reshape(blocks, rows // blocks, -1)
+            rows_w = torch.ones(rows, device=self.device) if row_weight is None else row_weight[expert].to(self.device)
+            cols_w = torch.ones(cols, device=self.device) if col_weight is None else col_weight[expert].to(self.device)
+            rows_w, cols_w = rows_w.float().reshape(blocks, -1, 1), cols_w.float().reshape(1, 1, cols)
+            for i, bits in enumerate(bit_levels):
+                rebuilt = dequantize(planes[:, :bits], scale, minimum, block_shape, torch.float32)
+                error = (rebuilt - weight).square_().mul_(cols_w).mul_(rows_w)
+                errors[expert, :, i] = error.sum(dim=(1, 2)).double().cpu()
+        return errors
 
     # ------------------------------------------------------------------ accounting
     @property

@@ -1,0 +1,280 @@
+"""Lightning callback: evaluate, test or predict with the experts paged under a device budget."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import move_data_to_device
+from torch import nn
+from torch.nn import functional as F
+from torchmetrics.regression import KLDivergence
+from torchmetrics.text import Perplexity
+
+from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, page_experts
+from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
+
+__all__ = ["PagedMoECallback"]
+
+_MODEL_INPUTS = ("input_ids", "attention_mask")
+_STAGES = ("validate", "test", "predict")
+_IGNORE_INDEX = -100
+
+
+def default_batch_to_inputs(batch: Any) -> dict[str, torch.Tensor]:
+    """Model inputs of a batch: the ``input_ids``/``attention_mask`` of a dict, a tensor as
+    ``input_ids``, or the first element of a tuple or list."""
+    if isinstance(batch, Mapping):
+        return {key: batch[key] for key in _MODEL_INPUTS if key in batch}
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch}
+    if isinstance(batch, (tuple, list)) and batch:
+        return default_batch_to_inputs(batch[0])
+    raise TypeError(f"cannot find model inputs in a batch of type {type(batch).__name__}; pass batch_to_inputs")
+
+
+class PagedMoECallback(Callback):
+    """Page a MoE model's experts for validation, test and predict; restore them afterwards.
+
+    On ``on_{validation,test,predict}_start`` the model is paged with :func:`page_experts`,
+    calibrating on the first batches of that stage's dataloader; on the matching ``*_end`` (or an
+    exception) the original parameters are restored bit for bit, so the same ``Trainer`` can go on
+    fine-tuning. Per run it logs, under ``paged_moe/<stage>/``: expert bytes on the device (at the
+    end and the most seen) and at 16 bits, their ratio, pages per level, promotions and demotions,
+    tokens/s of the paged forwards and, with ``measure_quality``, perplexity with paged and full
+    precision experts, its relative change and the KL divergence from full precision.
+
+    Args:
+        budget_bytes: Device bytes for the experts (``None`` with no fraction: unlimited).
+        budget_fraction: Budget as a fraction of the experts' 16-bit size (exclusive with
+            ``budget_bytes``).
+        total_budget_bytes: Pressure mode budget for experts plus KV cache (see ``page_experts``).
+        calibration_batches: Batches of the stage's first dataloader used for calibration.
+        measure_quality: Also run each forward with full-precision experts (streamed from host
+            memory) and compare; doubles the evaluation time.
+        stages: Stages to page, among ``"validate"``, ``"test"`` and ``"predict"``.
+        page_sanity_check: Also page during Lightning's sanity-check validation.
+        model_getter: Returns the ``transformers`` model from the LightningModule (default: the
+            first submodule of a supported MoE type).
+        batch_to_inputs: Maps a batch to model keyword arguments (default: see
+            :func:`default_batch_to_inputs`).
+        **page_kwargs: Further arguments of :func:`page_experts` (``group_size``, ``levels``,
+            ``rows_per_page``, ...).
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        *,
+        budget_fraction: float | None = None,
+        total_budget_bytes: int | None = None,
+        calibration_batches: int = 4,
+        measure_quality: bool = False,
+        stages: Iterable[str] = _STAGES,
+        page_sanity_check: bool = False,
+        model_getter: Callable[[LightningModule], nn.Module] | None = None,
+        batch_to_inputs: Callable[[Any], Mapping[str, Any]] = default_batch_to_inputs,
+        **page_kwargs: Any,
+    ) -> None:
+        if budget_bytes is not None and budget_fraction is not None:
+            raise ValueError("give budget_bytes or budget_fraction, not both")
+        if budget_fraction is not None and not 0.0 < budget_fraction:
+            raise ValueError(f"budget_fraction={budget_fraction} must be positive")
+        self.stages = tuple(stages)
+        unknown = set(self.stages) - set(_STAGES)
+        if unknown:
+            raise ValueError(f"unknown stages {sorted(unknown)}; choose among {_STAGES}")
+        self.budget_bytes = budget_bytes
+        self.budget_fraction = budget_fraction
+        self.total_budget_bytes = total_budget_bytes
+        self.calibration_batches = calibration_batches
+        self.measure_quality = measure_quality
+        self.page_sanity_check = page_sanity_check
+        self.model_getter = model_getter
+        self.batch_to_inputs = batch_to_inputs
+        self.page_kwargs = page_kwargs
+        self.handle: PagedExperts | None = None
+        self.reports: dict[str, dict[str, float]] = {}
+        self._stage: str | None = None
+        self._reset_run()
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(trainer, pl_module, "validate")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end(trainer)
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(trainer, pl_module, "test")
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end(trainer)
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start(trainer, pl_module, "predict")
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._teardown()
+
+    # ------------------------------------------------------------------ run
+    def _reset_run(self) -> None:
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._tokens = 0
+        self._seconds = 0.0
+        self._started_at = 0.0
+        self._max_device_bytes = 0
+        self._moves_at_start = (0, 0)
+        self._in_reference = False
+        self._ppl_paged = Perplexity(ignore_index=_IGNORE_INDEX)
+        self._ppl_full = Perplexity(ignore_index=_IGNORE_INDEX)
+        self._kl = KLDivergence(log_prob=True)
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage not in self.stages or (trainer.sanity_checking and not self.page_sanity_check):
+            return
+        self._teardown()  # a previous run that did not end cleanly
+        model = self.model_getter(pl_module) if self.model_getter else _find_moe_model(pl_module)
+        budget = self.budget_bytes
+        if self.budget_fraction is not None:
+            budget = int(self.budget_fraction * full_expert_bytes(model))
+        device = pl_module.device
+        calibration = [
+            move_data_to_device(dict(self.batch_to_inputs(batch)), device)
+            for batch in islice(_first_dataloader(trainer, stage), self.calibration_batches)
+        ]
+        self.handle = page_experts(
+            model,
+            budget_bytes=budget,
+            calibration=calibration or None,
+            total_budget_bytes=self.total_budget_bytes,
+            **self.page_kwargs,
+        )
+        self._stage = stage
+        self._reset_run()
+        self._metrics_to(device)
+        self._moves_at_start = (self.handle.moves.promotions, self.handle.moves.demotions)
+        self._max_device_bytes = self.handle.device_bytes()
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def _metrics_to(self, device: torch.device) -> None:
+        for metric in (self._ppl_paged, self._ppl_full, self._kl):
+            metric.to(device)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._in_reference:
+            return
+        _synchronize(self.handle.store.device)
+        self._started_at = time.perf_counter()
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._in_reference:
+            return
+        handle = self.handle
+        _synchronize(handle.store.device)
+        self._seconds += time.perf_counter() - self._started_at
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is not None:
+            mask = kwargs.get("attention_mask")
+            self._tokens += int(mask.sum()) if mask is not None else input_ids.numel()
+        self._max_device_bytes = max(self._max_device_bytes, handle.device_bytes())
+        if self.measure_quality and input_ids is not None and getattr(output, "logits", None) is not None:
+            self._in_reference = True
+            try:
+                with handle.reference():
+                    reference = module(*args, **kwargs)
+            finally:
+                self._in_reference = False
+            self._update_quality(output.logits, reference.logits, input_ids, kwargs)
+
+    def _update_quality(
+        self, logits: torch.Tensor, reference: torch.Tensor, input_ids: torch.Tensor, kwargs: dict
+    ) -> None:
+        labels = kwargs.get("labels")
+        if labels is None:
+            labels = input_ids.masked_fill(kwargs["attention_mask"] == 0, _IGNORE_INDEX) if "attention_mask" in kwargs else input_ids
+        target = labels[:, 1:]
+        paged, full = logits[:, :-1].float(), reference[:, :-1].float()
+        self._ppl_paged.update(paged, target)
+        self._ppl_full.update(full, target)
+        keep = target.reshape(-1) != _IGNORE_INDEX
+        vocab = paged.shape[-1]
+        self._kl.update(
+            F.log_softmax(full.reshape(-1, vocab)[keep], dim=-1), F.log_softmax(paged.reshape(-1, vocab)[keep], dim=-1)
+        )
+
+    def _end(self, trainer: Trainer) -> None:
+        if self.handle is None:
+            return
+        handle = self.handle
+        promotions, demotions = self._moves_at_start
+        metrics: dict[str, float] = {
+            "expert_bytes_device": float(handle.device_bytes()),
+            "expert_bytes_device_max": float(self._max_device_bytes),
+            "expert_bytes_16bit": float(handle.full_bytes()),
+            "expert_bytes_fraction": handle.device_bytes() / handle.full_bytes(),
+            "promotions": float(handle.moves.promotions - promotions),
+            "demotions": float(handle.moves.demotions - demotions),
+            "tokens_per_s": self._tokens / self._seconds if self._seconds > 0 else 0.0,
+        }
+        for level, count in handle.level_counts().items():
+            metrics[f"pages_{level}bit"] = float(count)
+        if self.measure_quality and self._tokens:
+            ppl_paged, ppl_full = self._ppl_paged.compute().item(), self._ppl_full.compute().item()
+            metrics.update(
+                ppl_paged=ppl_paged,
+                ppl_full=ppl_full,
+                ppl_change=ppl_paged / ppl_full - 1.0,
+                kl_to_full=self._kl.compute().item(),
+            )
+        stage = self._stage
+        self.reports[stage] = metrics
+        self._teardown()
+        prefixed = {f"paged_moe/{stage}/{name}": value for name, value in metrics.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(prefixed, step=trainer.global_step)
+
+    def _teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self.handle is not None:
+            self.handle.restore()
+            self.handle = None
+
+
+def _find_moe_model(pl_module: LightningModule) -> nn.Module:
+    for module in pl_module.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and hasattr(module, "set_experts_implementation"):
+            return module
+    raise UnsupportedMoEModelError(
+        f"{type(pl_module).__name__} contains no transformers model of a supported type "
+        f"({', '.join(SUPPORTED_MODEL_TYPES)}); pass model_getter= to point at the model."
+    )
+
+
+def _first_dataloader(trainer: Trainer, stage: str) -> Iterable[Any]:
+    loaders = {
+        "validate": trainer.val_dataloaders,
+        "test": trainer.test_dataloaders,
+        "predict": trainer.predict_dataloaders,
+    }[stage]
+    if isinstance(loaders, (list, tuple)):
+        return loaders[0] if loaders else []
+    return loaders if loaders is not None else []
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
