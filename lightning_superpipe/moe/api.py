@@ -144,6 +144,7 @@ class PagedExperts:
         self._levels_index = {level: i for i, level in enumerate(store.levels)}
         self._current: list[int] = []
         self._forwards = 0
+        self._commits_seen = 0
         self._routing_seen = 0
         self._restored = False
         self._pretrained = _find_pretrained(model)
@@ -334,8 +335,15 @@ class PagedExperts:
         if self.runtime.reference:
             return
         self._forwards += 1
+        if self.store.commits != self._commits_seen:
+            # Landed promotions to the original weights freed their bit planes: room to use.
+            self._commits_seen = self.store.commits
+            if self._total_budget is None:
+                self.moves += self.planner.rebalance(self.store, self._current, self._effective_budget())
         if self._total_budget is not None:
-            kv_after = kv_cache_bytes(kwargs.get("past_key_values"))
+            # transformers >= 5.2x calls it `cache`; earlier 5.x releases `past_key_values`.
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            kv_after = kv_cache_bytes(cache)
             kv_after += _new_kv_bytes(self.model, args, kwargs)
             budget = self._effective_budget(kv_after)
             if budget < self.min_bytes():

@@ -44,6 +44,9 @@ class CopyEngine:
         device: Target device.
     """
 
+    asynchronous = False
+    """Whether uploads land later than :meth:`upload` returns (then promotions stay pending)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
@@ -76,6 +79,8 @@ class CudaCopyEngine(CopyEngine):
     Args:
         device: A CUDA device.
     """
+
+    asynchronous = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -244,6 +249,8 @@ class PageStore:
         self._host_planes: dict[tuple[int, int], torch.Tensor] = {}
         self._host_meta: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._device_bytes = 0
+        self.commits = 0
+        """Promotions committed after their upload landed (the planner may then use freed bytes)."""
         for layer in layers:
             for proj, name in enumerate(EXPERT_PROJECTIONS):
                 self._add_projection(layer.index, proj, getattr(layer.experts, name))
@@ -361,11 +368,11 @@ class PageStore:
     def promotion_bytes(self, page_id: int, level: int) -> int:
         """Extra device bytes while ``page_id`` is being promoted to ``level``.
 
-        A promotion to the original weights keeps the page's bit planes until the upload lands,
-        so both are counted; a promotion between bit-plane levels only adds planes.
+        An asynchronous promotion to the original weights keeps the page's bit planes until the
+        upload lands, so both are counted; otherwise only the difference is.
         """
         page = self.pages[page_id]
-        if level == TOP_LEVEL:
+        if level == TOP_LEVEL and self.copy.asynchronous:
             return page.bytes_at(TOP_LEVEL)
         return page.bytes_at(level) - page.bytes_at(page.target_level)
 
@@ -440,6 +447,7 @@ class PageStore:
                 page.current.segments.extend(pending.segments)
                 page.current.level = pending.level
             page.pending = None
+            self.commits += 1
         current = page.current
         if current is not None and current.fence is not None:
             self.copy.wait(current.fence)

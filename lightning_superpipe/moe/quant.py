@@ -89,10 +89,12 @@ def quantize_groupwise(
     grouped = weight.detach().float().reshape(*weight.shape[:-1], cols // group_size, group_size)
     low = grouped.amin(dim=-1)
     high = grouped.amax(dim=-1)
-    tiny = torch.finfo(meta_dtype).tiny
-    scale = ((high - low) / (2**CODE_BITS - 1)).clamp_min(tiny).to(meta_dtype)
+    scale = ((high - low) / (2**CODE_BITS - 1)).to(meta_dtype)
     minimum = low.to(meta_dtype)
-    codes = torch.round((grouped - minimum.float().unsqueeze(-1)) / scale.float().unsqueeze(-1))
+    # A constant group (or one whose range underflows the metadata dtype) gets scale 0 and codes 0:
+    # every level then rebuilds it as its minimum, with no midpoint offset.
+    step = scale.float().unsqueeze(-1)
+    codes = torch.round((grouped - minimum.float().unsqueeze(-1)) / torch.where(step > 0, step, 1.0))
     codes = codes.clamp_(0, 2**CODE_BITS - 1).to(torch.uint8).reshape(weight.shape)
     return GroupCodes(codes=codes, scale=scale, minimum=minimum)
 

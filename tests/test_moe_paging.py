@@ -1,0 +1,313 @@
+"""page_experts on small models of every supported family: exactness, budgets, moves, errors."""
+
+import pytest
+import torch
+
+from lightning_superpipe.moe import (
+    SUPPORTED_MODEL_TYPES,
+    PageKey,
+    UnsupportedMoEModelError,
+    full_expert_bytes,
+    kv_cache_bytes,
+    page_experts,
+)
+from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
+from lightning_superpipe.moe.pages import CopyEngine
+from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return byte_corpus()[:4096]
+
+
+def _inputs(tokens: torch.Tensor, batch: int = 2, length: int = 48, offset: int = 0) -> torch.Tensor:
+    return tokens[offset : offset + batch * length].view(batch, length)
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def _expert_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if ".experts." in name}
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_full_budget_gives_unpaged_outputs_and_restore_gives_exact_weights(model_type, tokens):
+    model = tiny_moe(model_type)
+    input_ids = _inputs(tokens)
+    expected = _logits(model, input_ids)
+    params = _expert_params(model)
+    originals = {name: p.detach().clone() for name, p in params.items()}
+    full = full_expert_bytes(model)
+
+    handle = page_experts(model, budget_bytes=handle_max(model), calibration=[input_ids])
+    assert model.config._experts_implementation == PAGED_EXPERTS_IMPLEMENTATION
+    assert not _expert_params(model)  # the weights live in the page store now
+    assert handle.full_bytes() == full
+    assert set(handle.bits().values()) == {16}
+    assert torch.equal(_logits(model, input_ids), expected)
+
+    handle.set_budget(int(0.3 * full))
+    assert not torch.equal(_logits(model, input_ids), expected)
+    handle.restore()
+
+    assert model.config._experts_implementation == "eager"
+    restored = _expert_params(model)
+    assert restored.keys() == params.keys()
+    for name, param in restored.items():
+        assert param is params[name]  # same Parameter objects: optimizers keep working
+        assert torch.equal(param, originals[name])
+    assert torch.equal(_logits(model, input_ids), expected)
+
+
+def handle_max(model: torch.nn.Module) -> int:
+    """Bytes of the original expert weights in the model's dtype (fp32 here: twice the 16-bit size)."""
+    return sum(p.nbytes for p in _expert_params(model).values())
+
+
+def test_device_bytes_never_exceed_the_budget_as_it_is_lowered_and_raised(tokens):
+    model = tiny_moe("mixtral")
+    input_ids = _inputs(tokens)
+    expected = _logits(model, input_ids)
+    handle = page_experts(model, calibration=[input_ids], rows_per_page=32)
+    assert handle.device_bytes() == handle.max_bytes()
+    budgets = torch.linspace(handle.max_bytes(), handle.min_bytes(), 9).long().tolist()
+    previous_error = 0.0
+    for budget in budgets:
+        handle.set_budget(budget)
+        assert handle.device_bytes() <= budget
+        assert handle.device_bytes() == handle.store.recount_device_bytes()
+        error = (_logits(model, input_ids) - expected).abs().mean().item()
+        assert error >= previous_error * 0.5  # quality degrades (loosely monotone) as bytes shrink
+        previous_error = max(previous_error, error)
+        assert handle.device_bytes() <= budget  # running the model commits nothing over budget
+    assert set(handle.bits().values()) == {handle.store.min_level}
+    for budget in budgets[::-1]:
+        handle.set_budget(budget)
+        assert handle.device_bytes() <= budget
+        assert handle.device_bytes() == handle.store.recount_device_bytes()
+    assert torch.equal(_logits(model, input_ids), expected)
+    assert handle.moves.promotions > 0 and handle.moves.demotions > 0
+    handle.restore()
+
+
+def test_a_budget_below_the_minimum_names_the_minimum(tokens):
+    model = tiny_moe("qwen3_moe")
+    handle = page_experts(model)
+    minimum = handle.min_bytes()
+    assert minimum == sum(page.bytes_at(2) for page in handle.store.pages)
+    with pytest.raises(ValueError, match=f"below the minimum of {minimum:,} bytes"):
+        handle.set_budget(minimum - 1)
+    handle.set_budget(minimum)
+    assert handle.device_bytes() == minimum
+    handle.restore()
+    with pytest.raises(ValueError, match="levels"):
+        page_experts(tiny_moe("mixtral"), budget_bytes=minimum - 1, levels=(16, 8, 4, 2))
+    with pytest.raises(ValueError, match="minimum"):
+        page_experts(tiny_moe("mixtral"), budget_bytes=minimum - 1)
+
+
+def test_unsupported_models_are_refused_with_the_supported_types():
+    model = tiny_moe("llama")
+    with pytest.raises(UnsupportedMoEModelError, match="'llama'.*'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe'"):
+        page_experts(model)
+
+
+def test_invalid_page_settings_are_refused():
+    with pytest.raises(ValueError, match="rows_per_page=48 must divide"):
+        page_experts(tiny_moe("mixtral"), rows_per_page=48)
+    with pytest.raises(ValueError, match="include 8"):
+        page_experts(tiny_moe("mixtral"), levels=(16, 4, 2))
+    with pytest.raises(ValueError, match="group_size=48"):
+        page_experts(tiny_moe("mixtral"), group_size=48)
+
+
+def test_qwen2_moe_dense_layers_and_shared_expert_stay_unpaged(tokens):
+    model = tiny_moe("qwen2_moe", num_layers=3, mlp_only_layers=[1])
+    input_ids = _inputs(tokens)
+    expected = _logits(model, input_ids)
+    shared = {name: p for name, p in model.named_parameters() if "shared_expert" in name or ".mlp." in name}
+    handle = page_experts(model, budget_bytes=None)
+    assert {key.layer for key in handle.bits()} == {0, 1}  # two MoE blocks, the dense one skipped
+    paged_names = {name for name, _ in model.named_parameters()}
+    assert {name for name in shared if ".experts." not in name} <= paged_names
+    assert torch.equal(_logits(model, input_ids), expected)
+    handle.restore()
+
+
+def test_reference_mode_is_exact_at_any_budget(tokens):
+    model = tiny_moe("olmoe")
+    input_ids = _inputs(tokens)
+    expected = _logits(model, input_ids)
+    handle = page_experts(model, calibration=[input_ids])
+    handle.set_budget(handle.min_bytes())
+    with handle.reference():
+        assert torch.equal(_logits(model, input_ids), expected)
+    assert not torch.equal(_logits(model, input_ids), expected)
+    assert handle.device_bytes() == handle.min_bytes()
+    handle.restore()
+
+
+def test_calibration_makes_routing_and_inputs_shape_the_damage(tokens):
+    model = tiny_moe("mixtral")
+    input_ids = _inputs(tokens, batch=4, length=64)
+    weight_only = page_experts(model).damage()
+    handle = page_experts(tiny_moe("mixtral"), calibration=[input_ids])
+    calibrated = handle.damage()
+    assert calibrated.shape == weight_only.shape == (len(handle.bits()), 5)
+    assert (calibrated[:, 0] == 0).all() and (calibrated[:, 1:] > 0).all()
+    # More bits, less damage, for every page.
+    assert (calibrated[:, 1:].diff(dim=1) > 0).all()
+    # Routing shares differ between experts, so damage is not the weight error up to a constant.
+    ratio = calibrated[:, -1] / weight_only[:, -1]
+    assert ratio.max() / ratio.min() > 2
+    shares = handle.routing.shares()
+    assert all(abs(s.sum().item() - 2.0) < 1e-6 for s in shares)  # top-2 routing
+
+
+def test_routing_shifts_move_bits_to_hot_experts(tokens):
+    model = tiny_moe("mixtral")
+    hot = (5, 6)
+
+    def force_routing(module, args, output):
+        logits, weights, index = output
+        forced = torch.tensor(hot).expand_as(index)
+        return logits, torch.full_like(weights, 0.5), forced
+
+    hooks = [layer.mlp.gate.register_forward_hook(force_routing) for layer in model.model.layers]
+    input_ids = _inputs(tokens)
+    handle = page_experts(model, rebalance_every=1, routing_half_life_tokens=64.0)
+    handle.set_budget(int(0.35 * handle.full_bytes()))
+
+    def mean_bits(experts):
+        bits = handle.bits()
+        return sum(b for k, b in bits.items() if k.expert in experts) / sum(1 for k in bits if k.expert in experts)
+
+    cold = tuple(e for e in range(8) if e not in hot)
+    before = mean_bits(hot) - mean_bits(cold)
+    for offset in range(3):
+        _logits(model, _inputs(tokens, offset=100 * offset))
+    assert mean_bits(hot) - mean_bits(cold) > before
+    assert mean_bits(hot) > mean_bits(cold)
+    assert handle.device_bytes() <= handle.budget
+    for hook in hooks:
+        hook.remove()
+    handle.restore()
+
+
+def test_pressure_mode_shrinks_expert_bytes_as_the_kv_cache_grows(tokens):
+    model = tiny_moe("mixtral")
+    prompt = _inputs(tokens, batch=2, length=16)
+    probe = page_experts(model)
+    kv_per_token = 2 * 2 * 2 * 16 * 4 * 2  # keys+values, layers, kv heads, head dim, fp32, batch
+    total = probe.max_bytes() + 20 * kv_per_token  # everything fits for the first 20 positions
+    probe.restore()
+
+    handle = page_experts(model, total_budget_bytes=total, calibration=[prompt])
+    trace = []
+
+    def record(module, args, kwargs, output):
+        trace.append((handle.device_bytes(), kv_cache_bytes(output.cache)))
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    hook.remove()
+    assert len(trace) == 40
+    assert trace[-1][1] == (16 + 39) * kv_per_token
+    for expert_bytes, kv_bytes in trace:
+        assert expert_bytes + kv_bytes <= total
+    assert trace[0][0] == handle.max_bytes()
+    assert trace[-1][0] < trace[0][0]
+    expert_bytes = [e for e, _ in trace]
+    assert expert_bytes == sorted(expert_bytes, reverse=True)
+    # Hysteresis: the cache grows every token, pages move in far fewer steps.
+    assert len(set(expert_bytes)) < len(expert_bytes) // 2
+
+    with pytest.raises(RuntimeError, match="KV cache needs"):
+        handle.set_total_budget(handle.min_bytes() + 10 * kv_per_token)
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    handle.restore()
+
+
+class ManualCopyEngine(CopyEngine):
+    """Copies whose completion the test decides, to check the asynchronous bookkeeping on a CPU."""
+
+    asynchronous = True
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.landed = 0
+        self.issued = 0
+
+    def fence(self):
+        self.issued += 1
+        return self.issued
+
+    def is_done(self, fence):
+        return fence is None or fence <= self.landed
+
+
+def test_promotions_stay_pending_until_their_copy_lands(tokens, monkeypatch):
+    engine = ManualCopyEngine(torch.device("cpu"))
+    monkeypatch.setattr("lightning_superpipe.moe.api.SyncCopyEngine", lambda device: engine)
+    model = tiny_moe("mixtral")
+    input_ids = _inputs(tokens)
+    expected = _logits(model, input_ids)
+    handle = page_experts(model, budget_bytes=None, async_moves=False)
+    engine.landed = engine.issued  # the first placement landed
+    handle.set_budget(handle.min_bytes())
+    low = _logits(model, input_ids)
+    assert set(handle.bits().values()) == {2}
+
+    handle.set_budget(None)  # promotions start, nothing landed
+    pending = [p for p in handle.store.pages if p.pending is not None]
+    assert len(pending) == len(handle.store.pages)
+    assert set(handle.bits().values()) == {2}  # still computing at the old precision
+    assert handle.device_bytes() == handle.store.recount_device_bytes() > handle.max_bytes()
+    assert torch.equal(_logits(model, input_ids), low)
+
+    engine.landed = engine.issued
+    assert torch.equal(_logits(model, input_ids), expected)  # committed on first use
+    assert set(handle.bits().values()) == {16}
+    assert handle.device_bytes() == handle.store.recount_device_bytes() == handle.max_bytes()
+
+    handle.set_budget(handle.min_bytes())
+    handle.set_budget(None)
+    handle.set_budget(handle.min_bytes())  # demotion cancels the uploads in flight
+    assert all(p.pending is None for p in handle.store.pages)
+    assert handle.device_bytes() == handle.store.recount_device_bytes() == handle.min_bytes()
+    handle.restore()
+
+
+def test_restore_under_inference_mode_leaves_trainable_parameters(tokens):
+    model = tiny_moe("qwen2_moe").train()
+    input_ids = _inputs(tokens)
+    with torch.inference_mode():
+        handle = page_experts(model, budget_bytes=None, calibration=[input_ids])
+        handle.set_budget(int(0.3 * handle.full_bytes()))
+        model(input_ids=input_ids)
+        handle.restore()
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    grads = [p.grad for p in _expert_params(model).values()]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_apply_levels_and_bits_are_keyed_by_page(tokens):
+    model = tiny_moe("mixtral")
+    handle = page_experts(model)
+    keys = list(handle.bits())
+    assert keys[0] == PageKey(layer=0, proj=0, expert=0, block=0)
+    wanted = {key: (8 if key.expert % 2 else 3) for key in keys}
+    handle.apply_levels(wanted)
+    assert handle.bits() == wanted
+    assert handle.level_counts() == {16: 0, 8: len(keys) // 2, 4: 0, 3: len(keys) // 2, 2: 0}
+    assert handle.device_bytes() == handle.store.recount_device_bytes()
+    handle.restore()

@@ -1,0 +1,96 @@
+"""Group-wise 8-bit codes as bit planes: packing, midpoint rebuild, exact promotion."""
+
+import pytest
+import torch
+
+from lightning_superpipe.moe.quant import (
+    dequantize,
+    metadata_dtype,
+    pack_bit_planes,
+    quantize_groupwise,
+    unpack_codes,
+)
+
+
+def _weights(rows: int = 64, cols: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+def test_bit_planes_round_trip_the_codes_exactly():
+    codes = torch.randint(0, 256, (3, 5, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    planes = pack_bit_planes(codes)
+    assert planes.shape == (3, 5, 8, 16)
+    assert torch.equal(unpack_codes(planes), codes)
+    # Plane 0 is the most significant bit.
+    assert torch.equal(unpack_codes(planes[..., :1, :]), codes >> 7)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 7])
+def test_promotion_is_an_exact_join_of_high_and_low_planes(bits):
+    codes = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    planes = pack_bit_planes(codes)
+    high, low = unpack_codes(planes[:bits]), unpack_codes(planes[bits:])
+    assert torch.equal((high << (8 - bits)) | low, codes)
+
+
+def test_eight_bit_codes_are_within_half_a_step():
+    weight = _weights()
+    codes = quantize_groupwise(weight, group_size=64)
+    rebuilt = dequantize(pack_bit_planes(codes.codes.reshape(-1)), codes.scale, codes.minimum, weight.shape, torch.float32)
+    step = codes.scale.float().repeat_interleave(64, dim=-1)
+    # Half a step plus the float16 rounding of the group minimum.
+    slack = codes.minimum.float().abs().repeat_interleave(64, dim=-1) * 2**-10
+    assert ((rebuilt - weight).abs() <= step / 2 + slack + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_midpoint_rebuild_matches_direct_quantization_and_beats_truncation(bits):
+    weight = _weights()
+    codes = quantize_groupwise(weight, group_size=64)
+    planes = pack_bit_planes(codes.codes.reshape(-1))
+    midpoint = _relative_error(dequantize(planes[:bits], codes.scale, codes.minimum, weight.shape, torch.float32), weight)
+
+    grouped = weight.reshape(64, 4, 64)
+    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    step = (high - low) / (2**bits - 1)
+    direct = _relative_error((torch.round((grouped - low) / step) * step + low).reshape_as(weight), weight)
+
+    shift = 8 - bits
+    truncated_codes = (codes.codes.float() // 2**shift * 2**shift).reshape(64, 4, 64)
+    truncated = truncated_codes * codes.scale.float().unsqueeze(-1) + codes.minimum.float().unsqueeze(-1)
+    truncation = _relative_error(truncated.reshape_as(weight), weight)
+
+    assert midpoint <= 1.05 * direct
+    assert midpoint * 1.8 < truncation
+
+
+def test_group_size_must_divide_the_input_dimension():
+    with pytest.raises(ValueError, match="group_size=48 must be a positive divisor of the input dimension 256"):
+        quantize_groupwise(_weights(), group_size=48)
+
+
+def test_bit_planes_need_whole_bytes():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_bit_planes(torch.zeros(12, dtype=torch.uint8))
+
+
+def test_metadata_is_float16_unless_weights_are_out_of_its_range():
+    assert metadata_dtype(_weights()) == torch.float16
+    assert metadata_dtype(_weights() * 1e5) == torch.float32
+    huge = _weights() * 1e5
+    codes = quantize_groupwise(huge, 64, meta_dtype=torch.float32)
+    rebuilt = dequantize(pack_bit_planes(codes.codes.reshape(-1)), codes.scale, codes.minimum, huge.shape, torch.float32)
+    assert _relative_error(rebuilt, huge) < 0.01
+
+
+def test_constant_groups_rebuild_exactly():
+    weight = torch.full((8, 64), 0.25)
+    codes = quantize_groupwise(weight, group_size=32)
+    for bits in (8, 2):
+        planes = pack_bit_planes(codes.codes.reshape(-1))[:bits]
+        rebuilt = dequantize(planes, codes.scale, codes.minimum, weight.shape, torch.float32)
+        assert (rebuilt - weight).abs().max() < 1e-4
