@@ -159,8 +159,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             _host_bytes_to_come(block_params, transfer_dtype, training=self._fitting),
             f"homes for {describe(blocks)}, gradients and optimizer state",
         )
-        # Buffers (and torchmetrics states) go to the device; parameters are returned unchanged, so they stay home.
-        model._apply(lambda t: t if isinstance(t, nn.Parameter) else t.to(self.root_device))
+        # Buffers (and torchmetrics states) go to the device; parameters and their gradients are returned
+        # unchanged, so they stay home.
+        at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
+        model._apply(lambda t: t if id(t) in at_home else t.to(self.root_device))
         self._engine = StreamingEngine(
             block_params,
             trunk_params,
@@ -269,6 +271,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._engine is not None:
+            self._engine.copier.synchronize()  # no copy may still be reading the masters about to change
         super().load_model_state_dict(checkpoint, strict=strict)
         if self._engine is not None:
             self._engine.refresh(everything=True)
