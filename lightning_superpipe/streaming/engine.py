@@ -113,7 +113,6 @@ class StreamingEngine:
             param: torch.empty_like(param, device=device) for param in trunk_params
         }
         self._trunk_ready: Event = None
-        self._trunk_slices = [ParamSlice(param, 0, param.numel(), param.shape) for param in trunk_params]
 
         # Gradient staging (CUDA only): one block's worth, plus the trunk's, in page-locked memory.
         self._block_staging: Optional[Tensor] = None
@@ -121,7 +120,8 @@ class StreamingEngine:
         if self.copier.is_cuda:
             trainable_numel = max((home.numel for home in self.homes if home is not None and home.trainable), default=0)
             if trainable_numel:
-                self._block_staging = torch.empty(trainable_numel, dtype=self._slots_or_resident_dtype(), pin_memory=True)
+                grad_dtype = next(home for home in self.homes if home is not None).transfer.dtype
+                self._block_staging = torch.empty(trainable_numel, dtype=grad_dtype, pin_memory=True)
             self._trunk_staging = {
                 param: torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
                 for param in trunk_params
@@ -228,32 +228,31 @@ class StreamingEngine:
     def is_trunk(self, param: nn.Parameter) -> bool:
         return param in self._trunk
 
+    def _positions_after_cursor(self) -> Iterator[int]:
+        """Positions in the expected order after the cursor, wrapping around in a forward-only pass."""
+        length = len(self._order)
+        for step in range(1, length + 1):
+            position = self._cursor + step
+            if self._cyclic:
+                position %= length
+            elif position >= length:
+                return
+            yield position
+
     def _advance(self, index: int) -> None:
         """Moves the prediction cursor to ``index``'s next expected position (re-synchronising if the model called
         the blocks in an order the pass did not predict)."""
-        order = self._order
-        for step in range(1, len(order) + 1):
-            position = self._cursor + step
-            if self._cyclic:
-                position %= len(order)
-            elif position >= len(order):
-                break
-            if order[position] == index:
+        for position in self._positions_after_cursor():
+            if self._order[position] == index:
                 self._cursor = position
                 return
-        self._cursor = order.index(index) if index in order else -1
+        self._cursor = self._order.index(index) if index in self._order else -1
 
     def _upcoming(self) -> Iterator[int]:
         """Streamed blocks expected after the cursor, nearest first, without repeats."""
         seen: set[int] = set()
-        order = self._order
-        for step in range(1, len(order) + 1):
-            position = self._cursor + step
-            if self._cyclic:
-                position %= len(order)
-            elif position >= len(order):
-                return
-            index = order[position]
+        for position in self._positions_after_cursor():
+            index = self._order[position]
             if index in seen or index in self._resident or self.homes[index] is None:
                 continue
             seen.add(index)
@@ -375,10 +374,6 @@ class StreamingEngine:
 
     def largest_block_bytes(self) -> int:
         return max((home.transfer_bytes for home in self.homes if home is not None), default=0)
-
-    def _slots_or_resident_dtype(self) -> torch.dtype:
-        home = next(home for home in self.homes if home is not None)
-        return home.transfer.dtype
 
 
 def _clamp(name: str, value: int, limit: int, what: str) -> int:
