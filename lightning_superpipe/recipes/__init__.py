@@ -1,0 +1,27 @@
+"""Recipes: fine-tune and evaluate ``transformers`` models from a YAML file with the ``superpipe`` command."""
+
+from lightning_superpipe.recipes.causal_lm import (
+    CausalLMModule,
+    GenerationSettings,
+    LoRASettings,
+    OptimizerSettings,
+)
+from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.generation_writer import GenerationWriter
+from lightning_superpipe.recipes.memory_report import MemoryReport
+from lightning_superpipe.recipes.text_data import TextDataModule
+from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "CausalLMModule",
+    "GenerationSettings",
+    "GenerationWriter",
+    "LoRASettings",
+    "MemoryReport",
+    "OptimizerSettings",
+    "RecipeError",
+    "TextDataModule",
+    "TextTokenizer",
+    "load_tokenizer",
+]

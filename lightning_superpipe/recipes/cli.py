@@ -1,0 +1,109 @@
+"""The ``superpipe`` command: Lightning's CLI for causal-LM recipes, with one-line errors for bad input.
+
+Usage::
+
+    superpipe fit --config recipes/finetune_lora.yaml
+    superpipe fit --config recipes/finetune_lora.yaml --trainer.max_steps 10 --model.lora.rank 4
+    superpipe validate --config recipes/eval_moe_paged.yaml
+    superpipe predict --config recipes/finetune_lora.yaml --ckpt_path superpipe_logs/.../last.ckpt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import ArgumentError
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+# Registers the "superpipe" strategy name with Lightning before the recipe is parsed.
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe.recipes.causal_lm import CausalLMModule
+from lightning_superpipe.recipes.errors import RecipeError, describe_parse_error
+from lightning_superpipe.recipes.text_data import TextDataModule
+
+#: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, ArgumentError, MisconfigurationException, FileNotFoundError)
+#: Set to 1 to see the traceback of a user error too.
+TRACEBACK_ENV = "SUPERPIPE_TRACEBACK"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class SuperpipeCLI(LightningCLI):
+    """``LightningCLI`` for :class:`CausalLMModule` and :class:`TextDataModule`, with the two wired together.
+
+    The tokenizer is read from the model's folder (``model.pretrained_path``), and the model's vocabulary follows the
+    tokenizer, so a recipe names the model once. Configuration errors become :class:`RecipeError` with a one-line
+    message.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("model.pretrained_path", "data.tokenizer_path")
+        parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:
+            raise RecipeError(describe_parse_error(str(error), self._known_keys())) from error
+
+    def _known_keys(self) -> list[str]:
+        parsers = getattr(self, "_subcommand_parsers", {}) or {"": self.parser}
+        return sorted({key for parser in parsers.values() for key in parser.get_defaults().keys()})
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Lightning checks the trainer's settings (strategy name, accelerator, precision) only when it is created,
+        # and raises ValueError or MisconfigurationException: both mean a wrong value under ``trainer``.
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as error:
+            if isinstance(error, RecipeError):
+                raise
+            raise RecipeError(f"trainer: {first_line(error)}") from error
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-blank line of ``error``'s message, or its type name."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def one_line(error: BaseException) -> str:
+    """The user-facing one-line description of ``error``."""
+    if isinstance(error, ArgumentError):
+        return describe_parse_error(str(error))
+    return first_line(error)
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """Run ``superpipe``; ``args`` replaces ``sys.argv[1:]`` (tests call ``main(["fit", "--config", ...])``).
+
+    Raises:
+        SystemExit: With code 2 and one line on standard error when the input is bad.
+    """
+    # The packed sequences are already in memory, so Lightning's advice to add data-loader workers does not apply.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    try:
+        SuperpipeCLI(
+            CausalLMModule,
+            TextDataModule,
+            args=list(args) if args is not None else None,
+            # Raise instead of printing usage and exiting, so that ``main`` can report the error on one line.
+            parser_kwargs={"exit_on_error": False, **{name: {"exit_on_error": False} for name in SUBCOMMANDS}},
+            save_config_kwargs={"overwrite": True},
+            # Optimizer and schedule are set under ``model.optimizer``, where the CPU-fast AdamW is chosen.
+            auto_configure_optimizers=False,
+        )
+    except USER_ERRORS as error:
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        print(f"superpipe: error: {one_line(error)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

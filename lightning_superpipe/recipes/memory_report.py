@@ -1,0 +1,333 @@
+"""Show what a run costs in device memory: a progress-bar figure, a table at the end and a plot over the batches.
+
+The table sets the peak device memory of the run against what the plain strategy would have kept on the device:
+every weight, a gradient for every trainable weight and the optimizer's state. With the superpipe strategy the
+figures come from its ``memory_report()``; with any other strategy the plain-strategy estimate is computed from the
+module and the optimizers, and the peak comes from CUDA when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+#: File names written into the run's log folder.
+REPORT_FILENAME = "memory_report.json"
+PLOT_FILENAME = "device_memory.png"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements."""
+    return tensor.numel() * tensor.element_size()
+
+
+def optimizer_state_bytes(optimizers: list[Optimizer], device: torch.device | None = None) -> int:
+    """Bytes of the tensors the optimizers keep per parameter (AdamW: two moments and a step count).
+
+    Args:
+        optimizers: The trainer's optimizers.
+        device: Count only tensors on this device; ``None`` counts all.
+    """
+    return sum(
+        tensor_bytes(value)
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and (device is None or value.device == device)
+    )
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in the largest binary unit that keeps the number at least 1, e.g. ``'1.50 GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def strategy_memory_report(trainer: Trainer) -> dict[str, int] | None:
+    """The strategy's own ``memory_report()`` (the superpipe strategy has one), or ``None``."""
+    report = getattr(trainer.strategy, "memory_report", None)
+    return dict(report()) if callable(report) else None
+
+
+@dataclass
+class MemorySample:
+    """Device memory after one batch.
+
+    Args:
+        batch: 1-based index of the batch within the stage.
+        device_bytes: Bytes on the compute device: CUDA's allocated bytes, else the superpipe strategy's block bytes
+            on the device plus the weights outside the blocks, else the module's weights, gradients and optimizer
+            state on the device.
+        peak_device_bytes: Highest device bytes so far, when the strategy or CUDA tracks it.
+    """
+
+    batch: int
+    device_bytes: int
+    peak_device_bytes: int | None
+
+
+@dataclass
+class MemorySummary:
+    """The figures of the memory table; see :class:`MemoryReport`."""
+
+    stage: str
+    strategy: str
+    device: str
+    param_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    plain_total_bytes: int
+    superpipe_peak_device_bytes: int | None = None
+    trunk_device_bytes: int | None = None
+    cuda_max_allocated_bytes: int | None = None
+    host_bytes: int | None = None
+    strategy_report: dict[str, int] | None = None
+    samples: list[MemorySample] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """The run's measured device peak: CUDA's when available (it includes activations), else the superpipe
+        strategy's peak of block weights and gradients plus the weights outside the blocks, which stay on the device.
+        """
+        if self.cuda_max_allocated_bytes is not None:
+            return self.cuda_max_allocated_bytes
+        if self.superpipe_peak_device_bytes is None:
+            return None
+        return self.superpipe_peak_device_bytes + (self.trunk_device_bytes or 0)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """``(label, value)`` rows of the table, in display order."""
+        rows: list[tuple[str, str]] = []
+        if self.superpipe_peak_device_bytes is not None:
+            rows.append(("peak on device, block weights + grads", format_bytes(self.superpipe_peak_device_bytes)))
+        if self.trunk_device_bytes is not None:
+            rows.append(("on device, weights outside the blocks", format_bytes(self.trunk_device_bytes)))
+        if self.cuda_max_allocated_bytes is not None:
+            rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
+        if self.host_bytes is not None:
+            rows.append(("held in host memory", format_bytes(self.host_bytes)))
+        rows.append(("plain strategy would keep on device:", ""))
+        rows.append(("  weights", format_bytes(self.param_bytes)))
+        if self.stage == "fit":
+            rows.append(("  gradients", format_bytes(self.gradient_bytes)))
+            rows.append(("  optimizer state", format_bytes(self.optimizer_state_bytes)))
+        rows.append(("  total", format_bytes(self.plain_total_bytes)))
+        if self.peak_bytes is not None and self.plain_total_bytes > 0:
+            rows.append(("device peak / plain total", f"{100.0 * self.peak_bytes / self.plain_total_bytes:.1f} %"))
+        return rows
+
+    def table(self) -> str:
+        """The summary as an aligned plain-text table."""
+        rows = self.rows()
+        label_width = max(len(label) for label, _ in rows)
+        value_width = max(len(value) for _, value in rows)
+        title = f"Device memory: {self.stage} with {self.strategy} on {self.device}"
+        rule = "-" * max(len(title), label_width + value_width + 3)
+        lines = [title, rule, *(f"{label:<{label_width}}   {value:>{value_width}}" for label, value in rows), rule]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready figures, with the measured peak and the per-batch samples."""
+        return {**asdict(self), "peak_bytes": self.peak_bytes}
+
+
+class MemoryReport(Callback):
+    """Device memory on the progress bar, a table at the end of each stage, and a plot in the log folder.
+
+    During ``fit`` the progress bar shows ``dev_mem_MiB`` (or ``dev_mem_GiB`` for models of a GiB or more). When a
+    stage ends, the callback prints the table, writes its figures and the per-batch samples to
+    ``memory_report.json`` and, if matplotlib is installed (``pip install lightning-superpipe[plot]``), plots device
+    memory over the batches into ``device_memory.png``, both in the trainer's log folder.
+
+    Args:
+        plot: Write ``device_memory.png``.
+        progress_bar: Show device memory on the progress bar during ``fit``.
+    """
+
+    def __init__(self, plot: bool = True, progress_bar: bool = True) -> None:
+        self.plot = plot
+        self.progress_bar = progress_bar
+        self.samples: list[MemorySample] = []
+        self.summary: MemorySummary | None = None
+        self._unit_name = "MiB"
+        self._unit_bytes = 2**20
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.samples = []
+        self.summary = None
+        if sum(tensor_bytes(p) for p in pl_module.parameters()) >= 2**30:
+            self._unit_name, self._unit_bytes = "GiB", 2**30
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+
+    def _sample(self, trainer: Trainer, pl_module: LightningModule) -> MemorySample:
+        device = trainer.strategy.root_device
+        report = strategy_memory_report(trainer)
+        peak: int | None = None
+        if device.type == "cuda":
+            device_bytes = torch.cuda.memory_allocated(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        elif report is not None and "device_bytes" in report:
+            # The strategy counts the streamed blocks; the weights outside them stay on the device throughout.
+            trunk_bytes = report.get("trunk_device_bytes", 0)
+            device_bytes = report["device_bytes"] + trunk_bytes
+            peak = report["peak_device_bytes"] + trunk_bytes if "peak_device_bytes" in report else None
+        else:
+            device_bytes = sum(
+                tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
+                for p in pl_module.parameters()
+                if p.device == device
+            ) + optimizer_state_bytes(trainer.optimizers, device)
+        sample = MemorySample(batch=len(self.samples) + 1, device_bytes=int(device_bytes), peak_device_bytes=peak)
+        self.samples.append(sample)
+        return sample
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        sample = self._sample(trainer, pl_module)
+        if self.progress_bar:
+            pl_module.log(
+                f"dev_mem_{self._unit_name}", sample.device_bytes / self._unit_bytes, prog_bar=True, logger=False
+            )
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.state.fn == "validate":  # during fit only the training batches are plotted
+            self._sample(trainer, pl_module)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._sample(trainer, pl_module)
+
+    def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._sample(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Not ``on_fit_end``: that runs after the strategy's teardown, when its memory report is gone.
+        self._finish(trainer, pl_module, "fit")
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._finish(trainer, pl_module, "validate")
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, "test")
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish(trainer, pl_module, "predict")
+
+    def summarize(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> MemorySummary:
+        """The table's figures for the stage that just ended.
+
+        Args:
+            trainer: The trainer that ran the stage.
+            pl_module: The module it ran.
+            stage: ``fit``, ``validate``, ``test`` or ``predict``.
+        """
+        report = strategy_memory_report(trainer) or {}
+        parameters = list(pl_module.parameters())
+        param_bytes = report.get("param_bytes", sum(tensor_bytes(p) for p in parameters))
+        training = stage == "fit"
+        # Outside ``fit`` the plain strategy keeps only the weights: no gradients, no optimizer.
+        gradient_bytes = (
+            report.get("trainable_param_bytes", sum(tensor_bytes(p) for p in parameters if p.requires_grad))
+            if training
+            else 0
+        )
+        optimizer_bytes = report.get("optimizer_state_bytes", optimizer_state_bytes(trainer.optimizers)) if training else 0
+        device = trainer.strategy.root_device
+        return MemorySummary(
+            stage=stage,
+            strategy=describe_strategy(trainer, report),
+            device=str(device),
+            param_bytes=int(param_bytes),
+            gradient_bytes=int(gradient_bytes),
+            optimizer_state_bytes=int(optimizer_bytes),
+            plain_total_bytes=int(param_bytes + gradient_bytes + optimizer_bytes),
+            superpipe_peak_device_bytes=report.get("peak_device_bytes"),
+            trunk_device_bytes=report.get("trunk_device_bytes"),
+            cuda_max_allocated_bytes=(
+                report.get("cuda_max_allocated_bytes", torch.cuda.max_memory_allocated(device))
+                if device.type == "cuda"
+                else None
+            ),
+            host_bytes=report.get("host_bytes"),
+            strategy_report=report or None,
+            samples=list(self.samples),
+        )
+
+    def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.summary = self.summarize(trainer, pl_module, stage)
+        if not trainer.is_global_zero:
+            return
+        print(f"\n{self.summary.table()}\n", flush=True)
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / REPORT_FILENAME).write_text(json.dumps(self.summary.to_dict(), indent=2) + "\n")
+        written = [log_dir / REPORT_FILENAME]
+        if self.plot and self.summary.samples:
+            plot_path = plot_device_memory(self.summary, log_dir / PLOT_FILENAME)
+            if plot_path is not None:
+                written.append(plot_path)
+        print("Memory report written to " + ", ".join(str(path) for path in written), flush=True)
+
+
+def describe_strategy(trainer: Trainer, report: dict[str, int]) -> str:
+    """Strategy class name, with the superpipe settings when its report has them."""
+    name = type(trainer.strategy).__name__
+    settings = [f"{key}={report[key]}" for key in ("num_blocks", "resident_blocks", "prefetch") if key in report]
+    return f"{name} ({', '.join(settings)})" if settings else name
+
+
+def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:
+    """Plot device memory over the batches, with the plain strategy's requirement for comparison.
+
+    Args:
+        summary: The stage's figures and samples.
+        path: The PNG file to write.
+
+    Returns:
+        ``path``, or ``None`` when matplotlib is not installed.
+    """
+    try:
+        # The object-oriented API, not pyplot: no global figure state, no GUI backend, safe inside any program.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        log.warning("matplotlib is not installed, so no %s; `pip install lightning-superpipe[plot]` adds it.", path.name)
+        return None
+    largest = max([summary.plain_total_bytes, *(s.device_bytes for s in summary.samples)])
+    unit_name, unit_bytes = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+    batches = [sample.batch for sample in summary.samples]
+    figure = Figure(figsize=(8, 4.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot(batches, [s.device_bytes / unit_bytes for s in summary.samples], marker=".", label="on device after batch")
+    peaks = [s.peak_device_bytes for s in summary.samples]
+    if all(peak is not None for peak in peaks):
+        axes.step(batches, [peak / unit_bytes for peak in peaks], where="post", label="peak so far")  # type: ignore[operator]
+    axes.axhline(
+        summary.plain_total_bytes / unit_bytes,
+        color="tab:red",
+        linestyle="--",
+        label="plain strategy: weights" + (" + gradients + optimizer state" if summary.stage == "fit" else ""),
+    )
+    axes.set_xlabel(f"{'training' if summary.stage == 'fit' else summary.stage} batch")
+    axes.set_ylabel(f"device memory ({unit_name})")
+    axes.set_ylim(bottom=0)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_title(f"Device memory: {summary.stage} with {summary.strategy} on {summary.device}", fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best", fontsize=8)
+    figure.savefig(path, dpi=120)
+    return path

@@ -1,0 +1,349 @@
+"""Text for causal-LM recipes: read documents, tokenize, pack into fixed-length sequences, split, serve batches.
+
+Documents come from a plain-text file, a folder of text files, a JSONL file with a text field, or, by default,
+Python's own documentation (``pydoc_data.topics``), which ships with every CPython so a recipe runs with no download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.tokenization import TextTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Suffixes of the files read as plain text when the data path is a folder.
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")
+#: Suffix of the files read as one JSON object a line.
+JSONL_SUFFIX = ".jsonl"
+#: Prompts for ``superpipe predict`` when the recipe gives none; they open topics of the embedded corpus.
+DEFAULT_PROMPTS = (
+    "The for statement is used to",
+    "A class definition defines a class object",
+    "Exceptions are raised",
+)
+
+
+def embedded_documents() -> list[str]:
+    """Python's documentation topics, one document each, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return [topics[name] for name in sorted(topics)]
+
+
+def read_text_file(path: Path) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        RecipeError: If the file is not UTF-8 text.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise RecipeError(f"'{path}' is not UTF-8 text (undecodable byte at offset {error.start})") from error
+
+
+def read_jsonl(path: Path, text_field: str) -> list[str]:
+    """The ``text_field`` of each JSON object in the JSONL file ``path``.
+
+    Records without the field are skipped with a warning; a file where no record has it is an error, because the
+    field name is then almost certainly wrong.
+
+    Raises:
+        RecipeError: If a line is not a JSON object, the field is not a string, or no record has the field.
+    """
+    texts: list[str] = []
+    first_record_fields: list[str] | None = None
+    records = 0
+    for line_number, line in enumerate(read_text_file(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise RecipeError(f"line {line_number} of '{path}' is not JSON: {error.msg}") from error
+        if not isinstance(record, dict):
+            raise RecipeError(f"line {line_number} of '{path}' is a JSON {type(record).__name__}, expected an object")
+        records += 1
+        if first_record_fields is None:
+            first_record_fields = list(record)
+        if text_field not in record:
+            continue
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise RecipeError(
+                f"field '{text_field}' on line {line_number} of '{path}' is a {type(value).__name__}, expected a string"
+            )
+        texts.append(value)
+    if records and not texts:
+        raise RecipeError(
+            f"no record in '{path}' has the text field '{text_field}'; the first record has "
+            f"{', '.join(repr(name) for name in first_record_fields or [])} (set data.text_field)"
+        )
+    if len(texts) < records:
+        log.warning("%d of %d records in '%s' have no '%s' field; skipped.", records - len(texts), records, path, text_field)
+    return texts
+
+
+def find_text_files(folder: Path) -> list[Path]:
+    """Text and JSONL files under ``folder``, recursively, hidden ones left out, in a fixed order."""
+    suffixes = {*TEXT_SUFFIXES, JSONL_SUFFIX}
+    return sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and path.suffix.lower() in suffixes
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
+
+
+def read_documents(data_path: str | None, text_field: str = "text") -> list[str]:
+    """The non-blank documents at ``data_path``.
+
+    Args:
+        data_path: A text file (any suffix; ``.jsonl`` is read as JSONL), a folder searched recursively for
+            ``.txt``/``.text``/``.md``/``.markdown``/``.rst``/``.jsonl`` files, or ``None`` for the embedded corpus.
+        text_field: The field holding the text in JSONL records.
+
+    Returns:
+        One string per file or JSONL record.
+
+    Raises:
+        RecipeError: If the path does not exist or holds no text.
+    """
+    if data_path is None:
+        return embedded_documents()
+    path = Path(data_path).expanduser()
+    if not path.exists():
+        raise RecipeError(f"data path '{data_path}' does not exist")
+    if path.is_dir():
+        files = find_text_files(path)
+        if not files:
+            listed = ", ".join([*TEXT_SUFFIXES, JSONL_SUFFIX])
+            raise RecipeError(f"data path '{data_path}' holds no text: the folder has no {listed} files")
+    else:
+        files = [path]
+    documents: list[str] = []
+    for file in files:
+        if file.suffix.lower() == JSONL_SUFFIX:
+            documents.extend(read_jsonl(file, text_field))
+        else:
+            documents.append(read_text_file(file))
+    documents = [document for document in documents if document.strip()]
+    if not documents:
+        what = "the file is empty" if len(files) == 1 else f"its {len(files)} files are empty"
+        raise RecipeError(f"data path '{data_path}' holds no text: {what}")
+    return documents
+
+
+def pack_documents(token_ids: Iterable[Sequence[int]], seq_len: int, eos_token_id: int | None) -> torch.Tensor:
+    """Concatenate tokenized documents, each ended by ``eos_token_id``, and cut the stream into rows.
+
+    Packing wastes no compute on padding; the tail shorter than ``seq_len`` is dropped.
+
+    Args:
+        token_ids: Token ids of each document.
+        seq_len: Tokens per row.
+        eos_token_id: Id appended to each document that does not already end with it; ``None`` to append nothing.
+
+    Returns:
+        An ``int32`` tensor of shape ``(rows, seq_len)``.
+    """
+    stream: list[int] = []
+    for ids in token_ids:
+        stream.extend(ids)
+        if eos_token_id is not None and (not ids or ids[-1] != eos_token_id):
+            stream.append(eos_token_id)
+    rows = len(stream) // seq_len
+    return torch.tensor(stream[: rows * seq_len], dtype=torch.int32).view(rows, seq_len)
+
+
+def split_rows(rows: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split packed rows into training and held-out rows by a seeded random draw.
+
+    Args:
+        rows: Packed sequences, one a row.
+        val_fraction: Share of rows held out, at least one row; ``1.0`` holds out every row (evaluation only).
+        seed: Seed of the draw, so the split is the same in ``fit`` and in a later ``validate``.
+
+    Returns:
+        ``(train_rows, held_out_rows)``, each in the original order.
+    """
+    count = len(rows)
+    held_out = count if val_fraction >= 1.0 else min(count - 1, max(1, round(count * val_fraction)))
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return rows[order[held_out:].sort().values], rows[order[:held_out].sort().values]
+
+
+class PackedSequences(Dataset[dict[str, torch.Tensor]]):
+    """Packed token rows served as ``{"input_ids": LongTensor[seq_len]}``.
+
+    Args:
+        rows: An integer tensor of shape ``(rows, seq_len)``.
+    """
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index].long()}
+
+
+class PromptCollator:
+    """Tokenize prompts and left-pad them, as generation with a decoder-only model needs.
+
+    Args:
+        tokenizer: The tokenizer of the model that will continue the prompts.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, prompts: list[str]) -> dict[str, Any]:
+        encoded = [self.tokenizer.encode(prompt) for prompt in prompts]
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+        for row, ids in enumerate(encoded):
+            if ids:
+                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, width - len(ids) :] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "prompts": list(prompts)}
+
+
+class TextDataModule(LightningDataModule):
+    """Text for causal-LM fine-tuning and evaluation, packed into fixed-length sequences.
+
+    ``fit`` trains on the training rows and validates on the held-out rows; ``validate`` and ``test`` evaluate the
+    held-out rows (set ``val_fraction: 1.0`` to evaluate on everything); ``predict`` continues ``prompts``.
+
+    Args:
+        data_path: A text file, a folder of ``.txt``/``.md``/``.rst``/``.jsonl`` files, or a JSONL file; ``None``
+            (the default) uses Python's documentation, which ships with every CPython.
+        text_field: The field holding the text in JSONL records.
+        tokenizer_path: Folder of the model's tokenizer; ``None`` or a folder without tokenizer files uses a
+            byte-level tokenizer. The ``superpipe`` command sets it to ``model.pretrained_path``.
+        seq_len: Tokens per training sequence.
+        batch_size: Sequences (or prompts) per batch.
+        val_fraction: Share of the packed sequences held out for validation, in ``(0, 1]``.
+        split_seed: Seed of the train/held-out split.
+        num_workers: Data-loader worker processes; the rows are already in memory, so 0 is usually fastest.
+        prompts: Prompts that ``predict`` continues; ``None`` uses a few openings of the embedded corpus.
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        text_field: str = "text",
+        tokenizer_path: str | None = None,
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        split_seed: int = 0,
+        num_workers: int = 0,
+        prompts: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if seq_len < 2:
+            raise RecipeError(f"data.seq_len must be at least 2, got {seq_len}")
+        if batch_size < 1:
+            raise RecipeError(f"data.batch_size must be at least 1, got {batch_size}")
+        if not 0.0 < val_fraction <= 1.0:
+            raise RecipeError(f"data.val_fraction must be in (0, 1], got {val_fraction}")
+        if data_path is not None and not Path(data_path).expanduser().exists():
+            # Checked here, before the model is built, so a typo costs no loading time.
+            raise RecipeError(f"data path '{data_path}' does not exist")
+        if prompts is not None and not prompts:
+            raise RecipeError("data.prompts is an empty list; give at least one prompt or leave it unset")
+        self.save_hyperparameters()
+        self.data_path = data_path
+        self.text_field = text_field
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.num_workers = num_workers
+        self.prompts = list(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
+        self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path)
+        self.train_set: PackedSequences | None = None
+        self.val_set: PackedSequences | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model must be able to embed."""
+        return self.tokenizer.vocab_size
+
+    def setup(self, stage: str) -> None:
+        """Read, tokenize, pack and split the text once; ``predict`` needs only the prompts.
+
+        Raises:
+            RecipeError: If the data holds no text, too little for one sequence per split, or nothing to train on.
+        """
+        if stage == "predict" or self.val_set is not None:
+            self._check_train_rows(stage)
+            return
+        documents = read_documents(self.data_path, self.text_field)
+        token_ids = [self.tokenizer.encode(document) for document in documents]
+        rows = pack_documents(token_ids, self.seq_len, self.tokenizer.eos_token_id)
+        needed = 1 if self.val_fraction >= 1.0 else 2
+        if len(rows) < needed:
+            source = f"data path '{self.data_path}'" if self.data_path is not None else "the embedded corpus"
+            raise RecipeError(
+                f"{source} holds {sum(map(len, token_ids))} tokens, too few for {needed} sequence(s) of "
+                f"data.seq_len={self.seq_len}; lower data.seq_len or add text"
+            )
+        train_rows, held_out_rows = split_rows(rows, self.val_fraction, self.split_seed)
+        self.train_set, self.val_set = PackedSequences(train_rows), PackedSequences(held_out_rows)
+        log.info(
+            "Packed %d documents into %d training and %d held-out sequences of %d tokens.",
+            len(documents),
+            len(train_rows),
+            len(held_out_rows),
+            self.seq_len,
+        )
+        self._check_train_rows(stage)
+
+    def _check_train_rows(self, stage: str) -> None:
+        if stage == "fit" and self.train_set is not None and len(self.train_set) == 0:
+            raise RecipeError(f"data.val_fraction={self.val_fraction} holds out every sequence: nothing to train on")
+
+    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
+        if dataset is None:
+            raise RuntimeError("TextDataModule.setup() must run before its data loaders are requested")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        # There is no separate test split: ``test`` reports on the held-out rows, like ``validate``.
+        return self._loader(self.val_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(
+            self.prompts,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=PromptCollator(self.tokenizer),
+        )
