@@ -221,7 +221,7 @@ class PagedExperts:
         """
         self._check_budget(nbytes)
         self._budget = nbytes
-        return self.rebalance()
+        return self._incremental(self._effective_budget())
 
     def set_total_budget(self, nbytes: int | None) -> None:
         """Pressure mode: device bytes for experts plus KV cache (``None``: off).
@@ -247,16 +247,19 @@ class PagedExperts:
         pressure = self._total_budget - kv_bytes
         return pressure if self._budget is None else min(self._budget, pressure)
 
-    def rebalance(self, *, exchange: bool = False) -> MoveCounts:
-        """Run the planner against the current budget (e.g. after :meth:`apply_levels`).
-
-        Args:
-            exchange: Also move bits between pages whose predicted damage changed.
+    def rebalance(self) -> MoveCounts:
+        """Re-plan from scratch for the current budget and damage, moving only the pages whose
+        level changes (e.g. to hand control back to the planner after :meth:`apply_levels`).
 
         Returns:
             The moves made.
         """
-        counts = self.planner.rebalance(self.store, self._current, self._effective_budget(), exchange=exchange)
+        counts = self.planner.replan(self.store, self._current, self._effective_budget())
+        self.moves += counts
+        return counts
+
+    def _incremental(self, budget: int | None, *, exchange: bool = False) -> MoveCounts:
+        counts = self.planner.rebalance(self.store, self._current, budget, exchange=exchange)
         self.moves += counts
         return counts
 
@@ -277,7 +280,8 @@ class PagedExperts:
     def apply_levels(self, levels: Sequence[int] | Mapping[PageKey, int]) -> None:
         """Put pages at explicit levels, bypassing the planner (e.g. for baselines).
 
-        The planner takes over again at the next :meth:`set_budget` or :meth:`rebalance`.
+        The planner works incrementally from these levels at the next budget change; call
+        :meth:`rebalance` to have it re-plan from scratch.
 
         Args:
             levels: Bits per page, in the order of :meth:`bits` or keyed by page location.
@@ -311,9 +315,9 @@ class PagedExperts:
         finally:
             self.activations.recording = False
         self.damage_model.update_errors(self.activations)
-        if self._current:
+        if self._current:  # already placed: the damage changed wholesale, plan again
             self._refresh_damage()
-            self.rebalance(exchange=True)
+            self.rebalance()
 
     def _refresh_damage(self) -> None:
         shares = self.routing.shares() if self.routing.tokens_seen() > 0 else None
@@ -339,7 +343,7 @@ class PagedExperts:
             # Landed promotions to the original weights freed their bit planes: room to use.
             self._commits_seen = self.store.commits
             if self._total_budget is None:
-                self.moves += self.planner.rebalance(self.store, self._current, self._effective_budget())
+                self._incremental(self._effective_budget())
         if self._total_budget is not None:
             # transformers >= 5.2x calls it `cache`; earlier 5.x releases `past_key_values`.
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -352,16 +356,14 @@ class PagedExperts:
                     f"leaving {budget:,} bytes for experts, below their minimum of {self.min_bytes():,}. Generate "
                     "fewer tokens, use a smaller batch, or raise the total budget."
                 )
-            self.moves += self.planner.rebalance(self.store, self._current, budget)
+            self._incremental(budget)
         if (
             self.rebalance_every is not None
             and self._forwards % self.rebalance_every == 0
             and self.routing.updates != self._routing_seen
         ):
             self._refresh_damage()
-            self.moves += self.planner.rebalance(
-                self.store, self._current, self._effective_budget(), exchange=True
-            )
+            self._incremental(self._effective_budget(), exchange=True)
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> None:

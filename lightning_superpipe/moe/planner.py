@@ -182,6 +182,31 @@ class BudgetPlanner:
             counts += self._exchange(mover, current, target)
         return counts
 
+    def plan(self, budget: int | None) -> list[int]:
+        """Level index per page chosen from scratch: every page at the lowest level, then the best
+        steps up by damage removed per byte until ``fill_target(budget)`` (no history involved)."""
+        table = _TableMover(self.bytes, [len(self.levels) - 1] * len(self.bytes), self.levels)
+        self._promote_to(table, table.current, self.fill_target(budget))
+        return table.current
+
+    def replan(self, mover: PageMover, current: list[int], budget: int | None) -> MoveCounts:
+        """Move the pages to :meth:`plan`'s levels, demotions first so the budget holds throughout.
+
+        Promotions that do not fit yet (uploads in flight still hold bytes) are left for a later call.
+        """
+        target_levels = self.plan(budget)
+        fill = self.fill_target(budget)
+        counts = MoveCounts()
+        for page, level in enumerate(target_levels):
+            if level > current[page]:
+                self._move(mover, current, page, level)
+                counts.demotions += 1
+        for page, level in enumerate(target_levels):
+            if level < current[page] and mover.device_bytes() + mover.promotion_bytes(page, self.levels[level]) <= fill:
+                self._move(mover, current, page, level)
+                counts.promotions += 1
+        return counts
+
     def _move(self, mover: PageMover, current: list[int], page: int, level: int) -> None:
         mover.set_level(page, self.levels[level])
         current[page] = level
@@ -244,6 +269,26 @@ class BudgetPlanner:
                 if (step := self._step_up(page, level)) is not None:
                     heapq.heappush(up, (-step[0], page, level, step[1]))
         return counts
+
+
+class _TableMover:
+    """Planning stand-in for the page store: bytes from the table, moves only recorded."""
+
+    def __init__(self, sizes: list[list[int]], current: list[int], levels: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self.current = current
+        self.index = {level: i for i, level in enumerate(levels)}
+        self.used = sum(row[level] for row, level in zip(sizes, current))
+
+    def device_bytes(self) -> int:
+        return self.used
+
+    def promotion_bytes(self, page_id: int, level: int) -> int:
+        return self.sizes[page_id][self.index[level]] - self.sizes[page_id][self.current[page_id]]
+
+    def set_level(self, page_id: int, level: int) -> None:
+        # The planner updates `current` itself right after; only the bytes are tracked here.
+        self.used += self.sizes[page_id][self.index[level]] - self.sizes[page_id][self.current[page_id]]
 
 
 def _peek_valid(
