@@ -11,18 +11,15 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
-from torch.nn import functional as F
-from torchmetrics.regression import KLDivergence
-from torchmetrics.text import Perplexity
 
 from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, page_experts
 from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
+from lightning_superpipe.moe.metrics import IGNORE_INDEX, QualityMeter
 
 __all__ = ["PagedMoECallback"]
 
 _MODEL_INPUTS = ("input_ids", "attention_mask")
 _STAGES = ("validate", "test", "predict")
-_IGNORE_INDEX = -100
 
 
 def default_batch_to_inputs(batch: Any) -> dict[str, torch.Tensor]:
@@ -133,9 +130,7 @@ class PagedMoECallback(Callback):
         self._max_device_bytes = 0
         self._moves_at_start = (0, 0)
         self._in_reference = False
-        self._ppl_paged = Perplexity(ignore_index=_IGNORE_INDEX)
-        self._ppl_full = Perplexity(ignore_index=_IGNORE_INDEX)
-        self._kl = KLDivergence(log_prob=True)
+        self._quality = QualityMeter()
 
     def _start(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage not in self.stages or (trainer.sanity_checking and not self.page_sanity_check):
@@ -159,17 +154,13 @@ class PagedMoECallback(Callback):
         )
         self._stage = stage
         self._reset_run()
-        self._metrics_to(device)
+        self._quality.to(device)
         self._moves_at_start = (self.handle.moves.promotions, self.handle.moves.demotions)
         self._max_device_bytes = self.handle.device_bytes()
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
-
-    def _metrics_to(self, device: torch.device) -> None:
-        for metric in (self._ppl_paged, self._ppl_full, self._kl):
-            metric.to(device)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._in_reference:
@@ -202,16 +193,9 @@ class PagedMoECallback(Callback):
     ) -> None:
         labels = kwargs.get("labels")
         if labels is None:
-            labels = input_ids.masked_fill(kwargs["attention_mask"] == 0, _IGNORE_INDEX) if "attention_mask" in kwargs else input_ids
-        target = labels[:, 1:]
-        paged, full = logits[:, :-1].float(), reference[:, :-1].float()
-        self._ppl_paged.update(paged, target)
-        self._ppl_full.update(full, target)
-        keep = target.reshape(-1) != _IGNORE_INDEX
-        vocab = paged.shape[-1]
-        self._kl.update(
-            F.log_softmax(full.reshape(-1, vocab)[keep], dim=-1), F.log_softmax(paged.reshape(-1, vocab)[keep], dim=-1)
-        )
+            mask = kwargs.get("attention_mask")
+            labels = input_ids if mask is None else input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+        self._quality.update(logits, reference, labels)
 
     def _end(self, trainer: Trainer) -> None:
         if self.handle is None:
@@ -229,14 +213,8 @@ class PagedMoECallback(Callback):
         }
         for level, count in handle.level_counts().items():
             metrics[f"pages_{level}bit"] = float(count)
-        if self.measure_quality and self._tokens:
-            ppl_paged, ppl_full = self._ppl_paged.compute().item(), self._ppl_full.compute().item()
-            metrics.update(
-                ppl_paged=ppl_paged,
-                ppl_full=ppl_full,
-                ppl_change=ppl_paged / ppl_full - 1.0,
-                kl_to_full=self._kl.compute().item(),
-            )
+        if self.measure_quality and self._quality.tokens:
+            metrics.update(self._quality.compute())
         stage = self._stage
         self.reports[stage] = metrics
         self._teardown()
