@@ -108,8 +108,21 @@ def test_a_budget_below_the_minimum_names_the_minimum(tokens):
     handle.restore()
     with pytest.raises(ValueError, match="levels"):
         page_experts(tiny_moe("mixtral"), budget_bytes=minimum - 1, levels=(16, 8, 4, 2))
+    model = tiny_moe("mixtral")
+    params = _expert_params(model)
     with pytest.raises(ValueError, match="minimum"):
-        page_experts(tiny_moe("mixtral"), budget_bytes=minimum - 1)
+        page_experts(model, budget_bytes=minimum - 1)
+    assert _expert_params(model) == params  # refused before the model was touched
+    assert model.config._experts_implementation == "eager"
+
+
+def test_a_failing_calibration_leaves_the_model_as_it_was():
+    model = tiny_moe("olmoe")
+    params = _expert_params(model)
+    with pytest.raises(TypeError, match="calibration items must be"):
+        page_experts(model, calibration=["not a tensor"])
+    assert _expert_params(model) == params
+    assert model.config._experts_implementation == "eager"
 
 
 def test_unsupported_models_are_refused_with_the_supported_types():

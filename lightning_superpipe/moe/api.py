@@ -87,6 +87,8 @@ def page_experts(
             rows_per_page=rows_per_page,
             copy_engine=None if async_moves else SyncCopyEngine(device),
         )
+        # Checked before the model is touched, so that a refused budget leaves it as it was.
+        _check_budget(budget_bytes, int(store.bytes_table()[:, -1].sum()), store.min_level)
         handle = PagedExperts(
             model,
             layers,
@@ -96,9 +98,13 @@ def page_experts(
             rebalance_every=rebalance_every,
             routing_half_life_tokens=routing_half_life_tokens,
         )
-    if calibration is not None:
-        handle.calibrate(calibration)
-    handle._place(budget_bytes, total_budget_bytes)
+    try:
+        if calibration is not None:
+            handle.calibrate(calibration)
+        handle._place(budget_bytes, total_budget_bytes)
+    except BaseException:
+        handle.restore()
+        raise
     return handle
 
 
@@ -192,7 +198,7 @@ class PagedExperts:
         return self.planner.max_bytes
 
     def full_bytes(self) -> int:
-        """The experts' size at 16 bits per weight, the reference the issue's fractions refer to.
+        """The experts' size at 16 bits per weight: the reference for budget fractions.
 
         Equal to :meth:`max_bytes` for bf16/fp16 models; an fp32 model's originals take twice this.
         """
@@ -234,12 +240,7 @@ class PagedExperts:
     def _check_budget(self, nbytes: int | None) -> None:
         if self._restored:
             raise RuntimeError("the experts were restored; page the model again with page_experts()")
-        if nbytes is not None and nbytes < self.min_bytes():
-            raise ValueError(
-                f"budget_bytes={nbytes:,} is below the minimum of {self.min_bytes():,} bytes (every page at "
-                f"{self.store.min_level} bits with its group metadata). Raise the budget to at least that, "
-                "or lower the minimum: allow fewer bits (levels), or a larger group_size for less metadata."
-            )
+        _check_budget(nbytes, self.min_bytes(), self.store.min_level)
 
     def _effective_budget(self, kv_bytes: int = 0) -> int | None:
         if self._total_budget is None:
@@ -385,6 +386,15 @@ class PagedExperts:
                 delattr(layer.experts, BINDING_ATTR)
             self._pretrained.set_experts_implementation(self._previous_implementation)
         self._restored = True
+
+
+def _check_budget(nbytes: int | None, minimum: int, min_level: int) -> None:
+    if nbytes is not None and nbytes < minimum:
+        raise ValueError(
+            f"budget_bytes={nbytes:,} is below the minimum of {minimum:,} bytes (every page at {min_level} bits "
+            "with its group metadata). Raise the budget to at least that, or lower the minimum: allow fewer "
+            "bits (levels), or a larger group_size for less metadata."
+        )
 
 
 def full_expert_bytes(model: nn.Module) -> int:
