@@ -12,9 +12,10 @@ import difflib
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -118,6 +119,14 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+SettingsT = TypeVar("SettingsT")
+
+
+def settings_from(value: SettingsT | Mapping[str, Any], settings_type: type[SettingsT]) -> SettingsT:
+    """``value`` itself, or the settings dataclass built from it when it is a dict (as stored in checkpoints)."""
+    return settings_type(**value) if isinstance(value, Mapping) else value
+
+
 def lora_adaptable_types() -> tuple[type[nn.Module], ...]:
     """Module types that ``peft`` LoRA can wrap."""
     from transformers.pytorch_utils import Conv1D
@@ -200,6 +209,14 @@ class CausalLMModule(LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # Checkpoints keep the settings as plain dicts, which ``torch.load(weights_only=True)`` accepts and
+        # ``load_from_checkpoint`` passes back to this constructor.
+        for name, value in self.hparams.items():
+            if is_dataclass(value) and not isinstance(value, type):
+                self.hparams[name] = asdict(value)
+        lora = settings_from(lora, LoRASettings)
+        optimizer = settings_from(optimizer, OptimizerSettings)
+        generation = settings_from(generation, GenerationSettings)
         self.pretrained_path = pretrained_path
         self.lora = lora
         self.optimizer_settings = optimizer
@@ -221,6 +238,7 @@ class CausalLMModule(LightningModule):
 
     @staticmethod
     def _load_pretrained(pretrained_path: str, dtype: str, vocab_size: int | None) -> nn.Module:
+        from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM
 
         folder = Path(pretrained_path).expanduser()
@@ -238,9 +256,14 @@ class CausalLMModule(LightningModule):
             model = AutoModelForCausalLM.from_pretrained(
                 str(folder), local_files_only=True, dtype="auto" if dtype == "auto" else DTYPES[dtype]
             )
-        except (OSError, ValueError, KeyError) as error:
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
+            # Whatever fails while loading from a folder (an unknown architecture, a corrupt or truncated weight
+            # file, shapes that do not match the config) is a problem with that folder, so it is reported as such.
             first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise RecipeError(f"cannot load a causal LM from '{pretrained_path}': {first_line}") from error
+        # ``from_pretrained`` returns the model in eval mode; fine-tuning wants dropout as in pre-training, and
+        # Lightning keeps whatever mode the module starts ``fit`` in.
+        model.train()
         embedding_rows = model.get_input_embeddings().num_embeddings
         if vocab_size is not None and vocab_size > embedding_rows:
             log.warning(
@@ -399,7 +422,13 @@ class CausalLMModule(LightningModule):
             total_steps=int(total_steps) if math.isfinite(total_steps) else None,
             min_lr_ratio=settings.min_lr_ratio,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+        def multiplier(step: int) -> float:
+            return schedule(step)
+
+        # A plain function, not the schedule object: ``LambdaLR`` saves and restores the fields of callable objects,
+        # so a run resumed with a larger ``max_steps`` would keep decaying over the old length.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _adamw_implementation(self) -> dict[str, bool]:

@@ -10,10 +10,12 @@ Usage::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
 from collections.abc import Sequence
+from copy import deepcopy
 from typing import Any
 
 from jsonargparse import ArgumentError
@@ -23,15 +25,24 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # Registers the "superpipe" strategy name with Lightning before the recipe is parsed.
 import lightning_superpipe  # noqa: F401
+from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.errors import RecipeError, describe_parse_error
 from lightning_superpipe.recipes.text_data import TextDataModule
 
 #: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (RecipeError, ArgumentError, MisconfigurationException, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    RecipeError,
+    ArgumentError,
+    MisconfigurationException,
+    FileNotFoundError,
+    UnsupportedMoEModelError,
+)
 #: Set to 1 to see the traceback of a user error too.
 TRACEBACK_ENV = "SUPERPIPE_TRACEBACK"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+#: Model settings that say how to run the model rather than what it is; the recipe's values win over a checkpoint's.
+RUN_SETTINGS = ("optimizer", "generation")
 
 
 class SuperpipeCLI(LightningCLI):
@@ -51,6 +62,19 @@ class SuperpipeCLI(LightningCLI):
             super().parse_arguments(parser, args)
         except ArgumentError as error:
             raise RecipeError(describe_parse_error(str(error), self._known_keys())) from error
+        subcommand = self.config.get("subcommand")
+        prefix = f"{subcommand}.model" if subcommand else "model"
+        self._run_settings = {key: deepcopy(self.config.get(f"{prefix}.{key}")) for key in RUN_SETTINGS}
+
+    def before_instantiate_classes(self) -> None:
+        # With ``--ckpt_path``, Lightning re-applies the checkpoint's hyperparameters over the recipe and the command
+        # line, so that the model is rebuilt as it was trained. That is right for what defines the weights (the
+        # model, its LoRA adapters, the vocabulary) but not for how to run it now: ``predict --ckpt_path ...
+        # --model.generation.max_new_tokens 8`` must generate 8 tokens, not as many as the training recipe said.
+        subcommand = self.config.get("subcommand")
+        prefix = f"{subcommand}.model" if subcommand else "model"
+        for key, value in self._run_settings.items():
+            self.config[f"{prefix}.{key}"] = value
 
     def _known_keys(self) -> list[str]:
         parsers = getattr(self, "_subcommand_parsers", {}) or {"": self.parser}
@@ -79,6 +103,18 @@ def one_line(error: BaseException) -> str:
     return first_line(error)
 
 
+def show_recipe_messages() -> None:
+    """Print the recipes' informational messages (what was packed, how many parameters LoRA trains) to stderr,
+    as Lightning does for its own, unless the application has configured logging for them already."""
+    logger = logging.getLogger("lightning_superpipe.recipes")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Run ``superpipe``; ``args`` replaces ``sys.argv[1:]`` (tests call ``main(["fit", "--config", ...])``).
 
@@ -87,6 +123,7 @@ def main(args: Sequence[str] | None = None) -> None:
     """
     # The packed sequences are already in memory, so Lightning's advice to add data-loader workers does not apply.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    show_recipe_messages()
     try:
         SuperpipeCLI(
             CausalLMModule,

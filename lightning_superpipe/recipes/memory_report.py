@@ -3,7 +3,8 @@
 The table sets the peak device memory of the run against what the plain strategy would have kept on the device:
 every weight, a gradient for every trainable weight and the optimizer's state. With the superpipe strategy the
 figures come from its ``memory_report()``; with any other strategy the plain-strategy estimate is computed from the
-module and the optimizers, and the peak comes from CUDA when there is one.
+module and the optimizers, and the peak comes from CUDA when there is one. When a
+:class:`~lightning_superpipe.moe.PagedMoECallback` pages the experts, its figures join the table.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ def optimizer_state_bytes(optimizers: list[Optimizer], device: torch.device | No
 
 def format_bytes(count: float) -> str:
     """``count`` bytes in the largest binary unit that keeps the number at least 1, e.g. ``'1.50 GiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(count) < 1024:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
         count /= 1024
-    raise AssertionError("unreachable")
+    return f"{count:.2f} GiB"
 
 
 def strategy_memory_report(trainer: Trainer) -> dict[str, int] | None:
@@ -61,15 +62,40 @@ def strategy_memory_report(trainer: Trainer) -> dict[str, int] | None:
     return dict(report()) if callable(report) else None
 
 
+def paged_moe_callbacks(trainer: Trainer) -> list[Any]:
+    """The trainer's :class:`~lightning_superpipe.moe.PagedMoECallback` instances."""
+    from lightning_superpipe.moe import PagedMoECallback
+
+    return [callback for callback in trainer.callbacks if isinstance(callback, PagedMoECallback)]  # type: ignore[attr-defined]
+
+
+def active_paged_experts(trainer: Trainer) -> list[Any]:
+    """Handles of the experts paged right now (between a paged stage's start and end)."""
+    return [callback.handle for callback in paged_moe_callbacks(trainer) if callback.handle is not None]
+
+
+def weight_bytes(trainer: Trainer, pl_module: LightningModule) -> tuple[int, int]:
+    """``(all, trainable)`` parameter bytes of the module, counting paged experts at their original size.
+
+    Paging takes the expert parameters out of the model; the plain strategy would hold them as they were.
+    """
+    parameters = list(pl_module.parameters())
+    paged = sum(handle.max_bytes() for handle in active_paged_experts(trainer))
+    return (
+        sum(tensor_bytes(p) for p in parameters) + paged,
+        sum(tensor_bytes(p) for p in parameters if p.requires_grad),
+    )
+
+
 @dataclass
 class MemorySample:
     """Device memory after one batch.
 
     Args:
         batch: 1-based index of the batch within the stage.
-        device_bytes: Bytes on the compute device: CUDA's allocated bytes, else the superpipe strategy's block bytes
-            on the device plus the weights outside the blocks, else the module's weights, gradients and optimizer
-            state on the device.
+        device_bytes: Bytes on the compute device: CUDA's allocated bytes; else the superpipe strategy's block
+            bytes on the device plus the weights outside the blocks; else the module's weights, gradients and
+            optimizer state on the device; plus, off CUDA, the pages of paged experts.
         peak_device_bytes: Highest device bytes so far, when the strategy or CUDA tracks it.
     """
 
@@ -94,18 +120,25 @@ class MemorySummary:
     cuda_max_allocated_bytes: int | None = None
     host_bytes: int | None = None
     strategy_report: dict[str, int] | None = None
+    paged_moe: dict[str, float] | None = None
     samples: list[MemorySample] = field(default_factory=list)
 
     @property
+    def sampled_max_bytes(self) -> int | None:
+        """The most device bytes seen after a batch."""
+        return max((sample.device_bytes for sample in self.samples), default=None)
+
+    @property
     def peak_bytes(self) -> int | None:
-        """The run's measured device peak: CUDA's when available (it includes activations), else the superpipe
-        strategy's peak of block weights and gradients plus the weights outside the blocks, which stay on the device.
+        """The run's measured device peak: CUDA's when available (it includes activations); else the superpipe
+        strategy's peak of block weights and gradients plus the weights outside the blocks, which stay on the device;
+        else the most seen after a batch.
         """
         if self.cuda_max_allocated_bytes is not None:
             return self.cuda_max_allocated_bytes
-        if self.superpipe_peak_device_bytes is None:
-            return None
-        return self.superpipe_peak_device_bytes + (self.trunk_device_bytes or 0)
+        if self.superpipe_peak_device_bytes is not None:
+            return self.superpipe_peak_device_bytes + (self.trunk_device_bytes or 0)
+        return self.sampled_max_bytes
 
     def rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows of the table, in display order."""
@@ -116,8 +149,15 @@ class MemorySummary:
             rows.append(("on device, weights outside the blocks", format_bytes(self.trunk_device_bytes)))
         if self.cuda_max_allocated_bytes is not None:
             rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
+        if self.cuda_max_allocated_bytes is None and self.superpipe_peak_device_bytes is None and self.samples:
+            rows.append(("most on device after a batch", format_bytes(self.sampled_max_bytes or 0)))
         if self.host_bytes is not None:
             rows.append(("held in host memory", format_bytes(self.host_bytes)))
+        if self.paged_moe:
+            rows.append(("paged experts on device, most at once", format_bytes(self.paged_moe["expert_bytes_device_max"])))
+            rows.append(("  the same experts at 16 bits", format_bytes(self.paged_moe["expert_bytes_16bit"])))
+            if "ppl_paged" in self.paged_moe:
+                rows.append(("  perplexity paged / full experts", f"{self.paged_moe['ppl_paged']:.3f} / {self.paged_moe['ppl_full']:.3f}"))
         rows.append(("plain strategy would keep on device:", ""))
         rows.append(("  weights", format_bytes(self.param_bytes)))
         if self.stage == "fit":
@@ -140,13 +180,13 @@ class MemorySummary:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready figures, with the measured peak and the per-batch samples."""
-        return {**asdict(self), "peak_bytes": self.peak_bytes}
+        return {**asdict(self), "peak_bytes": self.peak_bytes, "sampled_max_bytes": self.sampled_max_bytes}
 
 
 class MemoryReport(Callback):
     """Device memory on the progress bar, a table at the end of each stage, and a plot in the log folder.
 
-    During ``fit`` the progress bar shows ``dev_mem_MiB`` (or ``dev_mem_GiB`` for models of a GiB or more). When a
+    During ``fit`` the progress bar shows ``dev_mem_MiB`` (``dev_mem_GiB`` for models of a GiB or more). When a
     stage ends, the callback prints the table, writes its figures and the per-batch samples to
     ``memory_report.json`` and, if matplotlib is installed (``pip install lightning-superpipe[plot]``), plots device
     memory over the batches into ``device_memory.png``, both in the trainer's log folder.
@@ -167,7 +207,7 @@ class MemoryReport(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.samples = []
         self.summary = None
-        if sum(tensor_bytes(p) for p in pl_module.parameters()) >= 2**30:
+        if weight_bytes(trainer, pl_module)[0] >= 2**30:
             self._unit_name, self._unit_bytes = "GiB", 2**30
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
@@ -179,17 +219,19 @@ class MemoryReport(Callback):
         if device.type == "cuda":
             device_bytes = torch.cuda.memory_allocated(device)
             peak = torch.cuda.max_memory_allocated(device)
-        elif report is not None and "device_bytes" in report:
-            # The strategy counts the streamed blocks; the weights outside them stay on the device throughout.
-            trunk_bytes = report.get("trunk_device_bytes", 0)
-            device_bytes = report["device_bytes"] + trunk_bytes
-            peak = report["peak_device_bytes"] + trunk_bytes if "peak_device_bytes" in report else None
         else:
-            device_bytes = sum(
-                tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
-                for p in pl_module.parameters()
-                if p.device == device
-            ) + optimizer_state_bytes(trainer.optimizers, device)
+            if report is not None and "device_bytes" in report:
+                # The strategy counts the streamed blocks; the weights outside them stay on the device throughout.
+                trunk_bytes = report.get("trunk_device_bytes", 0)
+                device_bytes = report["device_bytes"] + trunk_bytes
+                peak = report["peak_device_bytes"] + trunk_bytes if "peak_device_bytes" in report else None
+            else:
+                device_bytes = sum(
+                    tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
+                    for p in pl_module.parameters()
+                    if p.device == device
+                ) + optimizer_state_bytes(trainer.optimizers, device)
+            device_bytes += sum(handle.device_bytes() for handle in active_paged_experts(trainer))
         sample = MemorySample(batch=len(self.samples) + 1, device_bytes=int(device_bytes), peak_device_bytes=peak)
         self.samples.append(sample)
         return sample
@@ -211,19 +253,22 @@ class MemoryReport(Callback):
     def on_predict_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         self._sample(trainer, pl_module)
 
+    # The figures are taken when a stage ends, while the strategy still holds the model (``on_fit_end`` comes
+    # after the strategy's teardown, so fit uses ``on_train_end``); they are shown in ``teardown``, once every
+    # callback, the paged-MoE one included, has finished the stage.
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Not ``on_fit_end``: that runs after the strategy's teardown, when its memory report is gone.
-        self._finish(trainer, pl_module, "fit")
+        self.summary = self.summarize(trainer, pl_module, "fit")
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "validate":
-            self._finish(trainer, pl_module, "validate")
+            self.summary = self.summarize(trainer, pl_module, "validate")
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module, "test")
+        self.summary = self.summarize(trainer, pl_module, "test")
 
     def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module, "predict")
+        self.summary = self.summarize(trainer, pl_module, "predict")
 
     def summarize(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> MemorySummary:
         """The table's figures for the stage that just ended.
@@ -234,23 +279,18 @@ class MemoryReport(Callback):
             stage: ``fit``, ``validate``, ``test`` or ``predict``.
         """
         report = strategy_memory_report(trainer) or {}
-        parameters = list(pl_module.parameters())
-        param_bytes = report.get("param_bytes", sum(tensor_bytes(p) for p in parameters))
+        param_bytes, trainable_bytes = weight_bytes(trainer, pl_module)
         training = stage == "fit"
         # Outside ``fit`` the plain strategy keeps only the weights: no gradients, no optimizer.
-        gradient_bytes = (
-            report.get("trainable_param_bytes", sum(tensor_bytes(p) for p in parameters if p.requires_grad))
-            if training
-            else 0
-        )
+        gradient_bytes = trainable_bytes if training else 0
         optimizer_bytes = report.get("optimizer_state_bytes", optimizer_state_bytes(trainer.optimizers)) if training else 0
         device = trainer.strategy.root_device
         return MemorySummary(
             stage=stage,
             strategy=describe_strategy(trainer, report),
             device=str(device),
-            param_bytes=int(param_bytes),
-            gradient_bytes=int(gradient_bytes),
+            param_bytes=param_bytes,
+            gradient_bytes=gradient_bytes,
             optimizer_state_bytes=int(optimizer_bytes),
             plain_total_bytes=int(param_bytes + gradient_bytes + optimizer_bytes),
             superpipe_peak_device_bytes=report.get("peak_device_bytes"),
@@ -265,17 +305,21 @@ class MemoryReport(Callback):
             samples=list(self.samples),
         )
 
-    def _finish(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.summary = self.summarize(trainer, pl_module, stage)
-        if not trainer.is_global_zero:
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        summary = self.summary
+        if summary is None or not trainer.is_global_zero:
             return
-        print(f"\n{self.summary.table()}\n", flush=True)
+        # The paged-MoE callback files its figures for the stage when the stage ends, maybe after this callback.
+        summary_stage = summary.stage if summary.stage != "fit" else "validate"
+        for callback in paged_moe_callbacks(trainer):
+            summary.paged_moe = callback.reports.get(summary_stage) or summary.paged_moe
+        print(f"\n{summary.table()}\n", flush=True)
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        (log_dir / REPORT_FILENAME).write_text(json.dumps(self.summary.to_dict(), indent=2) + "\n")
         written = [log_dir / REPORT_FILENAME]
-        if self.plot and self.summary.samples:
-            plot_path = plot_device_memory(self.summary, log_dir / PLOT_FILENAME)
+        written[0].write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+        if self.plot and summary.samples:
+            plot_path = plot_device_memory(summary, log_dir / PLOT_FILENAME)
             if plot_path is not None:
                 written.append(plot_path)
         print("Memory report written to " + ", ".join(str(path) for path in written), flush=True)

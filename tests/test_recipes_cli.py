@@ -1,0 +1,268 @@
+"""The ``superpipe`` command and the shipped recipes, run end to end for a few steps the way a user would."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from lightning_superpipe.recipes import CausalLMModule, cli
+from lightning_superpipe.recipes.tokenization import ByteTokenizer
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+LORA, FULL, MOE = (str(RECIPES / name) for name in ("finetune_lora.yaml", "finetune_full.yaml", "eval_moe_paged.yaml"))
+# A few steps instead of the recipes' hundreds, set on the command line as a user would.
+FEW_STEPS = [
+    "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
+    "--trainer.log_every_n_steps", "1",
+]
+QUIET = ["--trainer.enable_progress_bar", "false"]
+
+
+def run_dir(root: Path, name: str) -> Path:
+    """The newest run folder of recipe ``name`` under ``root``."""
+    versions = sorted((root / "superpipe_logs" / name).glob("version_*"), key=lambda path: int(path.name.split("_")[1]))
+    assert versions, f"no run folder for {name} under {root}"
+    return versions[-1]
+
+
+def metric_rows(run: Path) -> list[dict[str, str]]:
+    with (run / "metrics.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def logged(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(row[key]) for row in rows if row.get(key)]
+
+
+def module_of(recipe: str) -> CausalLMModule:
+    """The module a recipe builds, made here independently of the CLI to check the run's figures against."""
+    settings = yaml.safe_load(Path(recipe).read_text())["model"]
+    return CausalLMModule(**settings, vocab_size=ByteTokenizer.vocab_size)
+
+
+def param_bytes(module: CausalLMModule, trainable_only: bool = False) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One short fit with the LoRA recipe, shared by the tests that inspect its outputs."""
+    root = tmp_path_factory.mktemp("lora_run")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        cli.main(["fit", "--config", LORA, *FEW_STEPS, *QUIET])
+    yield root
+
+
+def test_lora_recipe_fine_tunes_with_the_superpipe_strategy_and_reports_memory(lora_run: Path) -> None:
+    run = run_dir(lora_run, "finetune_lora")
+    rows = metric_rows(run)
+    assert len(logged(rows, "train/loss")) >= 1 and len(logged(rows, "val/loss")) == 1
+    assert logged(rows, "val/ppl") == pytest.approx([2.718281828 ** logged(rows, "val/loss")[0]], rel=1e-4)
+    # The strategy logs what it holds on the device every step.
+    assert logged(rows, "superpipe/peak_device_bytes")
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+
+    report = json.loads((run / "memory_report.json").read_text())
+    assert report["stage"] == "fit"
+    assert report["strategy"] == "SuperpipeStrategy (num_blocks=6, resident_blocks=1, prefetch=1)"
+    module = module_of(LORA)
+    assert report["param_bytes"] == param_bytes(module)
+    assert report["gradient_bytes"] == param_bytes(module, trainable_only=True) < report["param_bytes"] / 10
+    # AdamW keeps two moments per trainable weight (plus a step count per tensor).
+    assert 2 * report["gradient_bytes"] <= report["optimizer_state_bytes"] < 2.01 * report["gradient_bytes"]
+    assert report["plain_total_bytes"] == report["param_bytes"] + report["gradient_bytes"] + report["optimizer_state_bytes"]
+    strategy = report["strategy_report"]
+    assert report["superpipe_peak_device_bytes"] == strategy["peak_device_bytes"] >= strategy["largest_block_bytes"]
+    assert report["peak_bytes"] == strategy["peak_device_bytes"] + strategy["trunk_device_bytes"]
+    # Streaming 6 decoder layers keeps well under what the plain strategy holds on the device.
+    assert report["peak_bytes"] < 0.6 * report["plain_total_bytes"]
+    assert [sample["batch"] for sample in report["samples"]] == [1, 2, 3]
+    assert all(sample["device_bytes"] <= report["peak_bytes"] for sample in report["samples"])
+    assert is_png(run / "device_memory.png")
+
+
+def test_predict_continues_the_recipes_prompts_from_the_fit_checkpoint(
+    lora_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(lora_run)
+    checkpoint = run_dir(lora_run, "finetune_lora") / "checkpoints" / "last.ckpt"
+    cli.main(["predict", "--config", LORA, "--ckpt_path", str(checkpoint), "--model.generation.max_new_tokens", "8", *QUIET])
+    run = run_dir(lora_run, "finetune_lora")
+    records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    prompts = yaml.safe_load(Path(LORA).read_text())["data"]["prompts"]
+    assert [record["prompt"] for record in records] == prompts
+    # Byte-level tokens: at most 8 new tokens are at most 8 bytes of text.
+    assert all(isinstance(r["completion"], str) and len(r["completion"].encode()) <= 8 for r in records)
+    out = capsys.readouterr().out
+    assert f">>> {prompts[0]}" in out and "Device memory: predict with SuperpipeStrategy" in out
+
+
+def test_full_recipe_trains_every_weight_with_clipping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli.main(["fit", "--config", FULL, *FEW_STEPS, *QUIET, "--trainer.callbacks.save_last", "false"])
+    run = run_dir(tmp_path, "finetune_full")
+    losses = logged(metric_rows(run), "val/loss")
+    assert len(losses) == 1 and 0 < losses[0] < 10
+    report = json.loads((run / "memory_report.json").read_text())
+    module = module_of(FULL)
+    assert report["gradient_bytes"] == report["param_bytes"] == param_bytes(module)
+    assert report["optimizer_state_bytes"] >= 2 * report["param_bytes"]
+    assert report["peak_bytes"] < 0.3 * report["plain_total_bytes"]
+    assert not (run / "checkpoints" / "last.ckpt").exists()
+    assert is_png(run / "device_memory.png")
+
+
+def test_eval_moe_recipe_keeps_the_experts_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli.main(["validate", "--config", MOE, "--trainer.limit_val_batches", "2", *QUIET])
+    run = run_dir(tmp_path, "eval_moe_paged")
+    rows = metric_rows(run)
+    assert len(logged(rows, "val/loss")) == 1
+    report = json.loads((run / "memory_report.json").read_text())
+    paged = report["paged_moe"]
+    budget_fraction = yaml.safe_load(Path(MOE).read_text())["trainer"]["callbacks"][1]["init_args"]["budget_fraction"]
+    assert 0 < paged["expert_bytes_device_max"] <= budget_fraction * paged["expert_bytes_16bit"]
+    assert paged["ppl_paged"] == pytest.approx(paged["ppl_full"], rel=0.05)
+    assert logged(rows, "paged_moe/validate/ppl_paged") == [paged["ppl_paged"]]
+    # The plain strategy would hold every weight, the experts at their original float32 size included.
+    assert report["param_bytes"] == param_bytes(module_of(MOE))
+    assert report["sampled_max_bytes"] < report["param_bytes"] - paged["expert_bytes_16bit"]
+    assert [sample["batch"] for sample in report["samples"]] == [1, 2]
+
+
+def test_the_memory_table_degrades_gracefully_without_the_superpipe_strategy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli.main(["fit", "--config", LORA, "--trainer.strategy", "auto", "--trainer.max_steps", "2",
+              "--trainer.limit_val_batches", "0", *QUIET])
+    report = json.loads((run_dir(tmp_path, "finetune_lora") / "memory_report.json").read_text())
+    assert report["strategy"] == "SingleDeviceStrategy" and report["strategy_report"] is None
+    assert report["superpipe_peak_device_bytes"] is None and report["cuda_max_allocated_bytes"] is None
+    # The plain strategy keeps everything on its device, so what it holds is exactly the plain estimate.
+    assert report["peak_bytes"] == report["sampled_max_bytes"] == report["plain_total_bytes"]
+    out = capsys.readouterr().out
+    assert "Device memory: fit with SingleDeviceStrategy on cpu" in out and "device peak / plain total" in out
+
+
+def write_recipe(path: Path, recipe: str, edit: Any) -> str:
+    """A copy of ``recipe`` with ``edit`` applied to its parsed YAML, as a user would edit the file."""
+    settings = yaml.safe_load(Path(recipe).read_text())
+    edit(settings)
+    path.write_text(yaml.safe_dump(settings))
+    return str(path)
+
+
+BAD_INPUT = {
+    "unknown YAML key": (
+        lambda tmp: ["--config", write_recipe(tmp / "r.yaml", LORA, lambda s: s["trainer"].update(max_stepz=3))],
+        "'trainer.max_stepz' is not a recipe key (did you mean 'trainer.max_steps'?)",
+    ),
+    "unknown nested YAML key": (
+        lambda tmp: ["--config", write_recipe(tmp / "r.yaml", LORA, lambda s: s["model"]["lora"].update(rnak=4))],
+        "model.lora: lightning_superpipe.recipes.LoRASettings has no option 'rnak' (did you mean 'rank'?)",
+    ),
+    "unknown strategy option": (
+        lambda tmp: ["--config", LORA, "--trainer.strategy.resident_block", "2"],
+        "has no option 'resident_block' (did you mean 'resident_blocks'?)",
+    ),
+    "missing model path": (
+        lambda tmp: ["--config", LORA, "--model.pretrained_path", str(tmp / "no_model")],
+        "model path '{tmp}/no_model' does not exist",
+    ),
+    "model path without a model": (
+        lambda tmp: ["--config", LORA, "--model.pretrained_path", str(tmp)],
+        "model path '{tmp}' holds no model: it has no config.json",
+    ),
+    "data path without text": (
+        lambda tmp: ["--config", LORA, "--data.data_path", str(tmp)],
+        "data path '{tmp}' holds no text: the folder has no .txt",
+    ),
+    "LoRA target not in the model": (
+        lambda tmp: ["--config", LORA, "--model.lora.target_modules", "[q_proj, qkv_proj]"],
+        "LoRA target module 'qkv_proj' is not in the model; modules LoRA can adapt in this model: down_proj,",
+    ),
+    "bad value type": (lambda tmp: ["--config", LORA, "--data.seq_len", "long"], "data.seq_len: expected int, got long"),
+    "unknown strategy name": (
+        lambda tmp: ["--config", LORA, "--trainer.strategy", "superpip"],
+        "trainer: You selected an invalid strategy name: `strategy='superpip'`",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_gets_one_clear_line_and_no_traceback(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+    arguments, message = BAD_INPUT[case]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *arguments(tmp_path), *QUIET])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("superpipe: error: ")]
+    assert len(errors) == 1, err
+    assert message.format(tmp=tmp_path) in errors[0]
+    assert "Traceback" not in err
+
+
+def test_the_traceback_of_a_user_error_is_available_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.TRACEBACK_ENV, "1")
+    with pytest.raises(cli.RecipeError, match="does not exist"):
+        cli.main(["fit", "--config", LORA, "--model.pretrained_path", str(tmp_path / "missing")])
+
+
+def superpipe_command() -> str:
+    """The console script installed next to this Python, as ``pip install -e .`` puts it."""
+    script = shutil.which("superpipe", path=str(Path(sys.executable).parent)) or shutil.which("superpipe")
+    if script is None:
+        pytest.fail("the `superpipe` console script is not installed; run `pip install -e .`")
+    return script
+
+
+def test_the_console_script_runs_a_recipe_and_reports_bad_input_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(cli.TRACEBACK_ENV, None)
+    command = [superpipe_command(), "fit", "--config", LORA]
+    done = subprocess.run(
+        [*command, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Device memory: fit with SuperpipeStrategy" in done.stdout
+    assert "dev_mem_MiB" in done.stdout + done.stderr  # the progress bar shows device memory
+    assert is_png(run_dir(tmp_path, "finetune_lora") / "device_memory.png")
+
+    failed = subprocess.run(
+        [*command, "--model.lora.target_modules", "[q_proj, attn]"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert failed.returncode == 2
+    assert failed.stderr.strip().splitlines()[-1].startswith(
+        "superpipe: error: LoRA target module 'attn' is not in the model; modules LoRA can adapt in this model:"
+    )
+    assert "Traceback" not in failed.stderr
+
+
+def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("fit", "validate", "test", "predict"))
