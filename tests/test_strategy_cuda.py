@@ -63,3 +63,20 @@ def test_cuda_device_memory_stays_within_a_few_blocks() -> None:
     block_bytes = sum(p.numel() * 4 for p in _deep_stack(depth=1)[1].parameters())
     assert streamed < 0.25 * plain
     assert streamed < 6 * block_bytes  # three slots, one block of gradients, allocator slack
+
+
+def test_cuda_generate_under_the_strategy_matches_plain() -> None:
+    """``generate()`` puts its inputs on ``model.device`` (the host, for a streamed model): the strategy still runs
+    the model on the GPU and returns the same greedy tokens."""
+
+    class Generate(models.Task):
+        def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+            prompt = batch[0][:, :4]  # type: ignore[index]
+            return self.model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False).cpu()
+
+    task = Generate(models.llama, "lm")
+    task.eval()
+    plain = models.trainer("auto", **CUDA).predict(task, models.data("lm", batches=2))
+    streamed = models.trainer("superpipe", **CUDA).predict(task, models.data("lm", batches=2))
+    assert all(torch.equal(a, b) for a, b in zip(streamed, plain))
+    assert streamed[0].shape[1] == 10

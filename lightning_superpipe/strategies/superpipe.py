@@ -31,7 +31,13 @@ from typing_extensions import override
 from lightning_superpipe.memory.host import check_host_memory
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, find_blocks
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.hooks import BlockStreamingHook, TrunkHook, trunk_modules
+from lightning_superpipe.streaming.hooks import (
+    BlockStreamingHook,
+    CallerDeviceHook,
+    TrunkHook,
+    outermost_pretrained_models,
+    trunk_modules,
+)
 
 _RNG_KEY = "superpipe_rng_states"
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -107,7 +113,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
         self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
-        self._hooks: list[Union[BlockStreamingHook, TrunkHook]] = []
+        self._hooks: list[Union[BlockStreamingHook, TrunkHook, CallerDeviceHook]] = []
         self._fitting = False
         self._last_report: Optional[dict[str, int]] = None
 
@@ -173,6 +179,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         )
         self._hooks = [BlockStreamingHook(self._engine, i, block) for i, block in enumerate(blocks)]
         self._hooks += [TrunkHook(self._engine, module) for module in trunk_modules(model, blocks)]
+        if self.root_device.type != "cpu":
+            self._hooks += [CallerDeviceHook(m, self.root_device) for m in outermost_pretrained_models(model)]
         for hook in self._hooks:
             hook.attach()
         if isinstance(model, LightningModule):

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -173,12 +174,79 @@ class TrunkHook:
             owner._parameters[name] = param
 
 
+class CallerDeviceHook:
+    """Runs a model on the compute device for callers that hand it host tensors, and hands results back there.
+
+    ``transformers`` puts generation inputs on ``model.device``, the device of the first parameter, which for a
+    streamed model is the host. This hook moves the tensors a call receives to the compute device and the
+    tensors it returns back to where the inputs were, as Accelerate's ``io_same_device`` does, so
+    ``generate()`` works while the computation happens on the device. Calls whose inputs are already on the
+    device (every Lightning step) are untouched.
+
+    Args:
+        module: The model that callers call (the outermost ``transformers`` model).
+        device: The compute device.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self._caller_devices: list[Optional[torch.device]] = []
+        self._handles: list[RemovableHandle] = []
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        self._handles = [
+            self.module.register_forward_pre_hook(self._to_device, with_kwargs=True),
+            self.module.register_forward_hook(self._to_caller, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _to_device(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        caller = next((t.device for t in leaves if t.device != self.device), None)
+        self._caller_devices.append(caller)
+        if caller is None:
+            return args, kwargs
+        return tree_map(self._move_to(self.device), (args, kwargs))
+
+    def _to_caller(self, module: nn.Module, args: Any, output: Any) -> Any:
+        caller = self._caller_devices.pop() if self._caller_devices else None
+        return output if caller is None else tree_map(self._move_to(caller), output)
+
+    @staticmethod
+    def _move_to(device: torch.device) -> Callable[[Any], Any]:
+        return lambda value: value.to(device) if isinstance(value, Tensor) else value
+
+
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter) -> Tensor:
     tensor = engine.trunk_tensor(param)
     if torch.is_grad_enabled() and param.requires_grad:
         deliver = lambda grads: engine.receive_trunk_gradient(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
     return tensor
+
+
+def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:
+    """The outermost ``transformers`` models inside ``model`` (the ones users and ``generate()`` call)."""
+    from transformers import PreTrainedModel
+
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, PreTrainedModel):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
 
 
 def trunk_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> Iterator[nn.Module]:
