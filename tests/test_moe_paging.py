@@ -221,7 +221,8 @@ def test_pressure_mode_shrinks_expert_bytes_as_the_kv_cache_grows(tokens):
     total = probe.max_bytes() + 20 * kv_per_token  # everything fits for the first 20 positions
     probe.restore()
 
-    handle = page_experts(model, total_budget_bytes=total, calibration=[prompt])
+    # Frequent routing-driven replanning must respect the pressure budget too.
+    handle = page_experts(model, total_budget_bytes=total, calibration=[prompt], rebalance_every=4)
     trace = []
 
     def record(module, args, kwargs, output):

@@ -340,31 +340,38 @@ class PagedExperts:
         if self.runtime.reference:
             return
         self._forwards += 1
+        budget = self._effective_budget()
+        moved = False
+        if self._total_budget is not None:
+            budget = self._pressure_budget(args, kwargs)
+            self._incremental(budget)
+            moved = True
         if self.store.commits != self._commits_seen:
             # Landed promotions to the original weights freed their bit planes: room to use.
             self._commits_seen = self.store.commits
-            if self._total_budget is None:
-                self._incremental(self._effective_budget())
-        if self._total_budget is not None:
-            # transformers >= 5.2x calls it `cache`; earlier 5.x releases `past_key_values`.
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            kv_after = kv_cache_bytes(cache)
-            kv_after += _new_kv_bytes(self.model, args, kwargs)
-            budget = self._effective_budget(kv_after)
-            if budget < self.min_bytes():
-                raise RuntimeError(
-                    f"pressure mode: the KV cache needs {kv_after:,} of the {self._total_budget:,}-byte total budget, "
-                    f"leaving {budget:,} bytes for experts, below their minimum of {self.min_bytes():,}. Generate "
-                    "fewer tokens, use a smaller batch, or raise the total budget."
-                )
-            self._incremental(budget)
+            if not moved:
+                self._incremental(budget)
         if (
             self.rebalance_every is not None
             and self._forwards % self.rebalance_every == 0
             and self.routing.updates != self._routing_seen
         ):
             self._refresh_damage()
-            self._incremental(self._effective_budget(), exchange=True)
+            self._incremental(budget, exchange=True)
+
+    def _pressure_budget(self, args: tuple, kwargs: dict) -> int:
+        """Expert budget for the coming forward: the total minus the KV cache it will leave."""
+        # transformers >= 5.2x calls it `cache`; earlier 5.x releases `past_key_values`.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        kv_after = kv_cache_bytes(cache) + _new_kv_bytes(self.model, args, kwargs)
+        budget = self._effective_budget(kv_after)
+        if budget < self.min_bytes():
+            raise RuntimeError(
+                f"pressure mode: the KV cache needs {kv_after:,} of the {self._total_budget:,}-byte total budget, "
+                f"leaving {budget:,} bytes for experts, below their minimum of {self.min_bytes():,}. Generate "
+                "fewer tokens, use a smaller batch, or raise the total budget."
+            )
+        return budget
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> None:

@@ -18,6 +18,8 @@ weight error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lightning_superpipe.moe.layouts import MoELayer
@@ -38,7 +40,9 @@ class RoutingStats:
             yet still has a small share.
     """
 
-    def __init__(self, layers: list[MoELayer], *, half_life_tokens: float | None = 8192.0, prior_tokens: float = 1.0) -> None:
+    def __init__(
+        self, layers: list[MoELayer], *, half_life_tokens: float | None = 8192.0, prior_tokens: float = 1.0
+    ) -> None:
         self.layers = layers
         self.half_life_tokens = half_life_tokens
         self.prior_tokens = prior_tokens
@@ -61,14 +65,21 @@ class RoutingStats:
             handle.remove()
         self._handles = []
 
-    def _hook(self, index: int):
+    _MAX_PENDING = 256
+    """Counts kept on the device before they are folded in (bounds memory when nobody reads)."""
+
+    def _hook(self, index: int) -> Callable[[torch.nn.Module, tuple, tuple], None]:
         num_experts = self.layers[index].num_experts
 
         def hook(module: torch.nn.Module, args: tuple, output: tuple) -> None:
             top_k_index = output[2]
-            # Kept on the device and folded in lazily: no host sync per forward.
-            self._pending[index].append(torch.bincount(top_k_index.reshape(-1), minlength=num_experts))
+            # Kept on the device and folded in lazily: no host sync per forward. Indices past the
+            # last expert (expert-parallel sentinels) are not tokens of this rank's experts.
+            counts = torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts]
+            self._pending[index].append(counts)
             self.updates += 1
+            if len(self._pending[index]) >= self._MAX_PENDING:
+                self._fold()
 
         return hook
 

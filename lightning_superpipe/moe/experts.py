@@ -4,9 +4,10 @@
 ``ExpertsInterface`` by ``config._experts_implementation``. Registering
 :func:`paged_experts_forward` under :data:`PAGED_EXPERTS_IMPLEMENTATION` and selecting it with
 ``model.set_experts_implementation`` routes the experts through the page store: only the experts
-that tokens were routed to are rebuilt from their pages, one at a time, at each page's current
-precision. The op sequence is that of the ``eager`` implementation, so with every page at its
-original weights the outputs are bit-identical to ``eager``.
+that tokens were routed to are rebuilt from their pages, at each page's current precision, a
+chunk of experts at a time with pages of equal level rebuilt in one batch. The matmuls follow the
+``eager`` implementation op for op, so with every page at its original weights the outputs are
+bit-identical to ``eager``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ __all__ = ["PAGED_EXPERTS_IMPLEMENTATION", "ExpertsRuntime", "paged_experts_forw
 
 PAGED_EXPERTS_IMPLEMENTATION = "superpipe_paged"
 """Name under which the paged implementation is registered in ``ExpertsInterface``."""
+
+DEQUANT_CHUNK = 8
+"""Experts rebuilt together: more means fewer kernels, but more transient dequantized weights."""
 
 BINDING_ATTR = "_superpipe_paged"
 """Attribute of a paged experts module holding its ``(ExpertsRuntime, layer index)``."""
@@ -44,11 +48,11 @@ class ExpertsRuntime:
     activations: ActivationStats
     reference: bool = False
 
-    def weight(self, layer: int, proj: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Weights of one expert projection for computing now."""
+    def weights(self, layer: int, proj: int, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Weights of some experts' projection for computing now."""
         if self.reference:
-            return self.store.reference_weight(layer, proj, expert, dtype)
-        return self.store.weight(layer, proj, expert, dtype)
+            return self.store.reference_weights(layer, proj, experts, dtype)
+        return self.store.weights(layer, proj, experts, dtype)
 
 
 def paged_experts_forward(
@@ -80,18 +84,22 @@ def paged_experts_forward(
     with torch.no_grad():
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
         expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-    for expert in expert_hit.flatten().tolist():
-        if expert == self.num_experts:  # expert-parallel sentinel
-            continue
-        top_k_pos, token_idx = torch.where(expert_mask[expert])
-        current_state = hidden_states[token_idx]
-        gate_up = F.linear(current_state, runtime.weight(layer, 0, expert, dtype))
-        current_hidden_states = self._apply_gate(gate_up)
-        routing_weights = top_k_weights[token_idx, top_k_pos]
-        runtime.activations.record(layer, expert, current_state, gate_up, self.act_fn, routing_weights)
-        current_hidden_states = F.linear(current_hidden_states, runtime.weight(layer, 1, expert, dtype))
-        current_hidden_states = current_hidden_states * routing_weights[:, None]
-        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    hit = [expert for expert in expert_hit.flatten().tolist() if expert != self.num_experts]  # EP sentinel
+    # Rebuilt a chunk of experts at a time: batched dequantization, bounded working memory.
+    for start in range(0, len(hit), DEQUANT_CHUNK):
+        chunk = hit[start : start + DEQUANT_CHUNK]
+        gate_up_weights = runtime.weights(layer, 0, chunk, dtype)
+        down_weights = runtime.weights(layer, 1, chunk, dtype)
+        for expert, gate_up_weight, down_weight in zip(chunk, gate_up_weights, down_weights):
+            top_k_pos, token_idx = torch.where(expert_mask[expert])
+            current_state = hidden_states[token_idx]
+            gate_up = F.linear(current_state, gate_up_weight)
+            current_hidden_states = self._apply_gate(gate_up)
+            routing_weights = top_k_weights[token_idx, top_k_pos]
+            runtime.activations.record(layer, expert, current_state, gate_up, self.act_fn, routing_weights)
+            current_hidden_states = F.linear(current_hidden_states, down_weight)
+            current_hidden_states = current_hidden_states * routing_weights[:, None]
+            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
 
 

@@ -472,43 +472,71 @@ class PageStore:
         self._device_bytes = 0
 
     # ------------------------------------------------------------------ compute
-    def weight(self, layer: int, proj: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """Device weights ``[rows, cols]`` of one expert's projection at the pages' current levels.
+    def weights(self, layer: int, proj: int, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Device weights ``[rows, cols]`` of some experts' projection at the pages' current levels.
+
+        Pages at the same bit level are dequantized together, in one batched rebuild, which keeps
+        the number of small kernels per forward low.
 
         Args:
             layer: MoE layer index.
             proj: Projection index in ``EXPERT_PROJECTIONS``.
-            expert: Expert index.
-            dtype: dtype of the result (the model's compute dtype).
+            experts: Expert indices.
+            dtype: dtype of the results (the model's compute dtype).
 
         Returns:
-            The original weights for pages at ``TOP_LEVEL`` (no copy), dequantized ones otherwise.
+            One tensor per expert: the original weights where pages are at ``TOP_LEVEL`` (no copy),
+            dequantized ones otherwise.
         """
-        blocks = [self._page_weight(page, dtype) for page in self._index[(layer, proj, expert)]]
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=0)
+        pages = [page for expert in experts for page in self._index[(layer, proj, expert)]]
+        blocks: list[torch.Tensor | None] = [None] * len(pages)
+        by_level: dict[int, list[int]] = {}
+        for i, page in enumerate(pages):
+            current = self._usable(page)
+            if current.level == TOP_LEVEL:
+                blocks[i] = current.weight if current.weight.dtype == dtype else current.weight.to(dtype)
+            else:
+                by_level.setdefault(current.level, []).append(i)
+        for members in by_level.values():
+            copies = [pages[i].current for i in members]
+            planes = torch.stack([_joined(c.segments) for c in copies])
+            scale = torch.stack([c.scale for c in copies])
+            minimum = torch.stack([c.minimum for c in copies])
+            rebuilt = dequantize(planes, scale, minimum, (len(members), *pages[members[0]].shape), dtype)
+            for i, block in zip(members, rebuilt.unbind(0)):
+                blocks[i] = block
+        per_expert = len(pages) // len(experts) if experts else 0
+        return [
+            _joined(blocks[i * per_expert : (i + 1) * per_expert]) for i in range(len(experts))
+        ]
 
-    def reference_weight(self, layer: int, proj: int, expert: int, dtype: torch.dtype) -> torch.Tensor:
-        """The original weights of one expert's projection, streamed from host memory.
+    def reference_weights(
+        self, layer: int, proj: int, experts: list[int], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """The original weights of some experts' projection, streamed from host memory.
 
         Used to compute full-precision references within a device budget: only the experts in use
         are on the device, transiently.
         """
-        host = self._host_weights[(layer, proj)][expert]
-        return host.to(self.device, dtype=dtype, non_blocking=True)
+        host = self._host_weights[(layer, proj)]
+        return [host[expert].to(self.device, dtype=dtype, non_blocking=True) for expert in experts]
 
-    def _page_weight(self, page: Page, dtype: torch.dtype) -> torch.Tensor:
-        changed = page.pending is not None
-        before = page.device_nbytes() if changed else 0
-        self._settle(page)
-        if changed:
+    def _usable(self, page: Page) -> DeviceCopy:
+        """The page's device copy, after committing a landed upload."""
+        if page.pending is not None:
+            before = page.device_nbytes()
+            self._settle(page)
             self._device_bytes += page.device_nbytes() - before
-        current = page.current
-        if current is None:
+        else:
+            self._settle(page)
+        if page.current is None:
             raise RuntimeError(f"page {page.key} has no device copy; the store was released")
-        if current.level == TOP_LEVEL:
-            return current.weight if current.weight.dtype == dtype else current.weight.to(dtype)
-        planes = current.segments[0] if len(current.segments) == 1 else torch.cat(current.segments, dim=0)
-        return dequantize(planes, current.scale, current.minimum, page.shape, dtype)
+        return page.current
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` concatenated along dim 0, without a copy when there is only one."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
 def _check_levels(levels: Iterable[int]) -> tuple[int, ...]:

@@ -1,0 +1,396 @@
+"""Benchmark of paged MoE precision: quality against expert bytes on the device, and speed.
+
+Trains (or loads) a small Mixtral-style MoE on CPython's documentation (byte tokens), then pages
+its experts and measures, against the unpaged model in the evaluation dtype:
+
+* perplexity change and KL(full || paged) against expert bytes on the device (as a fraction of
+  the experts' 16-bit size) for the planner, uniform demotion and random demotion at equal bytes,
+  and for uniform 4-bit; for two page granularities (per expert and projection, row blocks);
+* tokens/s of prefill (batched forward) and decode (``generate`` with a KV cache), paged vs
+  unpaged;
+* in pressure mode, expert bytes as the KV cache grows during generation.
+
+Writes ``quality.csv``, ``speed.csv``, ``pressure.csv``, ``report.md`` and ``paging.png`` to
+``--out`` (default ``benchmarks/results/``) and prints the report. Targets of the issue are
+checked against the measured figures and reported as met or not.
+
+Usage::
+
+    python benchmarks/bench_moe_paging.py                 # CPU, a few minutes
+    python benchmarks/bench_moe_paging.py --device cuda   # also device bytes and tokens/s on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from lightning_superpipe.moe import kv_cache_bytes, page_experts
+from lightning_superpipe.moe.api import PagedExperts
+from lightning_superpipe.moe.metrics import QualityMeter
+from lightning_superpipe.moe.planner import random_levels, uniform_levels
+from lightning_superpipe.moe.testing import byte_batches, byte_corpus, tiny_moe, train_tiny_moe
+
+TARGET_PPL_FRACTION = 0.30
+TARGET_PPL_CHANGE = 0.01
+TARGET_KL_RATIO = 0.5
+
+
+@dataclass
+class QualityRow:
+    granularity: str
+    policy: str
+    budget_fraction: float
+    bytes_fraction: float
+    ppl_change_pct: float
+    kl: float
+    mean_bits: float
+
+
+@dataclass
+class SpeedRow:
+    setting: str
+    bytes_fraction: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300, help="training steps (skipped if a checkpoint exists)")
+    parser.add_argument("--retrain", action="store_true", help="ignore a cached checkpoint")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6])
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--calibration-batches", type=int, default=4)
+    parser.add_argument("--fine-rows", type=int, default=32, help="rows per page of the finer granularity")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The trained MoE, from the checkpoint cached in ``--out`` or trained now (in float32)."""
+    model = tiny_moe(
+        "mixtral",
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_experts=args.experts,
+        top_k=args.top_k,
+    )
+    name = f"moe_h{args.hidden}_i{args.intermediate}_l{args.layers}_e{args.experts}_k{args.top_k}_s{args.steps}.pt"
+    checkpoint = args.out / name
+    if checkpoint.exists() and not args.retrain:
+        model.load_state_dict(torch.load(checkpoint))
+        print(f"loaded {checkpoint}")
+        return model
+    tokens = byte_corpus()
+    started = time.perf_counter()
+    losses = train_tiny_moe(model, tokens[: int(0.9 * tokens.numel())], steps=args.steps)
+    print(f"trained {args.steps} steps in {time.perf_counter() - started:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    torch.save(model.state_dict(), checkpoint)
+    return model
+
+
+class Evaluator:
+    """Quality of the (paged) model on fixed held-out batches against cached full-precision logits."""
+
+    def __init__(self, model: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+        self.model = model
+        self.batches = batches
+        with torch.no_grad():
+            self.reference = [model(input_ids=batch).logits for batch in batches]
+
+    def __call__(self) -> dict[str, float]:
+        meter = QualityMeter().to(self.batches[0].device)
+        with torch.no_grad():
+            for batch, reference in zip(self.batches, self.reference):
+                meter.update(self.model(input_ids=batch).logits, reference, batch)
+        return meter.compute()
+
+
+def mean_bits(handle: PagedExperts) -> float:
+    sizes = [page.host_weight.numel() for page in handle.store.pages]
+    return sum(b * n for b, n in zip(handle.bits().values(), sizes)) / sum(sizes)
+
+
+def quality_sweep(
+    handle: PagedExperts, evaluate: Evaluator, fractions: list[float], granularity: str, with_baselines: bool
+) -> list[QualityRow]:
+    rows = []
+    full = handle.full_bytes()
+    table = handle.store.bytes_table()
+
+    def row(policy: str, fraction: float) -> QualityRow:
+        quality = evaluate()
+        return QualityRow(
+            granularity, policy, fraction, handle.device_bytes() / full, 100 * quality["ppl_change"],
+            quality["kl_to_full"], mean_bits(handle),
+        )
+
+    uniform4 = [handle.store.levels.index(4)] * len(handle.store.pages)
+    uniform4_fraction = sum(table[i, level].item() for i, level in enumerate(uniform4)) / full
+    points = sorted(set(fractions) | {uniform4_fraction})
+    for fraction in points:
+        handle.set_budget(int(fraction * full))
+        handle.rebalance()  # the planner's allocation for this budget, independent of the sweep order
+        rows.append(row("planner", fraction))
+        if not with_baselines:
+            continue
+        planned = handle.device_bytes()
+        if fraction == uniform4_fraction:
+            handle.apply_levels([handle.store.levels[i] for i in uniform4])
+            rows.append(row("uniform 4-bit", fraction))
+        handle.apply_levels([handle.store.levels[i] for i in uniform_levels(table, planned)])
+        rows.append(row("uniform", fraction))
+        generator = torch.Generator().manual_seed(0)
+        handle.apply_levels([handle.store.levels[i] for i in random_levels(table, planned, generator)])
+        rows.append(row("random", fraction))
+    return rows
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Best wall time of ``repeats`` runs after a warm-up: the least disturbed by other processes."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def throughput(model: torch.nn.Module, batch: torch.Tensor, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s)."""
+    device = batch.device
+    with torch.no_grad():
+        prefill = _timed(lambda: model(input_ids=batch), device, repeats=5)
+        decode = _timed(
+            lambda: model.generate(
+                prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+            ),
+            device,
+            repeats=3,
+        )
+    return batch.numel() / prefill, prompts.shape[0] * new_tokens / decode
+
+
+def speed_sweep(model: torch.nn.Module, args, batch, prompts, calibration) -> list[SpeedRow]:
+    rows = []
+    for implementation in ("eager", "grouped_mm"):
+        model.set_experts_implementation(implementation)
+        rows.append(SpeedRow(f"unpaged ({implementation})", 1.0, *throughput(model, batch, prompts, args.decode_tokens)))
+    model.set_experts_implementation("eager")
+    handle = page_experts(model, calibration=calibration, group_size=args.group_size)
+    for fraction in (1.0, 0.5, TARGET_PPL_FRACTION):
+        handle.set_budget(int(fraction * handle.full_bytes()))
+        handle.rebalance()
+        prefill, decode = throughput(model, batch, prompts, args.decode_tokens)
+        rows.append(SpeedRow(f"paged, budget {fraction:.0%}", handle.device_bytes() / handle.full_bytes(), prefill, decode))
+    handle.restore()
+    return rows
+
+
+def pressure_trace(model: torch.nn.Module, args, prompts, calibration) -> list[dict[str, float]]:
+    """Expert bytes per decoding step under a total budget for experts plus KV cache."""
+    probe = page_experts(model)
+    full, minimum = probe.full_bytes(), probe.min_bytes()
+    probe.restore()
+    # A larger batch than the speed runs, so that the KV cache grows to a sizeable share.
+    prompts = prompts.repeat(4, 1)
+    new_tokens = 2 * args.decode_tokens
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element * prompts.shape[0]
+    # All experts at 16 bits fit with the prompt's cache; by the end the cache takes most of the room.
+    total = full + kv_per_position * prompts.shape[1]
+    total = max(total, minimum + kv_per_position * (prompts.shape[1] + new_tokens))
+    handle = page_experts(model, total_budget_bytes=total, calibration=calibration, group_size=args.group_size)
+    trace: list[dict[str, float]] = []
+
+    def record(module, call_args, kwargs, output):
+        kv = kv_cache_bytes(getattr(output, "cache", None) or getattr(output, "past_key_values", None))
+        trace.append({"step": len(trace), "expert_bytes": handle.device_bytes(), "kv_bytes": kv, "total_budget": total})
+
+    hook = model.register_forward_hook(record, with_kwargs=True)
+    with torch.no_grad():
+        model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    hook.remove()
+    handle.restore()
+    return trace
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(rows: list[dict], formats: dict[str, str]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[k], formats.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[QualityRow]) -> list[str]:
+    coarse = [r for r in rows if r.granularity == "expert x projection"]
+    lines = []
+    at_target = [r for r in coarse if r.policy == "planner" and abs(r.budget_fraction - TARGET_PPL_FRACTION) < 1e-9]
+    for r in at_target:
+        met = abs(r.ppl_change_pct) <= 100 * TARGET_PPL_CHANGE
+        lines.append(
+            f"- perplexity within {TARGET_PPL_CHANGE:.0%} at {TARGET_PPL_FRACTION:.0%} of the 16-bit expert bytes: "
+            f"{r.ppl_change_pct:+.3f}% at {r.bytes_fraction:.1%} -> {'met' if met else 'NOT met'}"
+        )
+    for fraction in sorted({r.budget_fraction for r in coarse}):
+        by_policy = {r.policy: r for r in coarse if r.budget_fraction == fraction}
+        if "uniform" not in by_policy:
+            continue
+        planner, uniform = by_policy["planner"], by_policy["uniform"]
+        ratio = planner.kl / uniform.kl if uniform.kl > 0 else float("inf")
+        met = ratio <= TARGET_KL_RATIO
+        lines.append(
+            f"- KL planner / uniform at {planner.bytes_fraction:.1%} of the 16-bit bytes: {planner.kl:.2e} / "
+            f"{uniform.kl:.2e} = {ratio:.2f} (target <= {TARGET_KL_RATIO}) -> {'met' if met else 'NOT met'}"
+        )
+    return lines
+
+
+def plot(path: Path, quality: list[QualityRow], speed: list[SpeedRow], trace: list[dict[str, float]], full: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    styles = {"planner": "o-", "uniform": "s--", "random": "^:", "uniform 4-bit": "*"}
+    for (granularity, policy) in sorted({(r.granularity, r.policy) for r in quality}):
+        rows = sorted((r for r in quality if r.granularity == granularity and r.policy == policy), key=lambda r: r.bytes_fraction)
+        label = policy if granularity == "expert x projection" else f"{policy} ({granularity})"
+        style = styles[policy] if granularity == "expert x projection" else "d-."
+        axes[0].plot([r.bytes_fraction for r in rows], [max(r.kl, 1e-7) for r in rows], style, label=label, markersize=8)
+        axes[1].plot([r.bytes_fraction for r in rows], [r.ppl_change_pct for r in rows], style, label=label, markersize=8)
+    axes[0].set(yscale="log", xlabel="expert bytes on device / 16-bit expert bytes", ylabel="KL(full || paged), nats/token")
+    axes[1].set(xlabel="expert bytes on device / 16-bit expert bytes", ylabel="perplexity change (%)")
+    axes[1].axhline(100 * TARGET_PPL_CHANGE, color="grey", lw=0.8)
+    axes[1].axvline(TARGET_PPL_FRACTION, color="grey", lw=0.8)
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    steps = [t["step"] for t in trace]
+    axes[2].plot(steps, [t["expert_bytes"] / full for t in trace], label="experts")
+    axes[2].plot(steps, [t["kv_bytes"] / full for t in trace], label="KV cache")
+    axes[2].plot(steps, [(t["expert_bytes"] + t["kv_bytes"]) / full for t in trace], label="sum")
+    axes[2].plot(steps, [t["total_budget"] / full for t in trace], "k--", label="total budget")
+    axes[2].set(xlabel="generation step", ylabel="bytes / 16-bit expert bytes", title="pressure mode")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = load_model(args).to(device, dtype).eval()
+
+    tokens = byte_corpus()
+    split = int(0.9 * tokens.numel())
+    generator = torch.Generator().manual_seed(1)
+    held_out = byte_batches(tokens[split:], batch_size=8, seq_len=256, generator=generator)
+    evaluation = [next(held_out).to(device) for _ in range(args.eval_batches)]
+    train_windows = byte_batches(tokens[:split], batch_size=8, seq_len=256, generator=generator)
+    calibration = [next(train_windows).to(device) for _ in range(args.calibration_batches)]
+    prompts = next(held_out)[:4, :32].to(device)
+
+    evaluate = Evaluator(model, evaluation)
+    quality: list[QualityRow] = []
+    for granularity, rows_per_page, baselines in (
+        ("expert x projection", None, True),
+        (f"{args.fine_rows}-row blocks", args.fine_rows, False),
+    ):
+        started = time.perf_counter()
+        handle = page_experts(model, calibration=calibration, rows_per_page=rows_per_page, group_size=args.group_size)
+        quality += quality_sweep(handle, evaluate, args.fractions, granularity, baselines)
+        full = handle.full_bytes()
+        handle.restore()
+        print(f"quality sweep, {granularity}: {time.perf_counter() - started:.0f}s")
+    speed = speed_sweep(model, args, evaluation[0], prompts, calibration)
+    trace = pressure_trace(model, args, prompts, calibration)
+
+    quality_rows = [asdict(r) for r in quality]
+    speed_rows = [asdict(r) for r in speed]
+    write_csv(args.out / "quality.csv", quality_rows)
+    write_csv(args.out / "speed.csv", speed_rows)
+    write_csv(args.out / "pressure.csv", trace)
+    plot(args.out / "paging.png", quality, speed, trace, full)
+
+    unpaged = speed[0]
+    speed_lines = [
+        f"- {r.setting}: prefill {r.prefill_tokens_per_s / unpaged.prefill_tokens_per_s:.2f}x, "
+        f"decode {r.decode_tokens_per_s / unpaged.decode_tokens_per_s:.2f}x of unpaged eager"
+        for r in speed[1:]
+    ]
+    expert_min = min(t["expert_bytes"] for t in trace) / full
+    report = "\n".join(
+        [
+            f"# Paged MoE precision on {device} ({args.dtype})",
+            "",
+            f"Model: Mixtral-style, hidden {args.hidden}, {args.layers} layers, {args.experts} experts (top-{args.top_k}), "
+            f"trained {args.steps} steps on pydoc_data bytes; group size {args.group_size}; "
+            f"16-bit expert bytes {full:,}; {args.eval_batches} x 8 x 256 held-out tokens.",
+            "",
+            "## Quality against expert bytes on the device",
+            "",
+            markdown_table(quality_rows, {"budget_fraction": ".3f", "bytes_fraction": ".3f", "ppl_change_pct": "+.3f", "kl": ".2e", "mean_bits": ".2f"}),
+            "",
+            "## Targets",
+            "",
+            *check_targets(quality),
+            "",
+            "## Speed",
+            "",
+            markdown_table(speed_rows, {"bytes_fraction": ".3f", "prefill_tokens_per_s": ",.0f", "decode_tokens_per_s": ",.1f"}),
+            "",
+            *speed_lines,
+            "",
+            "## Pressure mode",
+            "",
+            f"Total budget {trace[0]['total_budget']:,} bytes; over {len(trace)} forwards the KV cache grew from "
+            f"{trace[0]['kv_bytes']:,} to {trace[-1]['kv_bytes']:,} bytes and the experts went from "
+            f"{trace[0]['expert_bytes'] / full:.1%} to {expert_min:.1%} of their 16-bit size; "
+            f"max of experts + KV cache: {max(t['expert_bytes'] + t['kv_bytes'] for t in trace):,} bytes.",
+        ]
+    )
+    (args.out / "report.md").write_text(report + "\n")
+    print(report)
+    print(f"\nwrote {args.out}/{{quality.csv,speed.csv,pressure.csv,report.md,paging.png}}")
+
+
+if __name__ == "__main__":
+    main()
