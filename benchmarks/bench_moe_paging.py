@@ -39,6 +39,10 @@ from lightning_superpipe.moe.testing import byte_batches, byte_corpus, tiny_moe,
 TARGET_PPL_FRACTION = 0.30
 TARGET_PPL_CHANGE = 0.01
 TARGET_KL_RATIO = 0.5
+QUALITY_FORMATS = {
+    "budget_fraction": ".3f", "bytes_fraction": ".3f", "ppl_change_pct": "+.3f", "kl": ".2e", "mean_bits": ".2f"
+}
+SPEED_FORMATS = {"bytes_fraction": ".3f", "prefill_tokens_per_s": ",.0f", "decode_tokens_per_s": ",.1f"}
 
 
 @dataclass
@@ -101,7 +105,8 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
     tokens = byte_corpus()
     started = time.perf_counter()
     losses = train_tiny_moe(model, tokens[: int(0.9 * tokens.numel())], steps=args.steps)
-    print(f"trained {args.steps} steps in {time.perf_counter() - started:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    seconds = time.perf_counter() - started
+    print(f"trained {args.steps} steps in {seconds:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     torch.save(model.state_dict(), checkpoint)
     return model
 
@@ -178,7 +183,9 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
-def throughput(model: torch.nn.Module, batch: torch.Tensor, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+def throughput(
+    model: torch.nn.Module, batch: torch.Tensor, prompts: torch.Tensor, new_tokens: int
+) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s)."""
     device = batch.device
     with torch.no_grad():
@@ -197,14 +204,16 @@ def speed_sweep(model: torch.nn.Module, args, batch, prompts, calibration) -> li
     rows = []
     for implementation in ("eager", "grouped_mm"):
         model.set_experts_implementation(implementation)
-        rows.append(SpeedRow(f"unpaged ({implementation})", 1.0, *throughput(model, batch, prompts, args.decode_tokens)))
+        prefill, decode = throughput(model, batch, prompts, args.decode_tokens)
+        rows.append(SpeedRow(f"unpaged ({implementation})", 1.0, prefill, decode))
     model.set_experts_implementation("eager")
     handle = page_experts(model, calibration=calibration, group_size=args.group_size)
     for fraction in (1.0, 0.5, TARGET_PPL_FRACTION):
         handle.set_budget(int(fraction * handle.full_bytes()))
         handle.rebalance()
         prefill, decode = throughput(model, batch, prompts, args.decode_tokens)
-        rows.append(SpeedRow(f"paged, budget {fraction:.0%}", handle.device_bytes() / handle.full_bytes(), prefill, decode))
+        fraction_held = handle.device_bytes() / handle.full_bytes()
+        rows.append(SpeedRow(f"paged, budget {fraction:.0%}", fraction_held, prefill, decode))
     handle.restore()
     return rows
 
@@ -278,7 +287,7 @@ def check_targets(rows: list[QualityRow]) -> list[str]:
     return lines
 
 
-def plot(path: Path, quality: list[QualityRow], speed: list[SpeedRow], trace: list[dict[str, float]], full: int) -> None:
+def plot(path: Path, quality: list[QualityRow], trace: list[dict[str, float]], full: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,13 +296,16 @@ def plot(path: Path, quality: list[QualityRow], speed: list[SpeedRow], trace: li
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     styles = {"planner": "o-", "uniform": "s--", "random": "^:", "uniform 4-bit": "*"}
     for (granularity, policy) in sorted({(r.granularity, r.policy) for r in quality}):
-        rows = sorted((r for r in quality if r.granularity == granularity and r.policy == policy), key=lambda r: r.bytes_fraction)
+        rows = [r for r in quality if r.granularity == granularity and r.policy == policy]
+        rows.sort(key=lambda r: r.bytes_fraction)
+        x = [r.bytes_fraction for r in rows]
         label = policy if granularity == "expert x projection" else f"{policy} ({granularity})"
         style = styles[policy] if granularity == "expert x projection" else "d-."
-        axes[0].plot([r.bytes_fraction for r in rows], [max(r.kl, 1e-7) for r in rows], style, label=label, markersize=8)
-        axes[1].plot([r.bytes_fraction for r in rows], [r.ppl_change_pct for r in rows], style, label=label, markersize=8)
-    axes[0].set(yscale="log", xlabel="expert bytes on device / 16-bit expert bytes", ylabel="KL(full || paged), nats/token")
-    axes[1].set(xlabel="expert bytes on device / 16-bit expert bytes", ylabel="perplexity change (%)")
+        axes[0].plot(x, [max(r.kl, 1e-7) for r in rows], style, label=label, markersize=8)
+        axes[1].plot(x, [r.ppl_change_pct for r in rows], style, label=label, markersize=8)
+    x_label = "expert bytes on device / 16-bit expert bytes"
+    axes[0].set(yscale="log", xlabel=x_label, ylabel="KL(full || paged), nats/token")
+    axes[1].set(xlabel=x_label, ylabel="perplexity change (%)")
     axes[1].axhline(100 * TARGET_PPL_CHANGE, color="grey", lw=0.8)
     axes[1].axvline(TARGET_PPL_FRACTION, color="grey", lw=0.8)
     for ax in axes[:2]:
@@ -348,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(args.out / "quality.csv", quality_rows)
     write_csv(args.out / "speed.csv", speed_rows)
     write_csv(args.out / "pressure.csv", trace)
-    plot(args.out / "paging.png", quality, speed, trace, full)
+    plot(args.out / "paging.png", quality, trace, full)
 
     unpaged = speed[0]
     speed_lines = [
@@ -361,13 +373,14 @@ def main(argv: list[str] | None = None) -> None:
         [
             f"# Paged MoE precision on {device} ({args.dtype})",
             "",
-            f"Model: Mixtral-style, hidden {args.hidden}, {args.layers} layers, {args.experts} experts (top-{args.top_k}), "
+            f"Model: Mixtral-style, hidden {args.hidden}, {args.layers} layers, "
+            f"{args.experts} experts (top-{args.top_k}), "
             f"trained {args.steps} steps on pydoc_data bytes; group size {args.group_size}; "
             f"16-bit expert bytes {full:,}; {args.eval_batches} x 8 x 256 held-out tokens.",
             "",
             "## Quality against expert bytes on the device",
             "",
-            markdown_table(quality_rows, {"budget_fraction": ".3f", "bytes_fraction": ".3f", "ppl_change_pct": "+.3f", "kl": ".2e", "mean_bits": ".2f"}),
+            markdown_table(quality_rows, QUALITY_FORMATS),
             "",
             "## Targets",
             "",
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "## Speed",
             "",
-            markdown_table(speed_rows, {"bytes_fraction": ".3f", "prefill_tokens_per_s": ",.0f", "decode_tokens_per_s": ",.1f"}),
+            markdown_table(speed_rows, SPEED_FORMATS),
             "",
             *speed_lines,
             "",

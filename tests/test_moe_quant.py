@@ -40,7 +40,8 @@ def test_promotion_is_an_exact_join_of_high_and_low_planes(bits):
 def test_eight_bit_codes_are_within_half_a_step():
     weight = _weights()
     codes = quantize_groupwise(weight, group_size=64)
-    rebuilt = dequantize(pack_bit_planes(codes.codes.reshape(-1)), codes.scale, codes.minimum, weight.shape, torch.float32)
+    planes = pack_bit_planes(codes.codes.reshape(-1))
+    rebuilt = dequantize(planes, codes.scale, codes.minimum, weight.shape, torch.float32)
     step = codes.scale.float().repeat_interleave(64, dim=-1)
     # Half a step plus the float16 rounding of the group minimum.
     slack = codes.minimum.float().abs().repeat_interleave(64, dim=-1) * 2**-10
@@ -52,7 +53,8 @@ def test_midpoint_rebuild_matches_direct_quantization_and_beats_truncation(bits)
     weight = _weights()
     codes = quantize_groupwise(weight, group_size=64)
     planes = pack_bit_planes(codes.codes.reshape(-1))
-    midpoint = _relative_error(dequantize(planes[:bits], codes.scale, codes.minimum, weight.shape, torch.float32), weight)
+    rebuilt = dequantize(planes[:bits], codes.scale, codes.minimum, weight.shape, torch.float32)
+    midpoint = _relative_error(rebuilt, weight)
 
     grouped = weight.reshape(64, 4, 64)
     low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
@@ -83,7 +85,8 @@ def test_metadata_is_float16_unless_weights_are_out_of_its_range():
     assert metadata_dtype(_weights() * 1e5) == torch.float32
     huge = _weights() * 1e5
     codes = quantize_groupwise(huge, 64, meta_dtype=torch.float32)
-    rebuilt = dequantize(pack_bit_planes(codes.codes.reshape(-1)), codes.scale, codes.minimum, huge.shape, torch.float32)
+    planes = pack_bit_planes(codes.codes.reshape(-1))
+    rebuilt = dequantize(planes, codes.scale, codes.minimum, huge.shape, torch.float32)
     assert _relative_error(rebuilt, huge) < 0.01
 
 

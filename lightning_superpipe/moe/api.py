@@ -406,7 +406,8 @@ def _check_budget(nbytes: int | None, minimum: int, min_level: int) -> None:
 
 def full_expert_bytes(model: nn.Module) -> int:
     """Size of a supported model's routed experts at 16 bits per weight (before paging)."""
-    return 2 * sum(getattr(layer.experts, name).numel() for layer in find_moe_layers(model) for name in EXPERT_PROJECTIONS)
+    layers = find_moe_layers(model)
+    return 2 * sum(getattr(layer.experts, name).numel() for layer in layers for name in EXPERT_PROJECTIONS)
 
 
 def kv_cache_bytes(cache: Any) -> int:

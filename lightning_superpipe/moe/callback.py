@@ -234,7 +234,8 @@ class PagedMoECallback(Callback):
 def _find_moe_model(pl_module: LightningModule) -> nn.Module:
     for module in pl_module.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and hasattr(module, "set_experts_implementation"):
+        supported = getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
+        if supported and hasattr(module, "set_experts_implementation"):
             return module
     raise UnsupportedMoEModelError(
         f"{type(pl_module).__name__} contains no transformers model of a supported type "

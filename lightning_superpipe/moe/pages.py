@@ -396,7 +396,8 @@ class PageStore:
 
     def _upload_planes(self, page: Page, start: int, stop: int) -> list[torch.Tensor]:
         lo, hi = self._bounds.index(start), self._bounds.index(stop)
-        return [self.copy.upload(page.host_planes[a:b]) for a, b in zip(self._bounds[lo:hi], self._bounds[lo + 1 : hi + 1])]
+        spans = zip(self._bounds[lo:hi], self._bounds[lo + 1 : hi + 1])
+        return [self.copy.upload(page.host_planes[a:b]) for a, b in spans]
 
     def _planes_copy(self, page: Page, level: int) -> DeviceCopy:
         segments = self._upload_planes(page, 0, level)
