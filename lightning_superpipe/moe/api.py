@@ -327,8 +327,11 @@ class PagedExperts:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Within this context the experts compute with their original weights, streamed from host
-        memory one expert at a time: exact full-precision outputs without raising the budget."""
+        """Compute with the original expert weights inside this context.
+
+        They are streamed from host memory one expert chunk at a time: exact full-precision outputs
+        without raising the budget.
+        """
         previous = self.runtime.reference
         self.runtime.reference = True
         try:
@@ -375,8 +378,12 @@ class PagedExperts:
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> None:
-        """Put the original expert parameters back (the same ``Parameter`` objects, bit for bit),
-        re-select the previous experts implementation and free all device pages."""
+        """Undo :func:`page_experts`: the original parameters back, device pages freed.
+
+        The same ``Parameter`` objects are put back with their original values, bit for bit, on
+        their original device, and the previous experts implementation is selected again.
+        Calling it twice is harmless.
+        """
         if self._restored:
             return
         with _eager_autograd_mode():

@@ -52,7 +52,8 @@ class PagedMoECallback(Callback):
         total_budget_bytes: Pressure mode budget for experts plus KV cache (see ``page_experts``).
         calibration_batches: Batches of the stage's first dataloader used for calibration.
         measure_quality: Also run each forward with full-precision experts (streamed from host
-            memory) and compare; doubles the evaluation time.
+            memory) and compare; doubles the evaluation time. Forwards that are given a KV cache
+            (generation) are not measured.
         stages: Stages to page, among ``"validate"``, ``"test"`` and ``"predict"``.
         page_sanity_check: Also page during Lightning's sanity-check validation.
         model_getter: Returns the ``transformers`` model from the LightningModule (default: the
@@ -158,7 +159,8 @@ class PagedMoECallback(Callback):
         self._moves_at_start = (self.handle.moves.promotions, self.handle.moves.demotions)
         self._max_device_bytes = self.handle.device_bytes()
         self._hooks = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            # Before the handle's own hook, so that planner work counts in tokens/s.
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
 
@@ -179,7 +181,15 @@ class PagedMoECallback(Callback):
             mask = kwargs.get("attention_mask")
             self._tokens += int(mask.sum()) if mask is not None else input_ids.numel()
         self._max_device_bytes = max(self._max_device_bytes, handle.device_bytes())
-        if self.measure_quality and input_ids is not None and getattr(output, "logits", None) is not None:
+        # A forward that continues a KV cache (generation) is not measured: the reference forward
+        # would append to the same cache.
+        continues_cache = kwargs.get("cache", kwargs.get("past_key_values")) is not None
+        if (
+            self.measure_quality
+            and not continues_cache
+            and input_ids is not None
+            and getattr(output, "logits", None) is not None
+        ):
             self._in_reference = True
             try:
                 with handle.reference():

@@ -65,7 +65,8 @@ def metadata_dtype(weight: torch.Tensor) -> torch.dtype:
     Returns:
         ``torch.float16`` or, if some weight is too large for it, ``torch.float32``.
     """
-    return torch.float16 if weight.detach().abs().max().item() < _FLOAT16_MAX / 2 else torch.float32
+    low, high = torch.aminmax(weight.detach())  # a reduction: no weight-sized temporary
+    return torch.float16 if max(-low.item(), high.item()) < _FLOAT16_MAX / 2 else torch.float32
 
 
 def quantize_groupwise(
