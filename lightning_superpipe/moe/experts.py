@@ -85,7 +85,7 @@ def paged_experts_forward(
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
         expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
     hit = [expert for expert in expert_hit.flatten().tolist() if expert != self.num_experts]  # EP sentinel
-    # Rebuilt a chunk of experts at a time: batched dequantization, bounded working memory.
+    # Rebuild a chunk of experts at a time: batched dequantization, bounded working memory.
     for start in range(0, len(hit), DEQUANT_CHUNK):
         chunk = hit[start : start + DEQUANT_CHUNK]
         gate_up_weights = runtime.weights(layer, 0, chunk, dtype)
