@@ -85,7 +85,8 @@ def test_lora_recipe_fine_tunes_with_the_superpipe_strategy_and_reports_memory(l
     assert report["gradient_bytes"] == param_bytes(module, trainable_only=True) < report["param_bytes"] / 10
     # AdamW keeps two moments per trainable weight (plus a step count per tensor).
     assert 2 * report["gradient_bytes"] <= report["optimizer_state_bytes"] < 2.01 * report["gradient_bytes"]
-    assert report["plain_total_bytes"] == report["param_bytes"] + report["gradient_bytes"] + report["optimizer_state_bytes"]
+    plain_parts = (report["param_bytes"], report["gradient_bytes"], report["optimizer_state_bytes"])
+    assert report["plain_total_bytes"] == sum(plain_parts)
     strategy = report["strategy_report"]
     assert report["superpipe_peak_device_bytes"] == strategy["peak_device_bytes"] >= strategy["largest_block_bytes"]
     assert report["peak_bytes"] == strategy["peak_device_bytes"] + strategy["trunk_device_bytes"]
@@ -101,7 +102,9 @@ def test_predict_continues_the_recipes_prompts_from_the_fit_checkpoint(
 ) -> None:
     monkeypatch.chdir(lora_run)
     checkpoint = run_dir(lora_run, "finetune_lora") / "checkpoints" / "last.ckpt"
-    cli.main(["predict", "--config", LORA, "--ckpt_path", str(checkpoint), "--model.generation.max_new_tokens", "8", *QUIET])
+    cli.main(
+        ["predict", "--config", LORA, "--ckpt_path", str(checkpoint), "--model.generation.max_new_tokens", "8", *QUIET]
+    )
     run = run_dir(lora_run, "finetune_lora")
     records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
     prompts = yaml.safe_load(Path(LORA).read_text())["data"]["prompts"]
@@ -197,7 +200,14 @@ BAD_INPUT = {
         lambda tmp: ["--config", LORA, "--model.lora.target_modules", "[q_proj, qkv_proj]"],
         "LoRA target module 'qkv_proj' is not in the model; modules LoRA can adapt in this model: down_proj,",
     ),
-    "bad value type": (lambda tmp: ["--config", LORA, "--data.seq_len", "long"], "data.seq_len: expected int, got long"),
+    "callback refusing its arguments": (
+        lambda tmp: ["--config", LORA, "--trainer.callbacks.save_top_k", "-5"],
+        "ModelCheckpoint: Invalid value for save_top_k=-5. Must be >= -1",
+    ),
+    "bad value type": (
+        lambda tmp: ["--config", LORA, "--data.seq_len", "long"],
+        "data.seq_len: expected int, got long",
+    ),
     "unknown strategy name": (
         lambda tmp: ["--config", LORA, "--trainer.strategy", "superpip"],
         "trainer: You selected an invalid strategy name: `strategy='superpip'`",

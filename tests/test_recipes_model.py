@@ -16,7 +16,13 @@ from lightning_superpipe.recipes.causal_lm import WarmupCosine
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
 
 VOCAB = 259
-SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}
+SIZES = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 def tiny(**kwargs: Any) -> CausalLMModule:
@@ -49,7 +55,8 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_random_init_takes_the_given_sizes_and_the_tokenizers_vocabulary() -> None:
     module = tiny()
     config = module.model.config
-    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == ("llama", 32, 2, VOCAB)
+    built = (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size)
+    assert built == ("llama", 32, 2, VOCAB)
     assert module.model.get_input_embeddings().num_embeddings == VOCAB
     assert next(module.model.parameters()).dtype == torch.float32
     assert all(p.requires_grad for p in module.parameters())
@@ -205,7 +212,9 @@ def test_auto_optimizer_can_clip_gradients_under_mixed_precision() -> None:
 
 def test_lora_checkpoints_of_a_pretrained_model_hold_only_the_adapters(tmp_path: Path, pretrained: Path) -> None:
     lora = LoRASettings(rank=4, target_modules=["q_proj", "v_proj"])
-    module = CausalLMModule(pretrained_path=str(pretrained), lora=lora, vocab_size=384, optimizer=OptimizerSettings(lr=0.05))
+    module = CausalLMModule(
+        pretrained_path=str(pretrained), lora=lora, vocab_size=384, optimizer=OptimizerSettings(lr=0.05)
+    )
     fit = trainer(max_steps=2)
     fit.fit(module, train_dataloaders=token_batches(rows=4))
     path = tmp_path / "adapters.ckpt"
@@ -220,4 +229,5 @@ def test_lora_checkpoints_of_a_pretrained_model_hold_only_the_adapters(tmp_path:
         torch.testing.assert_close(restored.forward(input_ids), module.forward(input_ids), rtol=0, atol=0)
     # A model built without the adapters must not silently drop them.
     with pytest.raises(RecipeError, match="the checkpoint has 8 weights this model lacks"):
-        CausalLMModule(pretrained_path=str(pretrained), vocab_size=384).on_load_checkpoint(torch.load(path, weights_only=False))
+        without_adapters = CausalLMModule(pretrained_path=str(pretrained), vocab_size=384)
+        without_adapters.on_load_checkpoint(torch.load(path, weights_only=False))

@@ -23,13 +23,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
 from lightning_superpipe.recipes.tokenization import TextTokenizer
 
 log = logging.getLogger(__name__)
 
 #: Weight files of a folder saved with ``save_pretrained``.
-WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 #: ``dtype`` names accepted in recipes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,13 +151,17 @@ def check_lora_targets(model: nn.Module, target_modules: list[str] | str | None)
         return
     adaptable = lora_adaptable_types()
     modules = dict(model.named_modules())
-    adaptable_names = sorted({name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, adaptable)})
+    adaptable_names = sorted(
+        {name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, adaptable)}
+    )
     hint = f"modules LoRA can adapt in this model: {', '.join(adaptable_names)}"
     if isinstance(target_modules, str):
         try:
             pattern = re.compile(target_modules)
         except re.error as error:
-            raise RecipeError(f"LoRA target_modules '{target_modules}' is not a valid regular expression: {error}") from error
+            raise RecipeError(
+                f"LoRA target_modules '{target_modules}' is not a valid regular expression: {error}"
+            ) from error
         if not any(pattern.fullmatch(name) and isinstance(module, adaptable) for name, module in modules.items()):
             raise RecipeError(f"LoRA target_modules '{target_modules}' matches no module name in the model; {hint}")
         return
@@ -259,8 +263,7 @@ class CausalLMModule(LightningModule):
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
             # Whatever fails while loading from a folder (an unknown architecture, a corrupt or truncated weight
             # file, shapes that do not match the config) is a problem with that folder, so it is reported as such.
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise RecipeError(f"cannot load a causal LM from '{pretrained_path}': {first_line}") from error
+            raise RecipeError(f"cannot load a causal LM from '{pretrained_path}': {first_line(error)}") from error
         # ``from_pretrained`` returns the model in eval mode; fine-tuning wants dropout as in pre-training, and
         # Lightning keeps whatever mode the module starts ``fit`` in.
         model.train()
@@ -285,10 +288,10 @@ class CausalLMModule(LightningModule):
             raise RecipeError(f"model_type '{model_type}' is not a transformers model type{suggestion}")
         default_config = AutoConfig.for_model(model_type)
         # ``AutoConfig.for_model`` stores any keyword as an attribute, so a misspelt size would be silently ignored.
-        unknown = [key for key in overrides if not hasattr(default_config, key) and not hasattr(default_config, f"_{key}")]
+        # Some settings (``attn_implementation``) are stored under a private name.
+        unknown = [key for key in overrides if not any(hasattr(default_config, name) for name in (key, f"_{key}"))]
         if unknown:
-            close = {key: difflib.get_close_matches(key, list(default_config.to_dict()), n=1) for key in unknown}
-            details = ", ".join(f"'{key}'" + (f" (did you mean '{close[key][0]}'?)" if close[key] else "") for key in unknown)
+            details = ", ".join(f"'{key}'{did_you_mean(key, default_config.to_dict())}" for key in unknown)
             raise RecipeError(f"model.config has keys that the '{model_type}' configuration does not know: {details}")
         config = AutoConfig.for_model(model_type, **overrides)
         if vocab_size is not None:
@@ -324,8 +327,7 @@ class CausalLMModule(LightningModule):
             peft_model = get_peft_model(model, lora_config)
         except ValueError as error:
             # Reached for ``target_modules: null`` on a model type peft has no default for.
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise RecipeError(f"cannot add LoRA adapters: {first_line}") from error
+            raise RecipeError(f"cannot add LoRA adapters: {first_line(error)}") from error
         trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in peft_model.parameters())
         log.info("LoRA: training %d of %d parameters (%.2f%%).", trainable, total, 100.0 * trainable / total)
@@ -446,8 +448,9 @@ class CausalLMModule(LightningModule):
             implementation = "for-loop" if clipping_unsupported else "fused"
         if implementation == "fused" and clipping_unsupported:
             raise RecipeError(
-                f"model.optimizer.implementation 'fused' cannot clip gradients (trainer.gradient_clip_val={clip_value}) "
-                f"under trainer.precision '{self.trainer.precision}'; use 'auto' or 'for-loop'"
+                "model.optimizer.implementation 'fused' cannot clip gradients "
+                f"(trainer.gradient_clip_val={clip_value}) under trainer.precision '{self.trainer.precision}'; "
+                "use 'auto' or 'for-loop'"
             )
         return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[implementation]
 

@@ -27,7 +27,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
-from lightning_superpipe.recipes.errors import RecipeError, describe_parse_error
+from lightning_superpipe.recipes.errors import (
+    RecipeError,
+    describe_construction_error,
+    describe_parse_error,
+    first_line,
+    raised_by_jsonargparse,
+)
 from lightning_superpipe.recipes.text_data import TextDataModule
 
 #: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
@@ -40,9 +46,9 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 #: Set to 1 to see the traceback of a user error too.
 TRACEBACK_ENV = "SUPERPIPE_TRACEBACK"
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
 #: Model settings that say how to run the model rather than what it is; the recipe's values win over a checkpoint's.
 RUN_SETTINGS = ("optimizer", "generation")
+SUBCOMMANDS = tuple(LightningCLI.subcommands())
 
 
 class SuperpipeCLI(LightningCLI):
@@ -80,6 +86,16 @@ class SuperpipeCLI(LightningCLI):
         parsers = getattr(self, "_subcommand_parsers", {}) or {"": self.parser}
         return sorted({key for parser in parsers.values() for key in parser.get_defaults().keys()})
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            # A class named in the recipe refused its arguments; jsonargparse wraps that in a list of every type
+            # it tried. The class's own message is the one to show.
+            if isinstance(error, RecipeError) or not raised_by_jsonargparse(error):
+                raise
+            raise RecipeError(describe_construction_error(error)) from error
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # Lightning checks the trainer's settings (strategy name, accelerator, precision) only when it is created,
         # and raises ValueError or MisconfigurationException: both mean a wrong value under ``trainer``.
@@ -91,11 +107,6 @@ class SuperpipeCLI(LightningCLI):
             raise RecipeError(f"trainer: {first_line(error)}") from error
 
 
-def first_line(error: BaseException) -> str:
-    """The first non-blank line of ``error``'s message, or its type name."""
-    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-
-
 def one_line(error: BaseException) -> str:
     """The user-facing one-line description of ``error``."""
     if isinstance(error, ArgumentError):
@@ -103,12 +114,26 @@ def one_line(error: BaseException) -> str:
     return first_line(error)
 
 
+class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a message is logged, not when the handler was made, so that
+    messages follow a redirection (``contextlib.redirect_stderr``, pytest's capture) instead of hitting a closed
+    stream."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def show_recipe_messages() -> None:
     """Print the recipes' informational messages (what was packed, how many parameters LoRA trains) to stderr,
     as Lightning does for its own, unless the application has configured logging for them already."""
     logger = logging.getLogger("lightning_superpipe.recipes")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = CurrentStderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

@@ -6,7 +6,9 @@ import difflib
 import importlib
 import inspect
 import re
+import traceback
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class RecipeError(ValueError):
@@ -26,6 +28,11 @@ _NOISE = re.compile(
     r"|Expected a path but .* either not accessible or invalid)$"
 )
 _EXPECTED = re.compile(r"^Expected a <class '([\w.]+)'>(?:\. Got value: (.*))?$")
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-blank line of ``error``'s message, or its type name when the message is empty."""
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
@@ -102,3 +109,27 @@ def describe_parse_error(message: str, known_keys: Iterable[str] = ()) -> str:
     if class_path is not None and not reason.startswith(class_path):
         return f"{prefix}{class_path}: {reason}"
     return prefix + reason
+
+
+def raised_by_jsonargparse(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside jsonargparse, which wraps the errors of the classes it instantiates."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and "jsonargparse" in Path(frames[-1].filename).parts
+
+
+def describe_construction_error(error: BaseException) -> str:
+    """One line for an error raised while jsonargparse built a class of the recipe (a callback, a logger ...).
+
+    The root cause is the class's own complaint; the constructor it came from names the class.
+
+    Returns:
+        For example ``"PagedMoECallback: give budget_bytes or budget_fraction, not both"``.
+    """
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    owner = None
+    for frame, _ in traceback.walk_tb(root.__traceback__):
+        if frame.f_code.co_name == "__init__" and "self" in frame.f_locals:
+            owner = type(frame.f_locals["self"]).__name__
+    return f"{owner}: {first_line(root)}" if owner else first_line(root)

@@ -66,7 +66,8 @@ def paged_moe_callbacks(trainer: Trainer) -> list[Any]:
     """The trainer's :class:`~lightning_superpipe.moe.PagedMoECallback` instances."""
     from lightning_superpipe.moe import PagedMoECallback
 
-    return [callback for callback in trainer.callbacks if isinstance(callback, PagedMoECallback)]  # type: ignore[attr-defined]
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+    return [callback for callback in callbacks if isinstance(callback, PagedMoECallback)]
 
 
 def active_paged_experts(trainer: Trainer) -> list[Any]:
@@ -153,11 +154,13 @@ class MemorySummary:
             rows.append(("most on device after a batch", format_bytes(self.sampled_max_bytes or 0)))
         if self.host_bytes is not None:
             rows.append(("held in host memory", format_bytes(self.host_bytes)))
-        if self.paged_moe:
-            rows.append(("paged experts on device, most at once", format_bytes(self.paged_moe["expert_bytes_device_max"])))
-            rows.append(("  the same experts at 16 bits", format_bytes(self.paged_moe["expert_bytes_16bit"])))
-            if "ppl_paged" in self.paged_moe:
-                rows.append(("  perplexity paged / full experts", f"{self.paged_moe['ppl_paged']:.3f} / {self.paged_moe['ppl_full']:.3f}"))
+        paged = self.paged_moe
+        if paged:
+            rows.append(("paged experts on device, most at once", format_bytes(paged["expert_bytes_device_max"])))
+            rows.append(("  the same experts at 16 bits", format_bytes(paged["expert_bytes_16bit"])))
+            if "ppl_paged" in paged:
+                perplexities = f"{paged['ppl_paged']:.3f} / {paged['ppl_full']:.3f}"
+                rows.append(("  perplexity paged / full experts", perplexities))
         rows.append(("plain strategy would keep on device:", ""))
         rows.append(("  weights", format_bytes(self.param_bytes)))
         if self.stage == "fit":
@@ -283,7 +286,9 @@ class MemoryReport(Callback):
         training = stage == "fit"
         # Outside ``fit`` the plain strategy keeps only the weights: no gradients, no optimizer.
         gradient_bytes = trainable_bytes if training else 0
-        optimizer_bytes = report.get("optimizer_state_bytes", optimizer_state_bytes(trainer.optimizers)) if training else 0
+        optimizer_bytes = (
+            report.get("optimizer_state_bytes", optimizer_state_bytes(trainer.optimizers)) if training else 0
+        )
         device = trainer.strategy.root_device
         return MemorySummary(
             stage=stage,
@@ -348,7 +353,7 @@ def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        log.warning("matplotlib is not installed, so no %s; `pip install lightning-superpipe[plot]` adds it.", path.name)
+        log.warning("matplotlib is not installed, so no %s: `pip install lightning-superpipe[plot]`.", path.name)
         return None
     largest = max([summary.plain_total_bytes, *(s.device_bytes for s in summary.samples)])
     unit_name, unit_bytes = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
@@ -356,10 +361,11 @@ def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    axes.plot(batches, [s.device_bytes / unit_bytes for s in summary.samples], marker=".", label="on device after batch")
-    peaks = [s.peak_device_bytes for s in summary.samples]
+    device_bytes = [sample.device_bytes / unit_bytes for sample in summary.samples]
+    axes.plot(batches, device_bytes, marker=".", label="on device after batch")
+    peaks = [sample.peak_device_bytes for sample in summary.samples]
     if all(peak is not None for peak in peaks):
-        axes.step(batches, [peak / unit_bytes for peak in peaks], where="post", label="peak so far")  # type: ignore[operator]
+        axes.step(batches, [peak / unit_bytes for peak in peaks if peak is not None], where="post", label="peak so far")
     axes.axhline(
         summary.plain_total_bytes / unit_bytes,
         color="tab:red",

@@ -90,7 +90,8 @@ def read_jsonl(path: Path, text_field: str) -> list[str]:
             f"{', '.join(repr(name) for name in first_record_fields or [])} (set data.text_field)"
         )
     if len(texts) < records:
-        log.warning("%d of %d records in '%s' have no '%s' field; skipped.", records - len(texts), records, path, text_field)
+        missing = records - len(texts)
+        log.warning("%d of %d records in '%s' have no '%s' field; skipped.", missing, records, path, text_field)
     return texts
 
 

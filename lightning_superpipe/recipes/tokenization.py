@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.errors import RecipeError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,5 @@ def load_tokenizer(model_path: str | Path | None) -> TextTokenizer:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RecipeError(f"cannot load the tokenizer in '{model_path}': {first_line}") from error
+        raise RecipeError(f"cannot load the tokenizer in '{model_path}': {first_line(error)}") from error
     return PretrainedTokenizer(tokenizer)
