@@ -12,8 +12,6 @@ from lightning_superpipe import PagedMoECallback
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
 
-torch.set_num_threads(2)
-
 
 class RecordingLogger(Logger):
     def __init__(self):

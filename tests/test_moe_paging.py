@@ -15,8 +15,6 @@ from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.pages import CopyEngine
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
 
-torch.set_num_threads(2)
-
 
 @pytest.fixture(scope="module")
 def tokens() -> torch.Tensor:
