@@ -105,3 +105,23 @@ def test_bf16_mixed_streams_bf16_and_keeps_fp32_masters() -> None:
     # Block weights are rounded to bf16 before the matmul either way; norms see bf16 weights here, fp32 in plain.
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=2e-2)
     assert models.max_relative_difference(streamed, plain) < 2e-2
+
+
+def test_gradients_are_complete_when_on_after_backward_runs() -> None:
+    """User code in `on_after_backward` (gradient logging, checks) sees the same gradients as with plain Lightning."""
+
+    class GradientNorms(models.Task):
+        def on_after_backward(self) -> None:
+            self.norms.append([p.grad.norm().item() for p in self.parameters()])
+
+    def run(strategy: object) -> list[list[float]]:
+        models.pl.seed_everything(7, verbose=False)
+        task = GradientNorms(models.gpt2, "lm")
+        task.norms = []  # type: ignore[attr-defined]
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, max_steps=3).fit(task, models.data("lm"))
+        return task.norms  # type: ignore[attr-defined]
+
+    plain, streamed = run("auto"), run(SuperpipeStrategy(resident_blocks=0, prefetch=1))
+    assert len(streamed) == 6
+    np.testing.assert_allclose(streamed, plain, rtol=1e-5)

@@ -197,6 +197,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         for hook in self._hooks:
             hook.detach()
         self._hooks = []
+        if self._engine is not None:
+            self._engine.close()
         self._engine = None
 
     @override
@@ -225,8 +227,17 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         return output
 
     @override
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # The parent's sequence, with the gradients brought home between autograd's backward and the precision
+        # plugin's post-backward, which runs `on_after_backward`: user code there must see complete gradients.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         self.engine.finish_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(

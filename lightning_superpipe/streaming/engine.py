@@ -13,22 +13,24 @@ The engine predicts the order in which blocks are needed from the pass it is in:
 blocks forward and then, recomputing each from its checkpoint, backward; an evaluation pass runs them forward,
 again and again (generation). While block ``i`` computes, the next blocks in that order are copied in.
 
-Gradients leave the device as soon as a block's backward delivers them; they are accumulated in fp32 into the
-``.grad`` of the host parameters, so the optimizer, its state and the master weights never leave the host.
+Gradients leave the device as soon as a block's backward delivers them (:mod:`.gradients`); they are
+accumulated in fp32 into the ``.grad`` of the host parameters, so the optimizer, its state and the master weights
+never leave the host.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.host import BlockHome, ParamSlice
+from lightning_superpipe.memory.host import BlockHome
 from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
 
 
@@ -41,16 +43,6 @@ class _Slot:
     version: int = -1
     ready: Event = None  # the copy into ``flat`` finished
     free: Event = None  # compute finished reading ``flat``
-
-
-@dataclass
-class _PendingGradients:
-    """Gradients on their way to the host, accumulated into ``.grad`` once their copy finished."""
-
-    slices: list[ParamSlice] = field(default_factory=list)
-    staged: list[Tensor] = field(default_factory=list)
-    nbytes: int = 0
-    done: Event = None
 
 
 class StreamingEngine:
@@ -114,23 +106,7 @@ class StreamingEngine:
         }
         self._trunk_ready: Event = None
 
-        # Gradient staging (CUDA only): one block's worth, plus the trunk's, in page-locked memory.
-        self._block_staging: Optional[Tensor] = None
-        self._trunk_staging: dict[nn.Parameter, Tensor] = {}
-        if self.copier.is_cuda:
-            trainable_numel = max((home.numel for home in self.homes if home is not None and home.trainable), default=0)
-            if trainable_numel:
-                grad_dtype = next(home for home in self.homes if home is not None).transfer.dtype
-                self._block_staging = torch.empty(trainable_numel, dtype=grad_dtype, pin_memory=True)
-            self._trunk_staging = {
-                param: torch.empty(param.shape, dtype=param.dtype, pin_memory=True)
-                for param in trunk_params
-                if param.requires_grad
-            }
-        self._pending_block: Optional[_PendingGradients] = None
-        self._pending_trunk: list[_PendingGradients] = []
-        self._trunk_uses: dict[nn.Parameter, int] = {}
-        self._trunk_sums: dict[nn.Parameter, Tensor] = {}
+        self.gradients = GradientReturn(self.copier, self.ledger, self.homes, trunk_params)
 
         self._order: list[int] = []
         self._cyclic = False
@@ -152,17 +128,17 @@ class StreamingEngine:
         self._release_busy()
 
     def finish_backward(self) -> None:
-        """Ends a training pass: every gradient is on the host and no copy reads host memory any more (the
+        """Ends a training pass: every gradient is in ``.grad`` and no copy reads host memory any more (the
         optimizer is about to write it)."""
         self._release_busy()
-        self._drain_block_gradients()
-        for param, grad in self._trunk_sums.items():
-            self._send_trunk_gradient(param, grad)
-        self._trunk_sums.clear()
-        for pending in self._pending_trunk:
-            self._accumulate(pending)
-        self._pending_trunk.clear()
+        self.gradients.finish()
         self.copier.synchronize()
+        self.copier.synchronize()
+
+    def close(self) -> None:
+        """Waits for outstanding work and stops the gradient worker."""
+        self.copier.synchronize()
+        self.gradients.close()
 
     def refresh(self, everything: bool = False) -> None:
         """Makes the device copies match the host masters after they changed (an optimizer step, a load).
@@ -293,81 +269,12 @@ class StreamingEngine:
             self._busy.free = self.copier.mark_compute()
             self._busy = None
 
-    # ------------------------------------------------------------------ gradients
-
-    def receive_block_gradients(self, index: int, grads: Sequence[Optional[Tensor]]) -> None:
-        """Takes the gradients of block ``index``'s trainable parameters (in ``home.trainable`` order) off the
-        device."""
-        self._drain_block_gradients()
-        home = self.homes[index]
-        pending = _PendingGradients()
-        offset = 0
-        for piece, grad in zip(home.trainable, grads):
-            if grad is None:
-                continue
-            pending.slices.append(piece)
-            pending.nbytes += grad.numel() * grad.element_size()
-            if self._block_staging is None:
-                pending.staged.append(grad)
-            else:
-                staged = self._block_staging[offset : offset + grad.numel()].view(grad.shape)
-                offset += grad.numel()
-                pending.done = self.copier.to_host(staged, grad)
-                pending.staged.append(staged)
-        self.ledger.add_gradients(pending.nbytes)
-        self._pending_block = pending
-        if not self.copier.is_cuda:
-            self._drain_block_gradients()
-
-    def register_trunk_use(self, param: nn.Parameter) -> None:
-        """Counts one module that uses resident parameter ``param`` (tied parameters have several)."""
-        self._trunk_uses[param] = self._trunk_uses.get(param, 0) + 1
-
-    def receive_trunk_gradient(self, param: nn.Parameter, grad: Tensor) -> None:
-        """Takes the gradient of one resident parameter off the device."""
-        if self._trunk_uses.get(param, 0) > 1:
-            # Autograd sums the gradients of a tied parameter before accumulating them into ``.grad``; doing the
-            # same keeps gradient accumulation exact. The sum stays on the device until the backward ends.
-            previous = self._trunk_sums.get(param)
-            self._trunk_sums[param] = grad if previous is None else previous + grad
-            return
-        self._send_trunk_gradient(param, grad)
-
-    def _send_trunk_gradient(self, param: nn.Parameter, grad: Tensor) -> None:
-        pending = _PendingGradients([ParamSlice(param, 0, param.numel(), param.shape)])
-        if param in self._trunk_staging:
-            staged = self._trunk_staging[param]
-            pending.done = self.copier.to_host(staged, grad)
-            pending.staged.append(staged)
-            self._pending_trunk.append(pending)
-        else:
-            pending.staged.append(grad)
-            self._accumulate(pending)
-
-    def _drain_block_gradients(self) -> None:
-        if self._pending_block is not None:
-            self._accumulate(self._pending_block)
-            self.ledger.remove_gradients(self._pending_block.nbytes)
-            self._pending_block = None
-
-    def _accumulate(self, pending: _PendingGradients) -> None:
-        """Adds staged gradients into the fp32 ``.grad`` of their host parameters, as autograd would."""
-        self.copier.wait_on_host(pending.done)
-        for piece, staged in zip(pending.slices, pending.staged):
-            param = piece.param
-            if param.grad is None:
-                param.grad = staged.to(param.dtype, copy=True)
-            else:
-                param.grad.add_(staged)
-
     # ------------------------------------------------------------------ accounting
 
     def host_bytes(self) -> int:
         """Host bytes held for streaming: block homes and gradient staging."""
         homes = sum(home.host_bytes for home in self.homes if home is not None)
-        staging = 0 if self._block_staging is None else self._block_staging.numel() * self._block_staging.element_size()
-        staging += sum(t.numel() * t.element_size() for t in self._trunk_staging.values())
-        return homes + staging
+        return homes + self.gradients.host_bytes()
 
     def trunk_device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._trunk.values())

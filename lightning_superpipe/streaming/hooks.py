@@ -91,10 +91,7 @@ class BlockStreamingHook:
         home = engine.homes[index]
         self._streamed = [piece.param for piece in home.slices] if home is not None else []
         self._trainable = [piece.param for piece in home.trainable] if home is not None else []
-        self._deliver = partial(engine.receive_block_gradients, index)
-        for _, _, param in self._bindings:
-            if engine.is_trunk(param):
-                engine.register_trunk_use(param)
+        self._deliver = partial(engine.gradients.send_block, index)
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
 
@@ -148,8 +145,6 @@ class TrunkHook:
         self.engine = engine
         self.module = module
         self._bindings = [b for b in _bindings(module, recurse=False) if engine.is_trunk(b[2])]
-        for _, _, param in self._bindings:
-            engine.register_trunk_use(param)
         self._handles: list[RemovableHandle] = []
 
     def attach(self) -> None:
@@ -227,7 +222,7 @@ class CallerDeviceHook:
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter) -> Tensor:
     tensor = engine.trunk_tensor(param)
     if torch.is_grad_enabled() and param.requires_grad:
-        deliver = lambda grads: engine.receive_trunk_gradient(param, grads[0])  # noqa: E731
+        deliver = lambda grads: engine.gradients.send_trunk(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
     return tensor
 
