@@ -208,6 +208,10 @@ BAD_INPUT = {
         lambda tmp: ["--config", LORA, "--data.seq_len", "long"],
         "data.seq_len: expected int, got long",
     ),
+    "negative strategy knob": (
+        lambda tmp: ["--config", LORA, "--trainer.strategy.prefetch", "-1"],
+        "SuperpipeStrategy(prefetch=-1) must be a whole number, zero or more",
+    ),
     "unknown strategy name": (
         lambda tmp: ["--config", LORA, "--trainer.strategy", "superpip"],
         "trainer: You selected an invalid strategy name: `strategy='superpip'`",

@@ -44,7 +44,7 @@ def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
         models.trainer(strategy, max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
     assert strategy.memory_report()["resident_blocks"] == 4
     assert strategy.memory_report()["prefetch"] == 0
-    with pytest.raises(ValueError, match=r"prefetch=-1\) must be zero or more"):
+    with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero"):
         models.trainer(SuperpipeStrategy(prefetch=-1)).fit(models.build_task("sequential"), models.data("vector"))
 
 

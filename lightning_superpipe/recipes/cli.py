@@ -25,6 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # Registers the "superpipe" strategy name with Lightning before the recipe is parsed.
 import lightning_superpipe  # noqa: F401
+from lightning_superpipe.memory import HostMemoryError
 from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.errors import (
@@ -35,6 +36,7 @@ from lightning_superpipe.recipes.errors import (
     raised_by_jsonargparse,
 )
 from lightning_superpipe.recipes.text_data import TextDataModule
+from lightning_superpipe.streaming import NoBlocksFoundError
 
 #: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -43,6 +45,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     MisconfigurationException,
     FileNotFoundError,
     UnsupportedMoEModelError,
+    NoBlocksFoundError,
+    HostMemoryError,
 )
 #: Set to 1 to see the traceback of a user error too.
 TRACEBACK_ENV = "SUPERPIPE_TRACEBACK"

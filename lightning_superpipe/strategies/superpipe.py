@@ -156,6 +156,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def model_to_device(self) -> None:
         """Puts buffers on the device and starts streaming; parameters stay in host memory."""
         assert self.model is not None
+        # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
+        for name, value in (("resident_blocks", self.resident_blocks), ("prefetch", self.prefetch)):
+            if not isinstance(value, int) or value < 0:
+                raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)

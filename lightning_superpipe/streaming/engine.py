@@ -284,8 +284,6 @@ class StreamingEngine:
 
 
 def _clamp(name: str, value: int, limit: int, what: str) -> int:
-    if value < 0:
-        raise ValueError(f"SuperpipeStrategy({name}={value}) must be zero or more.")
     if value > limit:
         warnings.warn(f"SuperpipeStrategy({name}={value}) is more than {what} ({limit}); using {limit}.", stacklevel=3)
         return limit
