@@ -49,11 +49,15 @@ class GradientReturn:
         trainable = [home for home in homes if home is not None and home.trainable]
         staging_numel = max((home.numel for home in trainable), default=0)
         staging_dtype = trainable[0].transfer.dtype if trainable else torch.float32
+        # Staging only where gradients are on another device; on the CPU they are added from where they are.
+        staging_numel = staging_numel if pin else 0
         self._block_staging = [torch.empty(staging_numel, dtype=staging_dtype, pin_memory=pin) for _ in range(2)]
         self._staging_users: list[Optional[Future[None]]] = [None, None]
         self._next_staging = 0
         self._trunk_staging = {
-            param: torch.empty(param.shape, dtype=param.dtype, pin_memory=pin) for param in trunk_params if param.requires_grad
+            param: torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
+            for param in trunk_params
+            if param.requires_grad and pin
         }
         self._block_grad_homes: dict[int, Tensor] = {}
         self._trunk_grad_homes: dict[nn.Parameter, Tensor] = {}
@@ -81,9 +85,12 @@ class GradientReturn:
         for piece, grad in zip(home.trainable, grads):
             if grad is None:
                 continue
-            view = self._block_staging[slot][offset : offset + grad.numel()].view(grad.shape)
-            offset += grad.numel()
-            done = self.copier.to_host(view, grad)
+            if self.copier.is_cuda:
+                view = self._block_staging[slot][offset : offset + grad.numel()].view(grad.shape)
+                offset += grad.numel()
+                done = self.copier.to_host(view, grad)
+            else:
+                view = grad  # already in host memory, and added below before autograd lets go of it
             pieces.append(piece)
             staged.append(view)
             nbytes += grad.numel() * grad.element_size()
@@ -108,11 +115,13 @@ class GradientReturn:
         self._finish_copy()
         for param, grad in self._trunk_sums.items():
             piece = ParamSlice(param, 0, param.numel(), param.shape)
-            done = self.copier.to_host(self._trunk_staging[param], grad)
+            staged, done = grad, None
+            if self.copier.is_cuda:
+                staged = self._trunk_staging[param]
+                done = self.copier.to_host(staged, grad)
             if param not in self._trunk_grad_homes:
                 self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
-            home = self._trunk_grad_homes[param]
-            self._futures.append(self._submit([piece], [self._trunk_staging[param]], done, home))
+            self._futures.append(self._submit([piece], [staged], done, self._trunk_grad_homes[param]))
         self._trunk_sums.clear()
         for future in self._futures:
             future.result()
