@@ -191,7 +191,6 @@ def test_routing_shifts_move_bits_to_hot_experts(tokens):
         return logits, torch.full_like(weights, 0.5), forced
 
     hooks = [layer.mlp.gate.register_forward_hook(force_routing) for layer in model.model.layers]
-    input_ids = _inputs(tokens)
     handle = page_experts(model, rebalance_every=1, routing_half_life_tokens=64.0)
     handle.set_budget(int(0.35 * handle.full_bytes()))
 
