@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 import torch
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.streaming.copier import Copier
 from lightning_superpipe.streaming.engine import StreamingEngine
 from tests import models
 
@@ -107,3 +111,37 @@ def test_blocks_stream_on_every_pass() -> None:
         models.build_task("llama"), models.data("lm")
     )
     assert loads == [0, 1, 2, 1, 0]  # block 2 stays for its own backward; the last step's refresh is not counted
+
+
+class _StagingCopier(Copier):
+    """A CPU copier that takes the asynchronous path (staging buffers, the gradient worker thread) that CUDA takes.
+
+    Its copies are synchronous and its events ``None``, so the bookkeeping of that path (double buffers, the
+    worker's ordering, the ledger) is exercised here without a GPU; pinning stays off, which needs one.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.asynchronous = True
+
+
+def test_asynchronous_gradient_path_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_superpipe.streaming import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "Copier", _StagingCopier)
+    threads: set[str] = set()
+    original = engine_module.GradientReturn._accumulate
+
+    def recording(self: object, *args: object) -> None:
+        threads.add(threading.current_thread().name)
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module.GradientReturn, "_accumulate", recording)
+    probe = _Probe()
+    plain = models.fit("gpt2", "auto")
+    streamed = models.fit("gpt2", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[probe])
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+    np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
+    assert threads and all(name.startswith("superpipe-gradients") for name in threads)
+    block_bytes = sum(p.numel() * 4 for p in streamed.model.transformer.h[0].parameters())
+    assert max(probe.gradient_peaks) <= block_bytes

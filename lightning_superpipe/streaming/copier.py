@@ -25,6 +25,10 @@ class Copier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
+        #: Copies return before they are done, so what they read or write must wait for their events.
+        self.asynchronous = self.is_cuda
+        #: Host buffers that copies read or write are page-locked (needed for truly asynchronous copies).
+        self.pin_memory = self.is_cuda
         if self.is_cuda:
             self._h2d_stream = torch.cuda.Stream(device)
             self._d2h_stream = torch.cuda.Stream(device)

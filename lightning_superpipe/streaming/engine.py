@@ -72,7 +72,7 @@ class StreamingEngine:
         self.ledger = DeviceLedger()
         self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
         self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
-        pin = self.copier.is_cuda
+        pin = self.copier.pin_memory
         self.homes = [
             BlockHome(params, transfer_dtype or params[0].dtype, pin=pin) if params else None for params in block_params
         ]

@@ -45,19 +45,19 @@ class GradientReturn:
         self.copier = copier
         self.ledger = ledger
         self.homes = homes
-        pin = copier.is_cuda
+        pin = copier.pin_memory
         trainable = [home for home in homes if home is not None and home.trainable]
         staging_numel = max((home.numel for home in trainable), default=0)
         staging_dtype = trainable[0].transfer.dtype if trainable else torch.float32
-        # Staging only where gradients are on another device; on the CPU they are added from where they are.
-        staging_numel = staging_numel if pin else 0
+        # Staging only where copies are asynchronous; on a CPU device gradients are added from where they are.
+        staging_numel = staging_numel if copier.asynchronous else 0
         self._block_staging = [torch.empty(staging_numel, dtype=staging_dtype, pin_memory=pin) for _ in range(2)]
         self._staging_users: list[Optional[Future[None]]] = [None, None]
         self._next_staging = 0
         self._trunk_staging = {
             param: torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
             for param in trunk_params
-            if param.requires_grad and pin
+            if param.requires_grad and copier.asynchronous
         }
         self._block_grad_homes: dict[int, Tensor] = {}
         self._trunk_grad_homes: dict[nn.Parameter, Tensor] = {}
@@ -66,7 +66,7 @@ class GradientReturn:
         self._trunk_sums: dict[nn.Parameter, Tensor] = {}
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients") if copier.is_cuda else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients") if copier.asynchronous else None
         )
 
     def send_block(self, index: int, grads: Sequence[Optional[Tensor]]) -> None:
@@ -85,7 +85,7 @@ class GradientReturn:
         for piece, grad in zip(home.trainable, grads):
             if grad is None:
                 continue
-            if self.copier.is_cuda:
+            if self.copier.asynchronous:
                 view = self._block_staging[slot][offset : offset + grad.numel()].view(grad.shape)
                 offset += grad.numel()
                 done = self.copier.to_host(view, grad)
@@ -116,7 +116,7 @@ class GradientReturn:
         for param, grad in self._trunk_sums.items():
             piece = ParamSlice(param, 0, param.numel(), param.shape)
             staged, done = grad, None
-            if self.copier.is_cuda:
+            if self.copier.asynchronous:
                 staged = self._trunk_staging[param]
                 done = self.copier.to_host(staged, grad)
             if param not in self._trunk_grad_homes:
