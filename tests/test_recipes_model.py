@@ -198,6 +198,13 @@ def test_optimizer_decays_matrices_only_and_follows_the_schedule() -> None:
     assert fit.lr_scheduler_configs[0].scheduler.state_dict()["lr_lambdas"] == [None, None]  # one per group
 
 
+def test_auto_optimizer_stays_fused_when_the_superpipe_strategy_clips_under_bf16() -> None:
+    # No gradient scaler under bf16-mixed: the superpipe strategy lets the fused host AdamW clip.
+    fit = trainer(max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0, strategy="superpipe")
+    fit.fit(tiny(), train_dataloaders=token_batches(rows=4))
+    assert fit.optimizers[0].defaults["fused"] is True
+
+
 def test_auto_optimizer_can_clip_gradients_under_mixed_precision() -> None:
     # Lightning refuses to clip with an optimizer that unscales gradients itself (fused AdamW) under mixed precision.
     module = tiny()

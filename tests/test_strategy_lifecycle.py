@@ -107,6 +107,16 @@ def test_bf16_mixed_streams_bf16_and_keeps_fp32_masters() -> None:
     assert models.max_relative_difference(streamed, plain) < 2e-2
 
 
+def test_fused_adamw_clips_under_bf16_mixed() -> None:
+    """bf16-mixed uses no gradient scaler, so the fastest host optimizer (fused AdamW) can clip; Lightning 2.6's
+    mixed-precision plugin refuses it, the strategy lets it."""
+    options = dict(precision="bf16-mixed", gradient_clip_val=0.5)
+    loop = models.fit("llama", "superpipe", **options)
+    fused = models.fit("llama", "superpipe", optimizer="adamw-fused", **options)
+    np.testing.assert_allclose(fused.losses, loop.losses, rtol=1e-2)
+    assert models.max_relative_difference(fused, loop) < 1e-2
+
+
 def test_gradients_are_complete_when_on_after_backward_runs() -> None:
     """User code in `on_after_backward` (gradient logging, checks) sees the same gradients as with plain Lightning."""
 

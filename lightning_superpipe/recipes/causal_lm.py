@@ -25,6 +25,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
 from lightning_superpipe.recipes.tokenization import TextTokenizer
+from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class OptimizerSettings:
         implementation: ``fused`` (one kernel for all parameters; fastest, ~9x ``foreach`` on CPU), ``for-loop``
             (a Python loop over parameters; ~3x ``foreach`` on CPU), ``foreach`` (PyTorch's multi-tensor default) or
             ``auto``: ``fused`` unless gradients are clipped under mixed precision, which Lightning cannot do with an
-            optimizer that unscales gradients itself, in which case ``for-loop``.
+            optimizer that unscales gradients itself (the superpipe strategy can, under ``bf16-mixed``), in which case
+            ``for-loop``.
     """
 
     lr: float = 3e-4
@@ -442,8 +444,11 @@ class CausalLMModule(LightningModule):
         implementation = self.optimizer_settings.implementation
         clip_value = self.trainer.gradient_clip_val
         # Lightning's mixed-precision plugin unscales gradients before clipping; a fused AdamW unscales inside its
-        # step, so Lightning refuses to clip with it.
-        clipping_unsupported = bool(clip_value) and isinstance(self.trainer.precision_plugin, MixedPrecision)
+        # step, so Lightning refuses to clip with it. The superpipe strategy lifts that where no scaler is in use
+        # (bf16-mixed).
+        plugin = self.trainer.precision_plugin
+        lifted = isinstance(self.trainer.strategy, SuperpipeStrategy) and getattr(plugin, "scaler", None) is None
+        clipping_unsupported = bool(clip_value) and isinstance(plugin, MixedPrecision) and not lifted
         if implementation == "auto":
             implementation = "for-loop" if clipping_unsupported else "fused"
         if implementation == "fused" and clipping_unsupported:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -19,7 +20,7 @@ from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -150,7 +151,17 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._let_fused_optimizers_clip_without_a_scaler()
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
+
+    def _let_fused_optimizers_clip_without_a_scaler(self) -> None:
+        """Lightning's mixed-precision plugin refuses to clip gradients for an optimizer that unscales them inside
+        its ``step`` (fused AdamW), which matters only when a gradient scaler is in use, and ``bf16-mixed`` uses
+        none. The host optimizer step is the usual bottleneck of offloaded training and fused AdamW the fastest on
+        a CPU, so without a scaler the plugin clips as the base plugin does."""
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+            plugin.clip_gradients = partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -195,6 +206,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         if self._engine is not None:
             self._last_report = self.memory_report()
         self._stop_streaming()
+        vars(self.precision_plugin).pop("clip_gradients", None)
         super().teardown()
 
     def _stop_streaming(self) -> None:
