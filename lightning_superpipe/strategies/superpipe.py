@@ -236,10 +236,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.engine.start_pass(training=True)
         output = super().training_step(*args, **kwargs)
-        report = self.memory_report()
+        # Straight from the ledger: the full report walks every parameter and optimizer state.
+        ledger = self.engine.ledger
         assert self.lightning_module is not None
-        for key in ("device_bytes", "peak_device_bytes"):
-            self.lightning_module.log(f"superpipe/{key}", float(report[key]), on_step=True, on_epoch=False)
+        for key, value in (("device_bytes", ledger.total_bytes), ("peak_device_bytes", ledger.peak_bytes)):
+            self.lightning_module.log(f"superpipe/{key}", float(value), on_step=True, on_epoch=False)
         return output
 
     @override

@@ -67,7 +67,6 @@ class StreamingEngine:
         transfer_dtype: Optional[torch.dtype] = None,
     ) -> None:
         num_blocks = len(block_params)
-        self.device = device
         self.copier = Copier(device)
         self.ledger = DeviceLedger()
         self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
@@ -108,6 +107,9 @@ class StreamingEngine:
 
         self.gradients = GradientReturn(self.copier, self.ledger, self.homes, trunk_params)
 
+        forward = list(range(num_blocks))
+        self._training_order = forward + forward[::-1]
+        self._forward_order = forward
         self._order: list[int] = []
         self._cyclic = False
         self._cursor = -1
@@ -118,8 +120,7 @@ class StreamingEngine:
     def start_pass(self, training: bool) -> None:
         """Sets the order in which blocks are expected: forward then backward in training, forward (repeated)
         otherwise."""
-        forward = list(range(len(self.homes)))
-        self._order = forward + forward[::-1] if training else forward
+        self._order = self._training_order if training else self._forward_order
         self._cyclic = not training
         self._cursor = -1
 

@@ -92,6 +92,9 @@ class BlockStreamingHook:
         self._streamed = [piece.param for piece in home.slices] if home is not None else []
         self._trainable = [piece.param for piece in home.trainable] if home is not None else []
         self._deliver = partial(engine.gradients.send_block, index)
+        # Parameters the block uses but does not stream (tied to the trunk or to another block): resident.
+        streamed = set(self._streamed)
+        self._resident = list({param: None for _, _, param in self._bindings if param not in streamed})
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
 
@@ -126,9 +129,8 @@ class BlockStreamingHook:
         if torch.is_grad_enabled() and self._trainable:
             on_device = _ToDevice.apply(self._deliver, tuple(tensors[p] for p in self._trainable), *self._trainable)
             tensors.update(zip(self._trainable, on_device))
-        for _, _, param in self._bindings:
-            if param not in tensors:  # tied to the trunk or to another block: resident
-                tensors[param] = _resident_tensor(self.engine, param)
+        for param in self._resident:
+            tensors[param] = _resident_tensor(self.engine, param)
         with _bound(self._bindings, tensors):
             return self._original_forward(*args, **kwargs)
 

@@ -32,9 +32,5 @@ class DeviceLedger:
     def remove_gradients(self, nbytes: int) -> None:
         self.gradient_bytes -= nbytes
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.total_bytes
-        self.peak_gradient_bytes = self.gradient_bytes
-
     def _update_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.total_bytes)
