@@ -46,6 +46,9 @@ def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
     assert strategy.memory_report()["prefetch"] == 0
     with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero"):
         models.trainer(SuperpipeStrategy(prefetch=-1)).fit(models.build_task("sequential"), models.data("vector"))
+    # A boolean is an int to Python, but `resident_blocks=True` is a mistake, not "one block".
+    with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(resident_blocks=True\) must be a whole"):
+        models.trainer(SuperpipeStrategy(resident_blocks=True)).fit(models.build_task("sequential"), models.data("vector"))
 
 
 def test_a_host_too_small_is_refused_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,3 +105,24 @@ def test_parameters_shared_between_blocks_stay_resident_and_tied() -> None:
     streamed = models.fit("tied", SuperpipeStrategy(resident_blocks=0))
     assert models.max_relative_difference(streamed, plain) < 1e-5
     assert streamed.model[1][0][0] is streamed.model[1][2][1]
+
+
+def test_default_discovery_streams_every_outermost_stack_in_execution_order() -> None:
+    """Every stack of same-type modules that holds parameters streams: here an encoder of 2 and a decoder of 3
+    (the deeper one is not chosen alone); stacks inside a block stream with it; a list of one module that holds a
+    stack is looked into; parameterless lists (dropouts) are ignored."""
+
+    def layer() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.ModuleList([nn.Linear(8, 8) for _ in range(4)]))
+
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dropouts = nn.ModuleList([nn.Dropout() for _ in range(6)])
+            self.encoder = nn.ModuleList([layer() for _ in range(2)])
+            self.wrapper = nn.ModuleList([nn.Sequential(nn.ModuleList([layer() for _ in range(3)]))])
+
+    model = EncoderDecoder()
+    assert find_blocks(model) == [*model.encoder, *model.wrapper[0][0]]
+    single = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([layer()]))
+    assert find_blocks(single) == [single[1][0]]  # a single layer is a stack of one

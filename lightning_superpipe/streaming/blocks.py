@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 from torch import nn
@@ -19,11 +19,15 @@ class NoBlocksFoundError(ValueError):
 def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.Module]:
     """Returns the model's blocks in execution order.
 
-    By default the blocks are the longest run of same-type modules held in one ``nn.ModuleList`` or
-    ``nn.Sequential`` (the decoder layers of a ``transformers`` model, the stages of a vision model, a user's
-    stack). A policy overrides that: a collection of module classes selects every outermost instance of those
-    classes; a callable selects every outermost module for which it returns ``True``. Order is the order of
-    ``model.modules()``, which is the execution order for sequential stacks.
+    By default the blocks are the members of every *stack* of the model: an ``nn.ModuleList`` or ``nn.Sequential``
+    of one or more same-type modules that holds parameters (the decoder layers of a ``transformers`` model; the
+    encoder's and the decoder's layers of an encoder-decoder; the vision tower's and the language model's layers
+    of a vision-language model; the stages of a vision model; a user's stack). Only outermost stacks count (a stack
+    inside a block streams with its block), except that a stack whose single member is a stack itself is looked
+    into. A policy overrides that: a collection of module classes selects every outermost instance of
+    those classes; a callable selects every outermost module for which it returns ``True``. Order is the order of
+    ``model.modules()``, which is the execution order for sequential stacks (the engine re-synchronises when a
+    model calls its blocks in another order).
 
     Args:
         model: The model to search.
@@ -33,13 +37,13 @@ def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.
         NoBlocksFoundError: If nothing qualifies; the message says how to name the blocks.
     """
     if policy is None:
-        blocks = _longest_uniform_run(model)
+        blocks = [block for stack in _outermost_stacks(model) for block in stack]
     else:
         predicate = _as_predicate(policy)
         blocks = _outermost(model, predicate)
-    blocks = [block for block in blocks if any(True for _ in block.parameters())]
+    blocks = [block for block in blocks if _has_parameters(block)]
     if not blocks:
-        how = "found no `nn.ModuleList`/`nn.Sequential` of two or more same-type modules with parameters"
+        how = "found no `nn.ModuleList`/`nn.Sequential` of same-type modules with parameters"
         if policy is not None:
             how = f"the block policy {policy!r} matched no module with parameters"
         raise NoBlocksFoundError(
@@ -50,17 +54,47 @@ def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.
     return blocks
 
 
-def _longest_uniform_run(model: nn.Module) -> list[nn.Module]:
-    best: list[nn.Module] = []
-    for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
-            continue
-        if len(children) > len(best):
-            best = children
-    return best
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_stack(module: nn.Module) -> bool:
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return False
+    children = list(module.children())
+    return bool(children) and len({type(child) for child in children}) == 1 and _has_parameters(module)
+
+
+def _outermost_stacks(model: nn.Module) -> list[list[nn.Module]]:
+    stacks: list[list[nn.Module]] = []
+
+    def visit(module: nn.Module) -> None:
+        if _is_stack(module):
+            children = list(module.children())
+            lone = children[0]
+            if len(children) > 1 or not _is_stack(lone):
+                stacks.append(children)
+                return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return stacks
+
+
+def describe_stacks(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    """Where the blocks are, one entry per run of blocks under the same parent, e.g.
+    ``['model.encoder.block: 2 x T5Block', 'model.decoder.block: 4 x T5Block']``."""
+    names = {id(module): name for name, module in model.named_modules()}
+    runs: list[tuple[str, list[nn.Module]]] = []
+    for block in blocks:
+        name = names.get(id(block), "?")
+        parent = name.rpartition(".")[0] or "(top level)"
+        if runs and runs[-1][0] == parent:
+            runs[-1][1].append(block)
+        else:
+            runs.append((parent, [block]))
+    return [f"{parent}: {describe(members)}" for parent, members in runs]
 
 
 def _as_predicate(policy: BlockPolicy) -> Callable[[nn.Module], bool]:
