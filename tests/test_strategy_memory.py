@@ -12,7 +12,7 @@ import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.copier import Copier
 from lightning_superpipe.streaming.engine import StreamingEngine
-from tests import models
+from tests import families, models
 
 
 class _Probe(models.pl.Callback):
@@ -35,6 +35,7 @@ class _Probe(models.pl.Callback):
     def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
         ledger = trainer.strategy.engine.ledger
         self.largest_block_bytes = trainer.strategy.engine.largest_block_bytes()
+        self.trunk_bytes = trainer.strategy.engine.trunk_device_bytes()
         self.peaks.append(ledger.peak_bytes)
         self.gradient_peaks.append(ledger.peak_gradient_bytes)
 
@@ -48,7 +49,8 @@ def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int
     block_bytes = sum(p.numel() * 4 for p in task.model.model.layers[0].parameters())
     largest = probe.largest_block_bytes
     assert block_bytes <= largest <= block_bytes * 1.1  # alignment padding only
-    assert max(probe.peaks) <= (resident_blocks + prefetch + 1) * largest + largest
+    # Block weights and one block of gradients, plus the resident trunk and its gradients.
+    assert max(probe.peaks) <= (resident_blocks + prefetch + 1) * largest + largest + 2 * probe.trunk_bytes
     assert strategy.memory_report()["peak_device_bytes"] == max(probe.peaks)  # still readable after fit
     # One block of gradients at most, and the gradients of a whole block did pass through.
     assert block_bytes * 0.99 <= max(probe.gradient_peaks) <= block_bytes
@@ -73,22 +75,69 @@ def test_memory_report_is_logged_and_counts_host_bytes() -> None:
     assert seen["host_bytes"] >= sum(p.numel() * 4 for p in blocks.parameters())
     assert seen["param_bytes"] == seen["trainable_param_bytes"] == sum(p.numel() * 4 for p in task.parameters())
     assert seen["optimizer_state_bytes"] >= 2 * seen["trainable_param_bytes"]  # AdamW: two moments
-    assert seen["peak_device_bytes"] >= 2 * seen["largest_block_bytes"]  # two slots
+    assert seen["peak_device_bytes"] >= 2 * seen["largest_block_bytes"] + seen["trunk_device_bytes"]  # two slots
     assert float(seen["superpipe/peak_device_bytes"]) == seen["peak_device_bytes"]
 
 
 def test_backward_reads_weights_fetched_again_not_stale_copies() -> None:
-    """Poison every slot between forward and backward: gradients must not change, because backward recomputes
-    each block with its weights fetched again."""
+    """Poison and empty every slot between forward and backward: gradients must not change, because backward
+    recomputes each block with its weights fetched again, and nothing autograd kept points into a slot.
+
+    (Poisoning without emptying would corrupt the block that legitimately stays in its slot from the end of
+    forward to the start of backward, and NaN everything.)"""
 
     class Poison(models.pl.Callback):
         def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
-            for slot in trainer.strategy.engine._slots:
+            engine = trainer.strategy.engine
+            engine._release_busy()
+            for slot in engine._slots:
                 slot.flat.fill_(float("nan"))
+                slot.block = None
 
     plain = models.fit("llama", "auto")
     streamed = models.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Poison()])
     assert models.max_relative_difference(streamed, plain) < 1e-5
+
+
+def test_the_weight_comparison_sees_nan() -> None:
+    """The helpers the exactness tests rely on must fail on a broken model, NaN included."""
+    families.self_check()
+    task = models.build_task("llama")
+    same = models.build_task("llama")
+    assert models.max_relative_difference(task, same) == 0.0
+    with torch.no_grad():
+        same.model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    assert models.max_relative_difference(task, same) == float("inf")
+    assert models.max_relative_difference(same, task) == float("inf")
+
+
+def test_trunk_gradients_are_counted_and_leave_as_soon_as_complete() -> None:
+    """An untied LM head's gradient is complete when backward reaches the last block, the final norm's right
+    after: both leave the device before any block's gradients arrive; the embedding's leaves at the end. The
+    ledger counts them all."""
+    held_at_block_sends: list[int] = []
+
+    class Spy(models.pl.Callback):
+        def on_train_start(self, trainer: models.pl.Trainer, *args: object) -> None:
+            gradients = trainer.strategy.engine.gradients
+            original = gradients.send_block
+
+            def spying(index: int, pieces: object, grads: object) -> None:
+                held_at_block_sends.append(trainer.strategy.engine.ledger.held["trunk_gradients"])
+                original(index, pieces, grads)  # type: ignore[arg-type]
+
+            gradients.send_block = spying  # type: ignore[method-assign]
+
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
+    task = models.build_task("llama")
+    models.trainer(strategy, max_steps=2, callbacks=[Spy()]).fit(task, models.data("lm"))
+    report = strategy.memory_report()
+    head = task.model.lm_head.weight.numel() * 4
+    embedding = task.model.model.embed_tokens.weight.numel() * 4
+    assert held_at_block_sends and max(held_at_block_sends) == 0
+    assert head <= report["peak_trunk_gradient_bytes"] <= head + embedding
+    assert report["peak_device_bytes"] >= report["trunk_device_bytes"] + head
+    assert report["streamed_stacks"] == ["model.model.layers: 3 x LlamaDecoderLayer"]
 
 
 def test_blocks_stream_on_every_pass() -> None:

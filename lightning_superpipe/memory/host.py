@@ -34,6 +34,46 @@ class ParamSlice:
         return flat[self.offset : self.offset + self.numel].view(self.shape)
 
 
+class EditTrackedParameter(nn.Parameter):
+    """An ``nn.Parameter`` whose in-place edits through ``.data`` bump its version counter.
+
+    The device holds copies of the host masters, so the strategy must notice every change to a master: an
+    optimizer step, ``load_state_dict``, a ``torch.no_grad()`` edit, and also the ``p.data.copy_(...)`` and
+    ``p.data.clamp_(...)`` idioms (Lightning's ``WeightAveraging`` swaps weights that way), which a plain
+    parameter hides from its version counter because ``.data`` is a new tensor with a counter of its own. Here
+    ``.data`` is ``detach()``, which shares the counter. Host masters are never saved for backward (the device
+    copies are), so the extra bumps cannot trip autograd's in-place checks.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + repr(self.detach())
+
+
+def track_edits(param: nn.Parameter) -> None:
+    """Makes ``.data`` edits of a plain ``nn.Parameter`` visible to its version counter (subclasses, e.g.
+    quantized parameters, are left alone: their own ``.data`` may mean something else)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = EditTrackedParameter
+
+
+def untrack_edits(param: nn.Parameter) -> None:
+    if type(param) is EditTrackedParameter:
+        param.__class__ = nn.Parameter
+
+
+def master_state(param: nn.Parameter) -> tuple[int, int]:
+    """What changes when a master changes: its version counter (in-place edits) and its storage (``p.data = x``)."""
+    return param._version, param.data_ptr()
+
+
 class BlockHome:
     """The host home of one block's parameters.
 
@@ -61,12 +101,18 @@ class BlockHome:
             # The optimizer, checkpoints and the user keep using the same Parameter objects; only their storage
             # moves into the flat buffer.
             piece.param.data = piece.view_of(self.master)
+            track_edits(piece.param)
         if transfer_dtype == self.master_dtype:
             self.transfer = self.master
         else:
             self.transfer = _empty_host(self.numel, transfer_dtype, pin)
             self.transfer.copy_(self.master)
-        self.trainable = [piece for piece in self.slices if piece.param.requires_grad]
+        self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
+
+    @property
+    def trainable(self) -> list[ParamSlice]:
+        """The pieces whose parameters require gradients now (the flag may change between steps)."""
+        return [piece for piece in self.slices if piece.param.requires_grad]
 
     @property
     def transfer_bytes(self) -> int:
@@ -79,17 +125,39 @@ class BlockHome:
         extra = 0 if self.transfer is self.master else self.transfer_bytes
         return self.numel * self.master.element_size() + extra
 
-    def refresh_transfer(self, everything: bool = False) -> None:
-        """Brings the transfer copy up to date with the masters after they changed.
+    def mark_changed(self, param: nn.Parameter) -> None:
+        """Counts ``param``'s master as changed even if its version counter says otherwise (CPU fused optimizers
+        write parameters without bumping it)."""
+        self._seen[param] = (-1, -1)
 
-        Args:
-            everything: Refresh frozen parameters too (after a checkpoint load); by default only trainable
-                parameters change between steps, so only they are converted.
-        """
-        if self.transfer is self.master:
-            return
-        for piece in self.slices if everything else self.trainable:
-            piece.view_of(self.transfer).copy_(piece.view_of(self.master))
+    def changed(self) -> list[ParamSlice]:
+        """The pieces whose masters changed since :meth:`sync` last ran (reads only)."""
+        return [piece for piece in self.slices if master_state(piece.param) != self._seen[piece.param]]
+
+    def sync(self, pieces: Sequence[ParamSlice]) -> None:
+        """Takes the changed masters of ``pieces`` into the home: a parameter whose storage was replaced
+        (``p.data = x``, ``module.to(...)``) is copied back into its place in the flat buffer and pointed at it
+        again, and the transfer copy is brought up to date. No copy may be reading the home meanwhile."""
+        for piece in pieces:
+            param, home_view = piece.param, piece.view_of(self.master)
+            if param.data_ptr() != home_view.data_ptr():
+                if param.shape != piece.shape or param.dtype != self.master_dtype:
+                    raise RuntimeError(
+                        f"A streamed parameter of shape {tuple(piece.shape)} and dtype {self.master_dtype} was"
+                        f" replaced by a tensor of shape {tuple(param.shape)} and dtype {param.dtype} during the run;"
+                        " SuperpipeStrategy cannot stream a parameter whose shape or dtype changes. Change the model"
+                        " before `Trainer.fit` (or between runs), not inside it."
+                    )
+                home_view.copy_(param.detach())
+                param.data = home_view
+            if self.transfer is not self.master:
+                piece.view_of(self.transfer).copy_(home_view)
+            self._seen[param] = master_state(param)
+
+    def release(self) -> None:
+        """Gives the parameters back their plain class (their storage stays in the flat buffer)."""
+        for piece in self.slices:
+            untrack_edits(piece.param)
 
 
 #: Every parameter starts on a multiple of this many elements (256 bytes in fp32): kernels take the same aligned

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.tokenization import TextTokenizer, load_tokenizer
@@ -202,6 +202,129 @@ class PackedSequences(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.rows[index].long()}
 
 
+class ResumableSampler(Sampler[int]):
+    """The indices ``0 .. num_samples - 1`` in an order fixed by ``seed`` and the epoch, from any position on.
+
+    Lightning calls :meth:`set_epoch` before every training epoch, so each epoch has its own order, and a run resumed
+    in the middle of an epoch draws the same order again. :class:`ResumableDataLoader` sets :attr:`start` to skip
+    the samples an interrupted run had already trained on.
+
+    Args:
+        num_samples: Size of the dataset.
+        shuffle: Draw a random order per epoch; ``False`` keeps ``0, 1, 2, ...``.
+        seed: Seed of the order, combined with the epoch.
+    """
+
+    def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        #: Samples of this epoch's order to leave out at the start of the next pass.
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch`` from the next pass on."""
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        """The whole order of the current epoch."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start :])
+
+    def __len__(self) -> int:
+        # The whole epoch, also when starting part-way: Lightning counts an epoch's batches from ``len(loader)``.
+        return self.num_samples
+
+
+class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
+    """A ``DataLoader`` whose position within the epoch goes into Lightning's checkpoints, so that ``fit`` resumed
+    from the middle of an epoch trains on exactly the batches the interrupted run had not reached.
+
+    Lightning's fit loop saves the ``state_dict`` of a training loader that has one and loads it before the resumed
+    epoch starts. Batches are counted as the main process hands them over, not as worker processes prefetch them.
+    With a :class:`ResumableSampler` the skipped samples are never loaded; with any other sampler whose order is
+    reproducible (Lightning's distributed sampler, seeded by the epoch), the skipped batches are loaded and dropped.
+
+    Takes the arguments of ``DataLoader``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._batches_done = 0
+        self._skip_batches = 0
+        self._skip_epoch: int | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: nothing is drawn until the first batch is asked for, by which time Lightning has called
+        # ``set_epoch``, also for the first epoch of a resumed run.
+        return self._counted_batches()
+
+    def _counted_batches(self) -> Iterator[Any]:
+        skip, self._skip_batches = self._skip_batches, 0
+        if self._skip_epoch is not None and self._epoch() != self._skip_epoch or skip >= len(self):
+            skip = 0  # the checkpoint's epoch was complete: this is the next one, from its start
+        drop = skip
+        if isinstance(self.sampler, ResumableSampler) and self.batch_size is not None:
+            self.sampler.start, drop = skip * self.batch_size, 0
+        self._batches_done = skip
+        batches = super().__iter__()
+        for _ in range(drop):
+            next(batches, None)
+        for batch in batches:
+            self._batches_done += 1
+            yield batch
+
+    def _epoch(self) -> int | None:
+        return getattr(self.sampler, "epoch", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands: the epoch, its batches handed out so far, and what the order depends on."""
+        state: dict[str, Any] = {
+            "epoch": self._epoch(),
+            "batches_done": self._batches_done,
+            "num_batches": len(self),
+            "batch_size": self.batch_size,
+        }
+        if isinstance(self.sampler, ResumableSampler):
+            state.update(seed=self.sampler.seed, num_samples=self.sampler.num_samples, shuffle=self.sampler.shuffle)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` in the next pass.
+
+        Raises:
+            RecipeError: If the data differs from the checkpoint's in size or batch size, so that its position
+                would point at other sequences.
+        """
+        sampler = self.sampler
+        saved = {key: state_dict.get(key) for key in ("num_samples", "batch_size", "num_batches")}
+        current = {"num_samples": getattr(sampler, "num_samples", None), "batch_size": self.batch_size}
+        current["num_batches"] = len(self)
+        changed = [key for key, value in saved.items() if value is not None and value != current[key]]
+        if changed:
+            details = ", ".join(f"{key} {saved[key]} then, {current[key]} now" for key in changed)
+            raise RecipeError(
+                f"the checkpoint stopped part-way through an epoch of other training data ({details}); resume "
+                "with the data settings it was trained with (data.data_path, data.seq_len, data.batch_size, "
+                "data.val_fraction, data.split_seed)"
+            )
+        if isinstance(sampler, ResumableSampler):
+            sampler.seed = state_dict.get("seed", sampler.seed)
+            sampler.shuffle = state_dict.get("shuffle", sampler.shuffle)
+        epoch = state_dict.get("epoch")
+        if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        self._skip_batches = int(state_dict.get("batches_done", 0))
+        self._skip_epoch = epoch
+        self._batches_done = self._skip_batches
+
+
 class PromptCollator:
     """Tokenize prompts and left-pad them, as generation with a decoder-only model needs.
 
@@ -240,6 +363,9 @@ class TextDataModule(LightningDataModule):
         batch_size: Sequences (or prompts) per batch.
         val_fraction: Share of the packed sequences held out for validation, in ``(0, 1]``.
         split_seed: Seed of the train/held-out split.
+        shuffle_seed: Seed of the order of the training sequences, which changes every epoch; ``None`` takes the
+            seed that ``seed_everything`` set (``torch.initial_seed()``). Checkpoints keep the seed and the position
+            within the epoch, so ``fit --ckpt_path`` continues with the batches the interrupted run had not reached.
         num_workers: Data-loader worker processes; the rows are already in memory, so 0 is usually fastest.
         prompts: Prompts that ``predict`` continues; ``None`` uses a few openings of the embedded corpus.
     """
@@ -253,6 +379,7 @@ class TextDataModule(LightningDataModule):
         batch_size: int = 8,
         val_fraction: float = 0.05,
         split_seed: int = 0,
+        shuffle_seed: int | None = None,
         num_workers: int = 0,
         prompts: list[str] | None = None,
     ) -> None:
@@ -275,6 +402,7 @@ class TextDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
+        self.shuffle_seed = shuffle_seed
         self.num_workers = num_workers
         self.prompts = list(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
         self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path)
@@ -323,16 +451,22 @@ class TextDataModule(LightningDataModule):
     def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
         if dataset is None:
             raise RuntimeError("TextDataModule.setup() must run before its data loaders are requested")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        seed = self.shuffle_seed if self.shuffle_seed is not None else torch.initial_seed()
+        settings: dict[str, Any] = {
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+            # Every new iterator draws a seed for its workers. From a generator of its own, it leaves the global
+            # one, which dropout draws from, in the state a resumed run restores from the checkpoint.
+            "generator": torch.Generator().manual_seed(seed),
+        }
+        if not shuffle:
+            return DataLoader(dataset, shuffle=False, **settings)
+        sampler = ResumableSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
+        return ResumableDataLoader(dataset, sampler=sampler, **settings)
 
-    def train_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> ResumableDataLoader:
+        return self._loader(self.train_set, shuffle=True)  # type: ignore[return-value]
 
     def val_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.val_set, shuffle=False)

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.memory.host import check_host_memory
-from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, find_blocks
+from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import (
     BlockStreamingHook,
@@ -116,7 +116,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self._engine: Optional[StreamingEngine] = None
         self._hooks: list[Union[BlockStreamingHook, TrunkHook, CallerDeviceHook]] = []
         self._fitting = False
-        self._last_report: Optional[dict[str, int]] = None
+        self._last_report: Optional[dict[str, Any]] = None
+        self._streamed_stacks: list[str] = []
 
     # ------------------------------------------------------------------ device selection
 
@@ -169,11 +170,12 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         assert self.model is not None
         # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
         for name, value in (("resident_blocks", self.resident_blocks), ("prefetch", self.prefetch)):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
+        self._streamed_stacks = describe_stacks(model, blocks)
         block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         check_host_memory(
@@ -266,7 +268,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         # The next forward must stream the weights this step produced.
-        self.engine.refresh()
+        self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
         return output
 
     @override
@@ -311,7 +313,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             self._engine.copier.synchronize()  # no copy may still be reading the masters about to change
         super().load_model_state_dict(checkpoint, strict=strict)
         if self._engine is not None:
-            self._engine.refresh(everything=True)
+            self._engine.refresh()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -321,25 +323,29 @@ class SuperpipeStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ memory report
 
-    def memory_report(self) -> dict[str, int]:
-        """What the strategy holds where, in bytes.
+    def memory_report(self) -> dict[str, Any]:
+        """What the strategy holds where, in bytes, from its own ledger of every byte it puts on the device.
 
         Returns:
-            ``peak_device_bytes`` (most block weights and gradients held on the device at once, from the
-            strategy's ledger), ``device_bytes`` (held now), ``largest_block_bytes``, ``num_blocks``,
-            ``resident_blocks``, ``prefetch``, ``trunk_device_bytes`` (parameters outside blocks, resident),
-            ``host_bytes`` (block homes and staging), ``param_bytes``, ``trainable_param_bytes``,
-            ``optimizer_state_bytes`` and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures
-            it ended with.
+            ``peak_device_bytes`` (the most the strategy held on the device at once: block weights, the resident
+            weights outside blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held
+            now), ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind
+            held at once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
+            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (block homes and staging),
+            ``param_bytes``, ``trainable_param_bytes``, ``optimizer_state_bytes``, ``streamed_stacks`` (where the
+            blocks are, e.g. ``['model.encoder.block: 2 x T5Block', ...]``) and, on CUDA,
+            ``cuda_max_allocated_bytes``. After the run, the figures it ended with.
         """
         if self._engine is None and self._last_report is not None:
             return dict(self._last_report)
         engine = self.engine
         assert self.lightning_module is not None
         params = list(self.lightning_module.parameters())
-        report = {
+        report: dict[str, Any] = {
             "peak_device_bytes": engine.ledger.peak_bytes,
             "device_bytes": engine.ledger.total_bytes,
+            "peak_block_gradient_bytes": engine.ledger.peaks["block_gradients"],
+            "peak_trunk_gradient_bytes": engine.ledger.peaks["trunk_gradients"],
             "largest_block_bytes": engine.largest_block_bytes(),
             "num_blocks": len(engine.homes),
             "resident_blocks": engine.resident_blocks,
@@ -355,6 +361,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
                 for t in state.values()
                 if isinstance(t, Tensor)
             ),
+            "streamed_stacks": list(self._streamed_stacks),
         }
         if self.root_device.type == "cuda":
             report["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.root_device)

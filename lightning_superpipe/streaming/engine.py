@@ -16,19 +16,23 @@ again and again (generation). While block ``i`` computes, the next blocks in tha
 Gradients leave the device as soon as a block's backward delivers them (:mod:`.gradients`); they are
 accumulated in fp32 into the ``.grad`` of the host parameters, so the optimizer, its state and the master weights
 never leave the host.
+
+Whatever changes a host master (an optimizer step, ``load_state_dict``, a callback's edit, an EMA swap, each
+evaluation of an LBFGS closure) is noticed at the start of the next pass from the parameters' version counters and
+storages, and the device copies of what changed are made again (:meth:`StreamingEngine.sync_with_masters`).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.host import BlockHome
+from lightning_superpipe.memory.host import BlockHome, master_state, track_edits, untrack_edits
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
@@ -75,7 +79,8 @@ class StreamingEngine:
         self.homes = [
             BlockHome(params, transfer_dtype or params[0].dtype, pin=pin) if params else None for params in block_params
         ]
-        self._version = 0
+        # A block's version grows whenever its masters change; a slot holding an older version is stale.
+        self._block_version = [0] * num_blocks
 
         self._resident: dict[int, Tensor] = {}
         self._resident_ready: dict[int, Event] = {}
@@ -83,7 +88,7 @@ class StreamingEngine:
             home = self.homes[index]
             if home is not None:
                 self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=device)
-                self.ledger.add_weights(home.transfer_bytes)
+                self.ledger.add("block_weights", home.transfer_bytes)
 
         streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
         self._slots: list[_Slot] = []
@@ -93,7 +98,7 @@ class StreamingEngine:
             for _ in range(min(self.prefetch + 1, len(streamed))):
                 flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
                 self._slots.append(_Slot(flat))
-                self.ledger.add_weights(flat.numel() * flat.element_size())
+                self.ledger.add("block_weights", flat.numel() * flat.element_size())
         self._busy: Optional[_Slot] = None
 
         if pin:
@@ -103,9 +108,14 @@ class StreamingEngine:
         self._trunk: dict[nn.Parameter, Tensor] = {
             param: torch.empty_like(param, device=device) for param in trunk_params
         }
+        self.ledger.add("trunk_weights", self.trunk_device_bytes())
         self._trunk_ready: Event = None
+        for param in trunk_params:
+            track_edits(param)
+        self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
+        self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
-        self.gradients = GradientReturn(self.copier, self.ledger, self.homes, trunk_params)
+        self.gradients = GradientReturn(self.copier, self.ledger, self.homes)
 
         forward = list(range(num_blocks))
         self._training_order = forward + forward[::-1]
@@ -113,16 +123,24 @@ class StreamingEngine:
         self._order: list[int] = []
         self._cyclic = False
         self._cursor = -1
-        self.refresh(everything=True)
+        for index, buffer in self._resident.items():
+            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer)
+        for param, copy in self._trunk.items():
+            self._trunk_ready = self.copier.to_device(copy, param.detach())
+            self._trunk_seen[param] = master_state(param)
+        self.refresh()
 
     # ------------------------------------------------------------------ passes
 
     def start_pass(self, training: bool) -> None:
-        """Sets the order in which blocks are expected: forward then backward in training, forward (repeated)
-        otherwise."""
+        """Starts a pass: takes in whatever changed the host masters since the last one, and sets the order in
+        which blocks are expected: forward then backward in training, forward (repeated) otherwise."""
+        self._release_busy()
+        self.sync_with_masters()
         self._order = self._training_order if training else self._forward_order
         self._cyclic = not training
         self._cursor = -1
+        self._prefetch()
 
     def finish_pass(self) -> None:
         """Ends a forward-only pass: the block computing last is done."""
@@ -137,34 +155,61 @@ class StreamingEngine:
         self.copier.synchronize()
 
     def close(self) -> None:
-        """Waits for outstanding work and stops the gradient worker."""
+        """Waits for outstanding work, stops the gradient worker and gives the parameters their class back."""
         self.copier.synchronize()
         self.gradients.close()
-
-    def refresh(self, everything: bool = False) -> None:
-        """Makes the device copies match the host masters after they changed (an optimizer step, a load).
-
-        Args:
-            everything: Also refresh frozen parameters (after a checkpoint load); otherwise only trainable ones
-                changed.
-        """
-        self.copier.synchronize()
-        self._version += 1
         for home in self.homes:
             if home is not None:
-                home.refresh_transfer(everything)
-        # The device may still be reading the old copies (the tail of the last backward).
-        computed = self.copier.mark_compute()
-        for index, buffer in self._resident.items():
-            home = self.homes[index]
-            if everything or home.trainable:
-                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, after=computed)
-        for param, copy in self._trunk.items():
-            if everything or param.requires_grad:
-                self._trunk_ready = self.copier.to_device(copy, param.detach(), after=computed)
-        # Whatever runs next (a training step, validation) starts at the first block: bring it in now.
+                home.release()
+        for param in self._trunk:
+            untrack_edits(param)
+
+    def refresh(self, changed: Iterable[nn.Parameter] = ()) -> None:
+        """Makes the device copies match the host masters after they changed (an optimizer step, a load) and
+        starts bringing in the first block, with which whatever runs next (a training step, validation) starts.
+
+        Args:
+            changed: Parameters to count as changed whatever their version counters say: torch's fused CPU
+                optimizers (``AdamW(fused=True)``) write parameters without bumping the counter.
+        """
+        for param in changed:
+            if param in self._trunk_seen:
+                self._trunk_seen[param] = (-1, -1)
+            elif param in self._home_of:
+                self._home_of[param].mark_changed(param)
         self.start_pass(training=True)
-        self._prefetch()
+
+    def sync_with_masters(self) -> None:
+        """Makes the device copies of every master that changed since they were made again.
+
+        A change is a new version counter (any in-place edit: optimizer steps, ``load_state_dict``,
+        ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\s) or a new storage (``p.data = x``).
+        Checking costs a look at each parameter, not at its data.
+        """
+        changed = [(index, home, home.changed()) for index, home in enumerate(self.homes) if home is not None]
+        changed = [(index, home, pieces) for index, home, pieces in changed if pieces]
+        trunk = [param for param in self._trunk if master_state(param) != self._trunk_seen[param]]
+        if not changed and not trunk:
+            return
+        # No copy may still read the host buffers about to be written, and the device may still be reading the
+        # old copies (the tail of the last backward).
+        self.copier.synchronize()
+        computed = self.copier.mark_compute()
+        for index, home, pieces in changed:
+            home.sync(pieces)
+            self._block_version[index] += 1
+            if index in self._resident:
+                self._resident_ready[index] = self.copier.to_device(self._resident[index], home.transfer, after=computed)
+        for param in trunk:
+            copy = self._trunk[param]
+            if param.shape != copy.shape or param.dtype != copy.dtype:
+                raise RuntimeError(
+                    f"A parameter outside the streamed blocks changed from shape {tuple(copy.shape)} and dtype"
+                    f" {copy.dtype} to {tuple(param.shape)} and {param.dtype} during the run; SuperpipeStrategy keeps"
+                    " a device copy of it and cannot follow. Change the model before `Trainer.fit`, not inside it."
+                )
+            self._trunk_ready = self.copier.to_device(copy, param.detach(), after=computed)
+            self._trunk_seen[param] = master_state(param)
 
     # ------------------------------------------------------------------ weights
 
@@ -250,20 +295,23 @@ class StreamingEngine:
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:
-            if slot.block == index and slot.version == self._version:
+            if slot.block == index and slot.version == self._block_version[index]:
                 return slot
         return None
 
     def _load(self, index: int, avoid: set[int]) -> Optional[_Slot]:
         """Starts copying block ``index`` into a slot that is not busy and holds no block in ``avoid``."""
-        for slot in sorted(self._slots, key=lambda s: s.version == self._version):  # stale slots first
-            if slot is self._busy or (slot.version == self._version and slot.block in avoid):
+        for slot in sorted(self._slots, key=self._holds_current):  # stale slots first
+            if slot is self._busy or (self._holds_current(slot) and slot.block in avoid):
                 continue
             home = self.homes[index]
-            slot.block, slot.version = index, self._version
+            slot.block, slot.version = index, self._block_version[index]
             slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, after=slot.free)
             return slot
         return None
+
+    def _holds_current(self, slot: _Slot) -> bool:
+        return slot.block is not None and slot.version == self._block_version[slot.block]
 
     def _release_busy(self) -> None:
         if self._busy is not None:

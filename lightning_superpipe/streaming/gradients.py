@@ -7,6 +7,14 @@ single worker thread does it instead, while the autograd thread goes on launchin
 compute device there is nothing to overlap with, and the adds run in line). Two staging buffers
 alternate, so one block can be copied while the previous one is being added.
 
+The parameters outside blocks (the trunk: embeddings, heads) are counted as they are used in forward; a trunk
+gradient leaves the device as soon as every use has delivered its part (an untied head's early in backward, an
+embedding's at its end), summed on the device first as autograd sums the gradients of a parameter used twice.
+
+Only gradients that exist travel: a parameter that took no part in the loss (an expert no token was routed to, a
+branch not taken) keeps ``.grad`` as it was, as in plain training, and which parameters are trainable is read
+from their ``requires_grad`` at every step.
+
 Gradients land in persistent fp32 buffers (one flat buffer per block, like the weights), so that steps after the
 first allocate no host memory.
 """
@@ -30,103 +38,94 @@ class GradientReturn:
 
     Args:
         copier: Issues the device-to-host copies.
-        ledger: Counts block gradients while they occupy the device.
+        ledger: Counts gradients while they occupy the device.
         homes: The blocks' host homes (``None`` for a block with nothing to stream).
-        trunk_params: The resident parameters, whose gradients return too.
     """
 
-    def __init__(
-        self,
-        copier: Copier,
-        ledger: DeviceLedger,
-        homes: Sequence[Optional[BlockHome]],
-        trunk_params: Sequence[nn.Parameter],
-    ) -> None:
+    def __init__(self, copier: Copier, ledger: DeviceLedger, homes: Sequence[Optional[BlockHome]]) -> None:
         self.copier = copier
         self.ledger = ledger
         self.homes = homes
-        pin = copier.pin_memory
-        trainable = [home for home in homes if home is not None and home.trainable]
-        staging_numel = max((home.numel for home in trainable), default=0)
-        staging_dtype = trainable[0].transfer.dtype if trainable else torch.float32
-        # Staging only where copies are asynchronous; on a CPU device gradients are added from where they are.
-        staging_numel = staging_numel if copier.asynchronous else 0
-        self._block_staging = [torch.empty(staging_numel, dtype=staging_dtype, pin_memory=pin) for _ in range(2)]
+        # Staging only where copies are asynchronous (on a CPU device gradients are added from where they are),
+        # sized on first use, since which parameters train may change between steps.
+        self._block_staging: list[Optional[Tensor]] = [None, None]
         self._staging_users: list[Optional[Future[None]]] = [None, None]
         self._next_staging = 0
-        self._trunk_staging = {
-            param: torch.empty(param.shape, dtype=param.dtype, pin_memory=pin)
-            for param in trunk_params
-            if param.requires_grad and copier.asynchronous
-        }
+        self._trunk_staging: dict[nn.Parameter, Tensor] = {}
+        self._trunk_staging_users: dict[nn.Parameter, Future[None]] = {}
         self._block_grad_homes: dict[int, Tensor] = {}
         self._trunk_grad_homes: dict[nn.Parameter, Tensor] = {}
-        self._in_flight: Optional[tuple[Event, int]] = None  # the last block copy: its event and device bytes
+        self._in_flight: list[tuple[Event, str, int]] = []  # copies whose device source is still counted
         self._futures: list[Future[None]] = []
         self._trunk_sums: dict[nn.Parameter, Tensor] = {}
+        self._trunk_pending: dict[nn.Parameter, int] = {}
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients") if copier.asynchronous else None
         )
 
-    def send_block(self, index: int, grads: Sequence[Optional[Tensor]]) -> None:
-        """Takes the gradients of block ``index``'s trainable parameters (in ``home.trainable`` order) off the
+    def send_block(self, index: int, pieces: Sequence[ParamSlice], grads: Sequence[Optional[Tensor]]) -> None:
+        """Takes the gradients of block ``index``'s ``pieces`` (``None`` for a parameter that got none) off the
         device."""
         # The previous block's gradients leave the device before this block's are counted: at most one block's
         # gradients occupy it.
-        self._finish_copy()
-        home = self.homes[index]
-        assert home is not None
-        slot = self._next_staging
-        self._next_staging ^= 1
-        if self._staging_users[slot] is not None:
-            self._staging_users[slot].result()  # the worker is done reading this staging buffer
-        pieces, staged, nbytes, done, offset = [], [], 0, None, 0
-        for piece, grad in zip(home.trainable, grads):
-            if grad is None:
-                continue
-            if self.copier.asynchronous:
-                view = self._block_staging[slot][offset : offset + grad.numel()].view(grad.shape)
+        self._finish_copies()
+        present = [(piece, grad) for piece, grad in zip(pieces, grads) if grad is not None]
+        if not present:
+            return
+        nbytes = sum(grad.numel() * grad.element_size() for _, grad in present)
+        self.ledger.add("block_gradients", nbytes)
+        done: Event = None
+        if self.copier.asynchronous:
+            staging, slot = self._staging(sum(grad.numel() for _, grad in present), present[0][1].dtype)
+            staged, offset = [], 0
+            for _, grad in present:
+                view = staging[offset : offset + grad.numel()].view(grad.shape)
                 offset += grad.numel()
                 done = self.copier.to_host(view, grad)
-            else:
-                view = grad  # already in host memory, and added below before autograd lets go of it
-            pieces.append(piece)
-            staged.append(view)
-            nbytes += grad.numel() * grad.element_size()
-        self.ledger.add_gradients(nbytes)
-        self._in_flight = (done, nbytes)
-        future = self._submit(pieces, staged, done, self._grad_home(index))
-        self._staging_users[slot] = future
+                staged.append(view)
+        else:
+            staged = [grad for _, grad in present]  # already in host memory, and added below before autograd lets go
+        future = self._submit([piece for piece, _ in present], staged, done, self._grad_home(index))
+        self._leaving(done, "block_gradients", nbytes)
+        if self.copier.asynchronous:
+            self._staging_users[slot] = future
         self._futures.append(future)
 
-    def send_trunk(self, param: nn.Parameter, grad: Tensor) -> None:
-        """Takes one gradient of a resident parameter; they leave the device summed, when the backward ends.
+    def expect_trunk(self, param: nn.Parameter) -> None:
+        """Counts one use of a resident parameter in forward: its gradient is complete when every use delivered."""
+        self._trunk_pending[param] = self._trunk_pending.get(param, 0) + 1
+
+    def send_trunk(self, param: nn.Parameter, grad: Optional[Tensor]) -> None:
+        """Takes one use's gradient of a resident parameter; the sum leaves the device once all uses delivered.
 
         Autograd sums the gradients of a parameter used several times (tied, or called twice) before adding them
-        into ``.grad``; summing them the same way keeps gradient accumulation exact. Plain training keeps these
-        gradients on the device too.
+        into ``.grad``; summing them the same way keeps gradient accumulation exact.
         """
-        previous = self._trunk_sums.get(param)
-        self._trunk_sums[param] = grad if previous is None else previous + grad
+        pending = self._trunk_pending.get(param, 0) - 1
+        self._trunk_pending[param] = pending
+        if grad is not None:
+            previous = self._trunk_sums.get(param)
+            if previous is None:
+                self.ledger.add("trunk_gradients", grad.numel() * grad.element_size())
+                self._trunk_sums[param] = grad
+            else:
+                self._trunk_sums[param] = previous + grad
+        if pending <= 0:
+            self._ship_trunk(param)
 
     def finish(self) -> None:
         """Waits until every gradient of this backward is in ``.grad`` (re-raising the worker's errors)."""
-        self._finish_copy()
-        for param, grad in self._trunk_sums.items():
-            piece = ParamSlice(param, 0, param.numel(), param.shape)
-            staged, done = grad, None
-            if self.copier.asynchronous:
-                staged = self._trunk_staging[param]
-                done = self.copier.to_host(staged, grad)
-            if param not in self._trunk_grad_homes:
-                self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
-            self._futures.append(self._submit([piece], [staged], done, self._trunk_grad_homes[param]))
-        self._trunk_sums.clear()
+        # Uses whose output never reached the loss deliver nothing: what the others delivered is complete now.
+        for param in list(self._trunk_sums):
+            self._ship_trunk(param)
+        self._trunk_pending.clear()
+        self._finish_copies()
         for future in self._futures:
             future.result()
         self._futures.clear()
         self._staging_users = [None, None]
+        self._trunk_staging_users.clear()
 
     def close(self) -> None:
         if self._worker is not None:
@@ -134,15 +133,59 @@ class GradientReturn:
 
     def host_bytes(self) -> int:
         """Host bytes of staging buffers (gradients themselves are counted as the parameters' ``.grad``)."""
-        staging = self._block_staging + list(self._trunk_staging.values())
+        staging = [t for t in self._block_staging if t is not None] + list(self._trunk_staging.values())
         return sum(t.numel() * t.element_size() for t in staging)
 
-    def _finish_copy(self) -> None:
-        if self._in_flight is not None:
-            done, nbytes = self._in_flight
+    def _ship_trunk(self, param: nn.Parameter) -> None:
+        grad = self._trunk_sums.pop(param, None)
+        self._trunk_pending.pop(param, None)
+        if grad is None:
+            return
+        done: Event = None
+        staged = grad
+        if self.copier.asynchronous:
+            user = self._trunk_staging_users.get(param)
+            if user is not None:
+                user.result()  # the worker is done reading this staging buffer
+            staged = self._trunk_staging.get(param)
+            if staged is None or staged.dtype != grad.dtype:
+                staged = torch.empty(param.shape, dtype=grad.dtype, pin_memory=self.copier.pin_memory)
+                self._trunk_staging[param] = staged
+            done = self.copier.to_host(staged, grad)
+        if param not in self._trunk_grad_homes:
+            self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
+        piece = ParamSlice(param, 0, param.numel(), param.shape)
+        future = self._submit([piece], [staged], done, self._trunk_grad_homes[param])
+        self._leaving(done, "trunk_gradients", grad.numel() * grad.element_size())
+        self._trunk_staging_users[param] = future
+        self._futures.append(future)
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """The next of the two staging buffers, once the worker is done with it, grown if it is too small."""
+        slot = self._next_staging
+        self._next_staging ^= 1
+        user = self._staging_users[slot]
+        if user is not None:
+            user.result()
+        buffer = self._block_staging[slot]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=self.copier.pin_memory)
+            self._block_staging[slot] = buffer
+        return buffer, slot
+
+    def _leaving(self, done: Event, category: str, nbytes: int) -> None:
+        """Counts gradients off the device once their copy is done: now for a synchronous copy, else when
+        :meth:`_finish_copies` has waited for it."""
+        if done is None and not self.copier.asynchronous:
+            self.ledger.remove(category, nbytes)
+        else:
+            self._in_flight.append((done, category, nbytes))
+
+    def _finish_copies(self) -> None:
+        for done, category, nbytes in self._in_flight:
             self.copier.wait_on_host(done)
-            self.ledger.remove_gradients(nbytes)
-            self._in_flight = None
+            self.ledger.remove(category, nbytes)
+        self._in_flight.clear()
 
     def _grad_home(self, index: int) -> Tensor:
         """The block's persistent gradient buffer, laid out like its weights."""

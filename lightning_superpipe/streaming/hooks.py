@@ -13,6 +13,12 @@ The parameters themselves never change device: during a call, the module's param
 tensors (the technique ``torch.func.functional_call`` uses) and are put back afterwards, even on error. The
 device tensors come out of :class:`_ToDevice`, an identity in forward whose backward hands the gradients to the
 engine instead of to autograd's accumulation, so that they reach the host parameters' ``.grad`` in fp32.
+
+Recomputing a block in backward must compute what its first run computed and change nothing the first run
+already changed. So a checkpointed call drops an empty key-value cache it was handed (a cache would receive the
+block's keys and values twice, and keep every layer's alive through the step: ``transformers``'
+``GradientCheckpointingLayer`` does the same), and the recomputation runs on copies of the buffers the block
+mutates in forward (BatchNorm's running statistics), taken before the first run.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from lightning_superpipe.streaming.engine import StreamingEngine
 
 # (module that owns the parameter, attribute name, the host parameter)
 _Binding = tuple[nn.Module, str, nn.Parameter]
+# (module that owns the buffer, attribute name) -> the buffer
+_Buffers = dict[tuple[nn.Module, str], Tensor]
 
 
 class _ToDevice(torch.autograd.Function):
@@ -42,6 +50,8 @@ class _ToDevice(torch.autograd.Function):
         ctx: Any, deliver: Callable[[Sequence[Optional[Tensor]]], None], device_tensors: tuple[Tensor, ...], *host_params: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.deliver = deliver
+        # A parameter that took no part in the loss must get no gradient, not a zero one (AdamW would move it).
+        ctx.set_materialize_grads(False)
         # Fresh aliases: autograd attaches this node to them, not to the engine's buffers.
         return tuple(tensor.detach() for tensor in device_tensors)
 
@@ -88,13 +98,17 @@ class BlockStreamingHook:
         self.index = index
         self.block = block
         self._bindings = _bindings(block, recurse=True)
-        home = engine.homes[index]
-        self._streamed = [piece.param for piece in home.slices] if home is not None else []
-        self._trainable = [piece.param for piece in home.trainable] if home is not None else []
-        self._deliver = partial(engine.gradients.send_block, index)
+        self._home = engine.homes[index]
+        self._streamed = [piece.param for piece in self._home.slices] if self._home is not None else []
         # Parameters the block uses but does not stream (tied to the trunk or to another block): resident.
         streamed = set(self._streamed)
         self._resident = list({param: None for _, _, param in self._bindings if param not in streamed})
+        self._buffer_bindings = [
+            (owner, name) for owner in block.modules() for name, buffer in owner._buffers.items() if buffer is not None
+        ]
+        # The buffers seen to change in a forward (None until the first checkpointed call has shown which).
+        self._mutated_buffers: Optional[set[tuple[nn.Module, str]]] = None
+        self._keeps_cache = bool(getattr(block, "_can_checkpoint_with_cache", False))
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
 
@@ -117,22 +131,70 @@ class BlockStreamingHook:
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
+            if not self._keeps_cache:
+                args, kwargs = _without_cache(self.block, args, kwargs)
             # Nothing computed inside is saved for backward; backward re-runs ``_compute``, fetching the weights
-            # again, with the RNG state of the first run (dropout matches).
-            return checkpoint(self._compute, *args, use_reentrant=False, **kwargs)
-        return self._compute(*args, **kwargs)
+            # again, with the RNG state of the first run (dropout matches) and the buffers as they were before it.
+            live = {(owner, name): owner._buffers[name] for owner, name in self._buffer_bindings}
+            versions = {key: buffer._version for key, buffer in live.items()}
+            watched = live.keys() if self._mutated_buffers is None else self._mutated_buffers
+            before = {key: live[key].clone() for key in watched}
+            runs = [0]
+            output = checkpoint(self._checkpointed, runs, live, before, *args, use_reentrant=False, **kwargs)
+            # The first checkpointed call shows which buffers the forward mutates; later calls copy only those.
+            # Values are compared too: kernels such as batch norm's update running statistics in place without
+            # bumping the version counter.
+            mutated = {
+                key
+                for key, buffer in live.items()
+                if buffer._version != versions[key] or (key in before and not torch.equal(buffer, before[key]))
+            }
+            self._mutated_buffers = mutated | (self._mutated_buffers or set())
+            return output
+        return self._compute(True, *args, **kwargs)
 
-    def _compute(self, *args: Any, **kwargs: Any) -> Any:
+    def _checkpointed(self, runs: list[int], live: _Buffers, before: _Buffers, *args: Any, **kwargs: Any) -> Any:
+        first = runs[0] == 0
+        runs[0] += 1
+        if first:
+            return self._compute(True, *args, **kwargs)
+        # The recomputation updates copies of the mutated buffers, which are then dropped: the first run's update
+        # is the step's one update, as in plain training.
+        for (owner, name), tensor in before.items():
+            owner._buffers[name] = tensor.clone()
+        try:
+            return self._compute(False, *args, **kwargs)
+        finally:
+            for owner, name in before:
+                owner._buffers[name] = live[(owner, name)]
+
+    def _compute(self, first_run: bool, *args: Any, **kwargs: Any) -> Any:
         assert self._original_forward is not None
+        self._check_bindings()
         # A block whose parameters are all shared with others has nothing to stream: all of it is resident.
         tensors = dict(zip(self._streamed, self.engine.acquire(self.index))) if self._streamed else {}
-        if torch.is_grad_enabled() and self._trainable:
-            on_device = _ToDevice.apply(self._deliver, tuple(tensors[p] for p in self._trainable), *self._trainable)
-            tensors.update(zip(self._trainable, on_device))
+        if torch.is_grad_enabled() and self._home is not None:
+            # Read at every call: which parameters train may change between steps (e.g. ``BaseFinetuning``).
+            trainable = self._home.trainable
+            if trainable:
+                params = [piece.param for piece in trainable]
+                deliver = partial(self.engine.gradients.send_block, self.index, trainable)
+                on_device = _ToDevice.apply(deliver, tuple(tensors[p] for p in params), *params)
+                tensors.update(zip(params, on_device))
         for param in self._resident:
-            tensors[param] = _resident_tensor(self.engine, param)
+            tensors[param] = _resident_tensor(self.engine, param, count_use=first_run)
         with _bound(self._bindings, tensors):
             return self._original_forward(*args, **kwargs)
+
+    def _check_bindings(self) -> None:
+        for owner, name, param in self._bindings:
+            if owner._parameters.get(name) is not param:
+                raise RuntimeError(
+                    f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by another"
+                    " object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set to a new"
+                    " `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values in place"
+                    " (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
+                )
 
 
 class TrunkHook:
@@ -221,12 +283,58 @@ class CallerDeviceHook:
         return lambda value: value.to(device) if isinstance(value, Tensor) else value
 
 
-def _resident_tensor(engine: StreamingEngine, param: nn.Parameter) -> Tensor:
+def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:
+    """The device copy of a resident parameter, connected to the gradient return when it trains.
+
+    Args:
+        count_use: Whether this use will deliver a gradient (not inside a recomputation, whose graph autograd
+            never runs backward through).
+    """
     tensor = engine.trunk_tensor(param)
     if torch.is_grad_enabled() and param.requires_grad:
+        if count_use:
+            engine.gradients.expect_trunk(param)
         deliver = lambda grads: engine.gradients.send_trunk(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
     return tensor
+
+
+def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with an empty key-value cache replaced by ``None`` and ``use_cache`` off.
+
+    Raises:
+        ValueError: If the cache holds keys and values already (a cached prefix, prefix tuning): recomputing the
+            block would append to it a second time, and without it the block would compute something else.
+    """
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # no transformers, no transformers caches
+        return args, kwargs
+
+    def dropped(value: Any) -> Any:
+        if not isinstance(value, Cache):
+            return value
+        if _cache_length(value) > 0:
+            raise ValueError(
+                f"A streamed block ({type(block).__name__}) was called in training with a key-value cache that already"
+                " holds keys and values (a cached prefix, or peft prefix tuning). SuperpipeStrategy recomputes each"
+                " block in backward, which would append to that cache twice. Train without a filled cache (e.g. LoRA"
+                " instead of prefix tuning), or evaluate under `torch.no_grad()`."
+            )
+        return None
+
+    args = tuple(dropped(value) for value in args)
+    kwargs = {name: dropped(value) for name, value in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _cache_length(cache: Any) -> int:
+    try:
+        return int(cache.get_seq_length())
+    except (AttributeError, IndexError, TypeError, NotImplementedError):  # layers not created yet: nothing held
+        return 0
 
 
 def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:

@@ -1,36 +1,46 @@
-"""The strategy's own count of the block bytes it holds on the compute device."""
+"""The strategy's own count of the bytes it holds on the compute device."""
 
 from __future__ import annotations
 
+#: What the strategy puts on the device: slots and resident blocks, the resident copies of the parameters outside
+#: blocks, and the gradients of each while they wait to leave.
+CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients")
+
 
 class DeviceLedger:
-    """Counts block weights and gradients held on the device, and the most ever held at once.
+    """Counts every byte the strategy holds on the device, by category, and the most ever held at once.
 
     The count is the strategy's own bookkeeping, so it is exact on any device, CPU included, and independent of
     what else (activations, the user's tensors) shares the device.
     """
 
     def __init__(self) -> None:
-        self.weight_bytes = 0
-        self.gradient_bytes = 0
+        self.held = dict.fromkeys(CATEGORIES, 0)
+        self.peaks = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
-        self.peak_gradient_bytes = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.gradient_bytes
+        return sum(self.held.values())
 
-    def add_weights(self, nbytes: int) -> None:
-        self.weight_bytes += nbytes
-        self._update_peak()
+    @property
+    def weight_bytes(self) -> int:
+        return self.held["block_weights"] + self.held["trunk_weights"]
 
-    def add_gradients(self, nbytes: int) -> None:
-        self.gradient_bytes += nbytes
-        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self.gradient_bytes)
-        self._update_peak()
+    @property
+    def gradient_bytes(self) -> int:
+        return self.held["block_gradients"] + self.held["trunk_gradients"]
 
-    def remove_gradients(self, nbytes: int) -> None:
-        self.gradient_bytes -= nbytes
+    @property
+    def peak_gradient_bytes(self) -> int:
+        """The most block gradients held at once."""
+        return self.peaks["block_gradients"]
 
-    def _update_peak(self) -> None:
+    def add(self, category: str, nbytes: int) -> None:
+        self.held[category] += nbytes
+        self.peaks[category] = max(self.peaks[category], self.held[category])
         self.peak_bytes = max(self.peak_bytes, self.total_bytes)
+
+    def remove(self, category: str, nbytes: int) -> None:
+        self.held[category] -= nbytes
+        assert self.held[category] >= 0, f"the device ledger's {category} went negative"

@@ -1,0 +1,304 @@
+"""Lightning habits that change weights, flags or buffers behind the optimizer's back: the strategy must train
+exactly what plain Lightning trains (fp32, relative difference below 1e-5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import BaseFinetuning, EMAWeightAveraging, ModelCheckpoint
+from torch import nn
+
+import lightning_superpipe  # noqa: F401  (registers "superpipe")
+from lightning_superpipe import SuperpipeStrategy
+from tests import models
+
+def _strategies() -> list[Any]:
+    # Resident blocks and the trunk keep device copies across steps; streamed blocks are copied at every use: both
+    # must see every change.
+    return ["auto", SuperpipeStrategy(resident_blocks=1, prefetch=1)]
+
+
+def _assert_same(streamed: models.Task, plain: models.Task) -> None:
+    assert len(streamed.losses) == len(plain.losses) > 0
+    np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- weights
+
+
+class _ClipWeights(models.pl.Callback):
+    """WGAN-style weight clipping after every step, through ``.data`` or under ``torch.no_grad()``."""
+
+    def __init__(self, idiom: str) -> None:
+        self.idiom = idiom
+
+    def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+        for param in pl_module.parameters():
+            if self.idiom == "data":
+                param.data.clamp_(-0.05, 0.05)
+            else:
+                with torch.no_grad():
+                    param.clamp_(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("idiom", ["data", "no_grad"])
+def test_weights_clipped_in_a_callback_are_what_the_next_step_computes_with(idiom: str) -> None:
+    plain, streamed = (models.fit("llama", s, callbacks=[_ClipWeights(idiom)]) for s in _strategies())
+    _assert_same(streamed, plain)
+    assert all(p.abs().max() <= 0.05 for p in streamed.parameters())
+
+
+def test_an_ema_swapped_in_for_validation_is_what_validation_sees() -> None:
+    """Lightning's EMA callback swaps the averaged weights in with ``param.data.copy_`` for validation and back."""
+    options = dict(max_steps=-1, max_epochs=2, limit_train_batches=6, limit_val_batches=2, accumulate_grad_batches=1)
+
+    def run(strategy: Any) -> models.Task:
+        task = models.build_task("llama")
+        models.pl.seed_everything(8, verbose=False)
+        callbacks = [EMAWeightAveraging(decay=0.5)]
+        models.trainer(strategy, callbacks=callbacks, **options).fit(
+            task, models.data("lm"), models.data("lm", batches=2, seed=1)
+        )
+        return task
+
+    plain, streamed = (run(s) for s in _strategies())
+    _assert_same(streamed, plain)  # the final weights are the average, copied in at the end of training
+    np.testing.assert_allclose(streamed.val_losses, plain.val_losses, rtol=1e-5)
+    assert len(streamed.val_losses) == 4
+
+
+def test_load_state_dict_by_hand_mid_run() -> None:
+    """A callback rewinds the model to its initial weights after step 3: the next step must start from them."""
+
+    class Rewind(models.pl.Callback):
+        def on_train_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+            self.initial = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 3 and not hasattr(self, "done"):
+                self.done = True
+                pl_module.load_state_dict(self.initial)
+
+    plain, streamed = (models.fit("llama", s, callbacks=[Rewind()], accumulate_grad_batches=1) for s in _strategies())
+    _assert_same(streamed, plain)
+    assert streamed.losses[3] == pytest.approx(streamed.losses[0], rel=0.05)  # back at the start (other batch)
+
+
+def test_lbfgs_evaluates_its_closure_with_the_weights_it_just_set() -> None:
+    """LBFGS calls the closure several times per step, changing the weights in between."""
+
+    class LBFGSTask(models.Task):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5, history_size=4)
+
+    def run(strategy: Any) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = LBFGSTask(models.sequential, "vector")
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None).fit(
+            task, models.data("vector")
+        )
+        return task
+
+    plain, streamed = (run(s) for s in _strategies())
+    assert len(plain.losses) > 4  # several closure evaluations per step
+    _assert_same(streamed, plain)
+
+
+def test_manual_optimization_with_two_backwards_per_step() -> None:
+    class Manual(models.Task):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            for half in batch[0].chunk(2):
+                loss = self((half,))
+                self.losses.append(loss.item())
+                self.manual_backward(loss / 2)
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
+
+    def run(strategy: Any) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = Manual(models.gpt2, "lm")
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None).fit(
+            task, models.data("lm")
+        )
+        return task
+
+    plain, streamed = (run(s) for s in _strategies())
+    assert len(plain.losses) == 8
+    _assert_same(streamed, plain)
+
+
+def test_a_checkpoint_saved_mid_run_holds_the_weights_of_that_step(tmp_path: Any) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    streamed = models.fit("llama", SuperpipeStrategy(), callbacks=[checkpoint], enable_checkpointing=True, max_steps=3)
+    saved = torch.load(tmp_path / "step=3.ckpt", weights_only=True)["state_dict"]
+    current = streamed.state_dict()
+    assert saved.keys() == current.keys()
+    assert all(torch.equal(saved[k], current[k]) for k in saved)
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+
+
+class _UnfreezeAtEpochOne(BaseFinetuning):
+    """The usual transfer-learning schedule: train the head first, then the layers too."""
+
+    def freeze_before_training(self, pl_module: models.pl.LightningModule) -> None:
+        self.freeze(pl_module.model.model.layers)
+
+    def finetune_function(self, pl_module: models.pl.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.model.layers, optimizer, lr=1e-2)
+
+
+class _HeadFirstTask(models.Task):
+    def configure_optimizers(self) -> Any:  # BaseFinetuning adds the layers' group at epoch 1
+        head = [p for n, p in self.named_parameters() if ".layers." not in n]
+        return torch.optim.SGD(head, lr=self.lr, momentum=0.9)
+
+
+def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
+    options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
+
+    def run(strategy: Any) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = _HeadFirstTask(models.llama, "lm")
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, callbacks=[_UnfreezeAtEpochOne()], **options).fit(task, models.data("lm"))
+        return task
+
+    models.pl.seed_everything(7, verbose=False)
+    initial = _HeadFirstTask(models.llama, "lm")
+    plain, streamed = (run(s) for s in _strategies())
+    _assert_same(streamed, plain)
+    # The layers trained in epoch 1 (they moved 0.0 when the strategy read `requires_grad` only at set-up).
+    assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
+
+
+def test_parameters_frozen_mid_run_stop_moving() -> None:
+    class FreezeMlpAtStep2(models.pl.Callback):
+        def on_train_batch_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 2:
+                for name, param in pl_module.named_parameters():
+                    if ".mlp." in name:
+                        param.requires_grad_(False)
+                        param.grad = None
+
+        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 2:
+                pl_module.frozen = {n: p.clone() for n, p in pl_module.named_parameters() if ".mlp." in n}
+
+    plain, streamed = (
+        models.fit("llama", s, callbacks=[FreezeMlpAtStep2()], accumulate_grad_batches=1, gradient_clip_val=None)
+        for s in _strategies()
+    )
+    _assert_same(streamed, plain)
+    for name, param in streamed.named_parameters():
+        if ".mlp." in name:
+            assert param.grad is None
+            assert torch.equal(param, streamed.frozen[name])  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------- unused
+
+
+class _Branchy(nn.Module):
+    """Each block has a branch that the data never takes: its parameters get no gradient in plain training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(24, 24)
+        self.unused = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        branch = self.unused if x.abs().sum() < 0 else self.used
+        return torch.relu(branch(x)) + x
+
+
+def _branchy_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(12, 24), nn.Sequential(*[_Branchy() for _ in range(3)]), nn.Linear(24, 3), nn.Linear(3, 3))
+
+
+class _SkipLastHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _branchy_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model[2](self.model[1](self.model[0](x)))  # the last head (trunk) is never used
+
+
+def test_unused_parameters_get_no_gradient_and_are_not_moved_by_weight_decay() -> None:
+    def run(strategy: Any) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = models.Task(_SkipLastHead, "vector")
+        task.initial = {k: v.clone() for k, v in task.state_dict().items()}  # type: ignore[attr-defined]
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, max_steps=4).fit(task, models.data("vector"))
+        return task
+
+    plain, streamed = (run(s) for s in _strategies())
+    _assert_same(streamed, plain)
+    unused = [n for n in streamed.state_dict() if ".unused." in n or n.startswith("model.model.3.")]
+    assert len(unused) == 8
+    for name, param in streamed.named_parameters():
+        if name in unused:
+            assert param.grad is None
+            assert torch.equal(param.detach(), streamed.initial[name])  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------- buffers
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+def _conv_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Sequential(*[_ConvBlock(8) for _ in range(3)]),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )
+
+
+def test_batchnorm_statistics_in_streamed_blocks_update_once_per_forward() -> None:
+    def run(strategy: Any) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = models.Task(_conv_net, "vector")
+        models.pl.seed_everything(8, verbose=False)
+        options = dict(max_steps=-1, max_epochs=1, limit_train_batches=6, limit_val_batches=2)
+        models.trainer(strategy, **options).fit(task, _images(), _images(batches=2, seed=1))
+        return task
+
+    plain, streamed = (run(s) for s in _strategies())
+    _assert_same(streamed, plain)  # includes running_mean, running_var and num_batches_tracked
+    tracked = [int(b) for n, b in streamed.named_buffers() if n.endswith("num_batches_tracked")]
+    assert tracked == [6] * 4  # 6 micro-batches; the recomputation in backward did not count again
+    np.testing.assert_allclose(streamed.val_losses, plain.val_losses, rtol=1e-5)  # evaluation uses the statistics
+
+
+def _images(batches: int = 6, seed: int = 0) -> Any:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * 4, 3, 8, 8, generator=generator)
+    y = torch.randint(0, 5, (batches * 4,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
