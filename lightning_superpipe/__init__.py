@@ -8,7 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_superpipe.moe import PagedMoECallback
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
+from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["PagedMoECallback", "SuperpipeStrategy"]
+__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy"]

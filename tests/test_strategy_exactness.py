@@ -10,6 +10,9 @@ import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
 from tests import models
 
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
 
 def _relative(a: list[float], b: list[float]) -> float:
     a_, b_ = np.asarray(a), np.asarray(b)

@@ -14,6 +14,9 @@ import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
 from tests import families
 
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
 
 def _plain_and_streamed(name: str, **options: Any) -> tuple[families.FamilyTask, families.FamilyTask]:
     plain = families.fit(name, "auto", **options)

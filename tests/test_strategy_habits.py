@@ -15,6 +15,9 @@ import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
 from tests import models
 
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
 def _strategies() -> list[Any]:
     # Resident blocks and the trunk keep device copies across steps; streamed blocks are copied at every use: both
     # must see every change.

@@ -13,6 +13,9 @@ import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from tests import models
 
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
 
 def test_validation_between_epochs_and_sanity_check_match_plain() -> None:
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=6, limit_val_batches=3, num_sanity_val_steps=2)

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_superpipe.memory.host import check_host_memory
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
+from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import (
     BlockStreamingHook,
@@ -88,6 +89,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             ``activation_checkpointing_policy``). By default, the longest ``nn.ModuleList``/``nn.Sequential`` of
             same-type modules.
         device: The compute device; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
+        link: An :class:`~lightning_superpipe.EmulatedLink` to run the engine's asynchronous (CUDA) code paths on a
+            CPU device with deferred copies and a happens-before checker, for tests; ``None`` for the real link.
         accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
@@ -101,6 +104,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         prefetch: int = 1,
         blocks: Optional[BlockPolicy] = None,
         device: Optional[Union[str, torch.device]] = None,
+        link: Optional[EmulatedLink] = None,
         accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -111,6 +115,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.resident_blocks = resident_blocks
         self.prefetch = prefetch
         self.block_policy = blocks
+        self.link = link
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
         self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
@@ -172,6 +177,13 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         for name, value in (("resident_blocks", self.resident_blocks), ("prefetch", self.prefetch)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
+        if self.link is not None and not isinstance(self.link, EmulatedLink):
+            raise MisconfigurationException(f"SuperpipeStrategy(link={self.link!r}) must be an `EmulatedLink` or None.")
+        if self.link is not None and self.root_device.type != "cpu":
+            raise MisconfigurationException(
+                f"SuperpipeStrategy(link={self.link!r}) emulates an asynchronous device on the CPU, but the Trainer's"
+                f" device is {self.root_device}. Remove `link=` to use the real {self.root_device.type} link."
+            )
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
@@ -193,6 +205,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             resident_blocks=self.resident_blocks,
             prefetch=self.prefetch,
             transfer_dtype=transfer_dtype,
+            link=self.link,
         )
         self._hooks = [BlockStreamingHook(self._engine, i, block) for i, block in enumerate(blocks)]
         self._hooks += [TrunkHook(self._engine, module) for module in trunk_modules(model, blocks)]

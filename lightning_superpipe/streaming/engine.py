@@ -27,22 +27,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import BlockHome, master_state, track_edits, untrack_edits
-from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     """A device buffer that holds one block's weights at a time."""
 
     flat: Tensor
+    number: int
     block: Optional[int] = None
     version: int = -1
     ready: Event = None  # the copy into ``flat`` finished
@@ -59,6 +60,7 @@ class StreamingEngine:
         resident_blocks: How many blocks stay on the device permanently.
         prefetch: How many blocks are copied in ahead of the one computing.
         transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
+        link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
     """
 
     def __init__(
@@ -69,9 +71,27 @@ class StreamingEngine:
         resident_blocks: int,
         prefetch: int,
         transfer_dtype: Optional[torch.dtype] = None,
+        link: Any = None,
+    ) -> None:
+        self.copier = make_copier(device, link)
+        self.homes: list[Optional[BlockHome]] = []
+        self._trunk: dict[nn.Parameter, Tensor] = {}
+        try:
+            self._set_up(block_params, trunk_params, device, resident_blocks, prefetch, transfer_dtype)
+        except BaseException:
+            self.close()  # nothing half-built stays behind: threads, the emulated link's checker, parameter classes
+            raise
+
+    def _set_up(
+        self,
+        block_params: Sequence[Sequence[nn.Parameter]],
+        trunk_params: Sequence[nn.Parameter],
+        device: torch.device,
+        resident_blocks: int,
+        prefetch: int,
+        transfer_dtype: Optional[torch.dtype],
     ) -> None:
         num_blocks = len(block_params)
-        self.copier = Copier(device)
         self.ledger = DeviceLedger()
         self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
         self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
@@ -97,7 +117,7 @@ class StreamingEngine:
             slot_dtype = self.homes[streamed[0]].transfer.dtype
             for _ in range(min(self.prefetch + 1, len(streamed))):
                 flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
-                self._slots.append(_Slot(flat))
+                self._slots.append(_Slot(flat, len(self._slots)))
                 self.ledger.add("block_weights", flat.numel() * flat.element_size())
         self._busy: Optional[_Slot] = None
 
@@ -105,9 +125,7 @@ class StreamingEngine:
             for param in trunk_params:
                 param.data = param.detach().pin_memory()
         # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
-        self._trunk: dict[nn.Parameter, Tensor] = {
-            param: torch.empty_like(param, device=device) for param in trunk_params
-        }
+        self._trunk = {param: torch.empty_like(param, device=device) for param in trunk_params}
         self.ledger.add("trunk_weights", self.trunk_device_bytes())
         self._trunk_ready: Event = None
         for param in trunk_params:
@@ -116,6 +134,11 @@ class StreamingEngine:
         self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
         self.gradients = GradientReturn(self.copier, self.ledger, self.homes)
+        # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
+        # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
+        allocated = self.copier.mark_compute()
+        for slot in self._slots:
+            slot.free = allocated
 
         forward = list(range(num_blocks))
         self._training_order = forward + forward[::-1]
@@ -124,9 +147,11 @@ class StreamingEngine:
         self._cyclic = False
         self._cursor = -1
         for index, buffer in self._resident.items():
-            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer)
+            what = f"resident block {index}"
+            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+        self._trunk_names = {param: f"trunk parameter {i} {tuple(param.shape)}" for i, param in enumerate(self._trunk)}
         for param, copy in self._trunk.items():
-            self._trunk_ready = self.copier.to_device(copy, param.detach())
+            self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
             self._trunk_seen[param] = master_state(param)
         self.refresh()
 
@@ -135,6 +160,10 @@ class StreamingEngine:
     def start_pass(self, training: bool) -> None:
         """Starts a pass: takes in whatever changed the host masters since the last one, and sets the order in
         which blocks are expected: forward then backward in training, forward (repeated) otherwise."""
+        self.copier.begin_pass()
+        self._prepare(training)
+
+    def _prepare(self, training: bool) -> None:
         self._release_busy()
         self.sync_with_masters()
         self._order = self._training_order if training else self._forward_order
@@ -152,12 +181,14 @@ class StreamingEngine:
         self._release_busy()
         self.gradients.finish()
         self.copier.synchronize()
-        self.copier.synchronize()
 
     def close(self) -> None:
         """Waits for outstanding work, stops the gradient worker and gives the parameters their class back."""
-        self.copier.synchronize()
-        self.gradients.close()
+        try:
+            if hasattr(self, "gradients"):  # not when set-up failed before it
+                self.gradients.close()
+        finally:
+            self.copier.close()
         for home in self.homes:
             if home is not None:
                 home.release()
@@ -177,7 +208,8 @@ class StreamingEngine:
                 self._trunk_seen[param] = (-1, -1)
             elif param in self._home_of:
                 self._home_of[param].mark_changed(param)
-        self.start_pass(training=True)
+        # Not a new pass: the events keep the stream the last pass ran on, whose tail may still read the copies.
+        self._prepare(training=True)
 
     def sync_with_masters(self) -> None:
         """Makes the device copies of every master that changed since they were made again.
@@ -199,7 +231,8 @@ class StreamingEngine:
             home.sync(pieces)
             self._block_version[index] += 1
             if index in self._resident:
-                self._resident_ready[index] = self.copier.to_device(self._resident[index], home.transfer, after=computed)
+                what = f"resident block {index}"
+                self._resident_ready[index] = self.copier.to_device(self._resident[index], home.transfer, computed, what)
         for param in trunk:
             copy = self._trunk[param]
             if param.shape != copy.shape or param.dtype != copy.dtype:
@@ -208,7 +241,7 @@ class StreamingEngine:
                     f" {copy.dtype} to {tuple(param.shape)} and {param.dtype} during the run; SuperpipeStrategy keeps"
                     " a device copy of it and cannot follow. Change the model before `Trainer.fit`, not inside it."
                 )
-            self._trunk_ready = self.copier.to_device(copy, param.detach(), after=computed)
+            self._trunk_ready = self.copier.to_device(copy, param.detach(), computed, self._trunk_names[param])
             self._trunk_seen[param] = master_state(param)
 
     # ------------------------------------------------------------------ weights
@@ -306,7 +339,8 @@ class StreamingEngine:
                 continue
             home = self.homes[index]
             slot.block, slot.version = index, self._block_version[index]
-            slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, after=slot.free)
+            what = f"slot {slot.number} (block {index})"
+            slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, slot.free, what)
             return slot
         return None
 

@@ -61,7 +61,9 @@ class GradientReturn:
         self._trunk_pending: dict[nn.Parameter, int] = {}
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients") if copier.asynchronous else None
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients", initializer=copier.thread_initializer())
+            if copier.asynchronous
+            else None
         )
 
     def send_block(self, index: int, pieces: Sequence[ParamSlice], grads: Sequence[Optional[Tensor]]) -> None:
@@ -82,7 +84,7 @@ class GradientReturn:
             for _, grad in present:
                 view = staging[offset : offset + grad.numel()].view(grad.shape)
                 offset += grad.numel()
-                done = self.copier.to_host(view, grad)
+                done = self.copier.to_host(view, grad, f"gradient staging {slot}")
                 staged.append(view)
         else:
             staged = [grad for _, grad in present]  # already in host memory, and added below before autograd lets go
@@ -151,7 +153,7 @@ class GradientReturn:
             if staged is None or staged.dtype != grad.dtype:
                 staged = torch.empty(param.shape, dtype=grad.dtype, pin_memory=self.copier.pin_memory)
                 self._trunk_staging[param] = staged
-            done = self.copier.to_host(staged, grad)
+            done = self.copier.to_host(staged, grad, f"trunk gradient staging {tuple(param.shape)}")
         if param not in self._trunk_grad_homes:
             self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
         piece = ParamSlice(param, 0, param.numel(), param.shape)
