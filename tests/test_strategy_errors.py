@@ -126,3 +126,18 @@ def test_default_discovery_streams_every_outermost_stack_in_execution_order() ->
     assert find_blocks(model) == [*model.encoder, *model.wrapper[0][0]]
     single = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([layer()]))
     assert find_blocks(single) == [single[1][0]]  # a single layer is a stack of one
+
+
+def test_blocks_of_different_dtypes_are_refused_before_training() -> None:
+    task = models.build_task("sequential")
+    task.model[1][2].half()  # one block in fp16, the others in fp32: they cannot share slots
+    with pytest.raises(TypeError, match=r"slots of one dtype, but the blocks' weights have \['torch.float16', 'torch.float32'\]"):
+        models.trainer(SuperpipeStrategy(resident_blocks=0), max_steps=1).fit(task, models.data("vector"))
+
+
+def test_cuda_graph_capture_while_streaming_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_superpipe.streaming.copier import Copier
+
+    monkeypatch.setattr(Copier, "capturing", lambda self: True)
+    with pytest.raises(RuntimeError, match="cannot stream blocks inside CUDA graph capture"):
+        models.trainer("superpipe", max_steps=1).fit(models.build_task("sequential"), models.data("vector"))

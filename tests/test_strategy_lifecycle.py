@@ -139,3 +139,23 @@ def test_gradients_are_complete_when_on_after_backward_runs() -> None:
     plain, streamed = run("auto"), run(SuperpipeStrategy(resident_blocks=0, prefetch=1))
     assert len(streamed) == 6
     np.testing.assert_allclose(streamed, plain, rtol=1e-5)
+
+
+def test_a_compiled_model_streams_and_matches_plain() -> None:
+    """`torch.compile` breaks its graph at the engine's entry points instead of tracing slots and events."""
+
+    class Compiled(models.Task):
+        def __init__(self) -> None:
+            super().__init__(models.sequential, "vector")
+            self.model = torch.compile(self.model, backend="eager")  # dynamo's tracing, no C++ build
+
+    def run(strategy: object) -> models.Task:
+        models.pl.seed_everything(7, verbose=False)
+        task = Compiled()
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy, max_steps=3).fit(task, models.data("vector"))
+        return task
+
+    plain, streamed = run("auto"), run("superpipe")
+    np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-6)
+    assert models.max_relative_difference(streamed, plain) < 1e-6

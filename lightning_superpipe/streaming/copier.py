@@ -80,6 +80,10 @@ class Copier:
     def synchronize(self) -> None:
         """Waits for every copy issued so far (before the host writes buffers a copy may still read)."""
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (streaming cannot be captured)."""
+        return False
+
     def thread_initializer(self) -> Optional[Callable[[], None]]:
         """A function to run first in every thread the engine starts (the gradient worker), if any."""
         return None
@@ -134,6 +138,9 @@ class CudaCopier(Copier):
     def wait_on_host(self, event: Event) -> None:
         if event is not None:
             event.synchronize()
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
         self._h2d_stream.synchronize()

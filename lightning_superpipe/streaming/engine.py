@@ -114,7 +114,14 @@ class StreamingEngine:
         self._slots: list[_Slot] = []
         if streamed:
             slot_numel = max(self.homes[i].numel for i in streamed)
-            slot_dtype = self.homes[streamed[0]].transfer.dtype
+            dtypes = {self.homes[i].transfer.dtype for i in streamed}
+            if len(dtypes) > 1:
+                raise TypeError(
+                    f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
+                    f" {sorted(str(d) for d in dtypes)}. Give the model one dtype (e.g. `model.to(torch.bfloat16)`,"
+                    " or `precision='bf16-mixed'` with fp32 weights), or keep the odd blocks out of `blocks=`."
+                )
+            slot_dtype = dtypes.pop()
             for _ in range(min(self.prefetch + 1, len(streamed))):
                 flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
                 self._slots.append(_Slot(flat, len(self._slots)))
@@ -246,6 +253,7 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ weights
 
+    @torch.compiler.disable
     def acquire(self, index: int) -> list[Tensor]:
         """Returns block ``index``'s weights on the device, one view per streamed parameter, and starts the copies
         of the blocks expected next.
@@ -253,6 +261,12 @@ class StreamingEngine:
         The block stays in its slot until another block is acquired or the pass ends, since in backward the
         autograd engine still reads its recomputed weights after the recomputation returns.
         """
+        if self.copier.capturing():
+            raise RuntimeError(
+                "SuperpipeStrategy cannot stream blocks inside CUDA graph capture: the weights of each block arrive by"
+                " copies ordered at run time, which a captured graph would replay from stale buffers. Do not capture"
+                " the model (`torch.cuda.graph`, `torch.compile(mode='reduce-overhead')`) while it streams."
+            )
         self._advance(index)
         home = self.homes[index]
         assert home is not None, f"block {index} has no streamed parameters"
@@ -273,6 +287,7 @@ class StreamingEngine:
         self._prefetch()
         return [piece.view_of(flat) for piece in home.slices]
 
+    @torch.compiler.disable
     def trunk_tensor(self, param: nn.Parameter) -> Tensor:
         """The device copy of a resident (trunk) parameter."""
         if self._trunk_ready is not None:

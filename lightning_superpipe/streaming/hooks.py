@@ -129,6 +129,9 @@ class BlockStreamingHook:
             self.block.forward = self._previous_instance_forward  # type: ignore[method-assign]
         self._original_forward = None
 
+    # Dynamo must not trace the engine (slots, events, version checks): a compiled model breaks its graph here and
+    # compiles what runs between blocks.
+    @torch.compiler.disable
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             if not self._keeps_cache:
@@ -224,10 +227,12 @@ class TrunkHook:
             handle.remove()
         self._handles = []
 
+    @torch.compiler.disable
     def _bind(self, module: nn.Module, args: Any) -> None:
         for owner, name, param in self._bindings:
             owner._parameters[name] = _resident_tensor(self.engine, param)  # type: ignore[assignment]
 
+    @torch.compiler.disable
     def _unbind(self, module: nn.Module, args: Any, output: Any) -> None:
         for owner, name, param in self._bindings:
             owner._parameters[name] = param
