@@ -42,7 +42,7 @@ class _Probe(models.pl.Callback):
 
 
 @pytest.mark.parametrize(("resident_blocks", "prefetch"), [(0, 0), (1, 1), (0, 2), (2, 1)])
-def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int) -> None:
+def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int, emulated_link: str) -> None:
     probe = _Probe()
     strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch)
     task = models.build_task("llama")
@@ -50,11 +50,15 @@ def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int
     block_bytes = sum(p.numel() * 4 for p in task.model.model.layers[0].parameters())
     largest = probe.largest_block_bytes
     assert block_bytes <= largest <= block_bytes * 1.1  # alignment padding only
-    # Block weights and one block of gradients, plus the resident trunk and its gradients.
-    assert max(probe.peaks) <= (resident_blocks + prefetch + 1) * largest + largest + 2 * probe.trunk_bytes
+    # With synchronous copies a block's gradients are home before the next block's exist; with asynchronous ones
+    # the previous block's are still on their way while the next block's are computed.
+    gradient_blocks = 1 if emulated_link == "cpu" else 2
+    # Block weights and gradients, plus the resident trunk and its gradients.
+    bound = (resident_blocks + prefetch + 1 + gradient_blocks) * largest + 2 * probe.trunk_bytes
+    assert max(probe.peaks) <= bound
     assert strategy.memory_report()["peak_device_bytes"] == max(probe.peaks)  # still readable after fit
-    # One block of gradients at most, and the gradients of a whole block did pass through.
-    assert block_bytes * 0.99 <= max(probe.gradient_peaks) <= block_bytes
+    # The gradients of a whole block did pass through, and no more blocks of them than said above were held.
+    assert block_bytes * 0.99 <= max(probe.gradient_peaks) <= gradient_blocks * block_bytes
     assert probe.extra_references and max(probe.extra_references) == 0
 
 

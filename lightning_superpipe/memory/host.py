@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_superpipe.memory.pinned import HostArena, page_rounded
+
 
 class HostMemoryError(MemoryError):
     """Raised before pinning when the host lacks the memory a run needs, instead of an out-of-memory kill."""
@@ -80,10 +82,10 @@ class BlockHome:
     Args:
         params: The block's parameters, without duplicates. They must share one dtype.
         transfer_dtype: The dtype the weights travel and compute in on the device.
-        pin: Whether to allocate page-locked memory (only with a CUDA compute device).
+        arena: Where the flat buffers come from (page-locked with a CUDA compute device).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], transfer_dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], transfer_dtype: torch.dtype, arena: HostArena) -> None:
         dtypes = {param.dtype for param in params}
         if len(dtypes) != 1:
             raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
@@ -94,7 +96,7 @@ class BlockHome:
             self.slices.append(ParamSlice(param, offset, param.numel(), param.shape))
             offset += _aligned(param.numel())
         self.numel = offset
-        self.master = _empty_host(self.numel, self.master_dtype, pin)
+        self.master = arena.empty(self.numel, self.master_dtype)
         self.master.zero_()  # the alignment gaps are copied too; keep them defined
         for piece in self.slices:
             piece.view_of(self.master).copy_(piece.param.detach())
@@ -105,7 +107,7 @@ class BlockHome:
         if transfer_dtype == self.master_dtype:
             self.transfer = self.master
         else:
-            self.transfer = _empty_host(self.numel, transfer_dtype, pin)
+            self.transfer = arena.empty(self.numel, transfer_dtype)
             self.transfer.copy_(self.master)
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
 
@@ -169,8 +171,11 @@ def _aligned(numel: int) -> int:
     return -(-numel // ALIGNMENT) * ALIGNMENT
 
 
-def _empty_host(numel: int, dtype: torch.dtype, pin: bool) -> Tensor:
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+def home_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
+    """The arena bytes a :class:`BlockHome` of ``params`` takes: its masters and, if separate, its transfer copy."""
+    numel = sum(_aligned(param.numel()) for param in params)
+    master = page_rounded(numel * params[0].element_size())
+    return master if transfer_dtype == params[0].dtype else master + page_rounded(numel * transfer_dtype.itemsize)
 
 
 def available_host_bytes() -> int | None:

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.host import check_host_memory
+from lightning_superpipe.memory.host import check_host_memory, home_bytes
+from lightning_superpipe.memory.pinned import page_rounded
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -62,19 +63,31 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 
 def _host_bytes_to_come(
-    block_params: list[list[nn.Parameter]], transfer_dtype: Optional[torch.dtype], training: bool
+    block_params: list[list[nn.Parameter]],
+    trunk_params: list[nn.Parameter],
+    transfer_dtype: Optional[torch.dtype],
+    training: bool,
+    pinned: bool,
 ) -> int:
     """Host bytes the run will allocate beyond the model it already holds.
 
-    Re-homing a block briefly holds it twice; mixed precision adds a transfer copy of every block; training adds
-    fp32 gradients and (Adam-like) two moments for every trainable parameter.
+    Re-homing a block briefly holds it twice (page-locked on CUDA, as are the trunk's masters); mixed precision adds
+    a transfer copy of every block; training adds fp32 gradients and (Adam-like) two moments for every trainable
+    parameter, and on CUDA two staging buffers of a block's gradients and one of each trainable trunk parameter.
     """
     params = [p for block in block_params for p in block]
-    nbytes = max((sum(p.numel() * p.element_size() for p in block) for block in block_params), default=0)
+    nbytes = max((home_bytes(block, block[0].dtype) for block in block_params if block), default=0)
     if transfer_dtype is not None:
         nbytes += sum(p.numel() for p in params) * transfer_dtype.itemsize
+    if pinned:
+        nbytes += sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params)
     if training:
-        nbytes += 3 * sum(p.numel() * 4 for p in params if p.requires_grad)
+        trainable = [p for p in [*params, *trunk_params] if p.requires_grad]
+        nbytes += 3 * sum(p.numel() * 4 for p in trainable)
+        if pinned:
+            itemsize = transfer_dtype.itemsize if transfer_dtype is not None else 4
+            largest = max((sum(p.numel() for p in block if p.requires_grad) for block in block_params), default=0)
+            nbytes += 2 * page_rounded(largest * itemsize) + sum(page_rounded(p.numel() * 4) for p in trunk_params)
     return nbytes
 
 
@@ -191,7 +204,9 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         check_host_memory(
-            _host_bytes_to_come(block_params, transfer_dtype, training=self._fitting),
+            _host_bytes_to_come(
+                block_params, trunk_params, transfer_dtype, training=self._fitting, pinned=self.root_device.type == "cuda"
+            ),
             f"homes for {describe(blocks)}, gradients and optimizer state",
         )
         # Buffers (and torchmetrics states) go to the device; parameters and their gradients are returned
@@ -344,7 +359,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             weights outside blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held
             now), ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind
             held at once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
-            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (block homes and staging),
+            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
+            the host: block homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
             ``param_bytes``, ``trainable_param_bytes``, ``optimizer_state_bytes``, ``streamed_stacks`` (where the
             blocks are, e.g. ``['model.encoder.block: 2 x T5Block', ...]``) and, on CUDA,
             ``cuda_max_allocated_bytes``. After the run, the figures it ended with.
@@ -365,6 +381,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             "prefetch": engine.prefetch,
             "trunk_device_bytes": engine.trunk_device_bytes(),
             "host_bytes": engine.host_bytes(),
+            "pinned_host_bytes": engine.pinned_bytes(),
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
             "optimizer_state_bytes": sum(

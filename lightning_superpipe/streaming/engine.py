@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import BlockHome, master_state, track_edits, untrack_edits
+from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
@@ -96,8 +97,9 @@ class StreamingEngine:
         self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
         self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
         pin = self.copier.pin_memory
+        self.arena = HostArena(pin=pin)
         self.homes = [
-            BlockHome(params, transfer_dtype or params[0].dtype, pin=pin) if params else None for params in block_params
+            BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None for params in block_params
         ]
         # A block's version grows whenever its masters change; a slot holding an older version is stale.
         self._block_version = [0] * num_blocks
@@ -128,9 +130,12 @@ class StreamingEngine:
                 self.ledger.add("block_weights", flat.numel() * flat.element_size())
         self._busy: Optional[_Slot] = None
 
-        if pin:
+        if pin:  # asynchronous copies need page-locked sources: the trunk's masters move into the arena too
+            self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
             for param in trunk_params:
-                param.data = param.detach().pin_memory()
+                pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
+                pinned.copy_(param.detach())
+                param.data = pinned
         # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
         self._trunk = {param: torch.empty_like(param, device=device) for param in trunk_params}
         self.ledger.add("trunk_weights", self.trunk_device_bytes())
@@ -140,7 +145,7 @@ class StreamingEngine:
         self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
         self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
-        self.gradients = GradientReturn(self.copier, self.ledger, self.homes)
+        self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
         # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
         # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
         allocated = self.copier.mark_compute()
@@ -196,6 +201,8 @@ class StreamingEngine:
                 self.gradients.close()
         finally:
             self.copier.close()
+            if hasattr(self, "arena"):
+                self.arena.close()
         for home in self.homes:
             if home is not None:
                 home.release()
@@ -370,9 +377,13 @@ class StreamingEngine:
     # ------------------------------------------------------------------ accounting
 
     def host_bytes(self) -> int:
-        """Host bytes held for streaming: block homes and gradient staging."""
-        homes = sum(home.host_bytes for home in self.homes if home is not None)
-        return homes + self.gradients.host_bytes()
+        """Host bytes the engine allocated: block homes, their transfer copies, gradient staging and, when pinning,
+        the trunk's masters (all from the arena, page-rounded)."""
+        return self.arena.allocated_bytes
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes (0 unless the compute device is CUDA)."""
+        return self.arena.pinned_bytes
 
     def trunk_device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._trunk.values())

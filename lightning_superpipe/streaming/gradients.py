@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import BlockHome, ParamSlice
+from lightning_superpipe.memory.pinned import HostArena
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.ledger import DeviceLedger
 
@@ -40,10 +41,14 @@ class GradientReturn:
         copier: Issues the device-to-host copies.
         ledger: Counts gradients while they occupy the device.
         homes: The blocks' host homes (``None`` for a block with nothing to stream).
+        arena: Where staging buffers come from (page-locked with a CUDA compute device).
     """
 
-    def __init__(self, copier: Copier, ledger: DeviceLedger, homes: Sequence[Optional[BlockHome]]) -> None:
+    def __init__(
+        self, copier: Copier, ledger: DeviceLedger, homes: Sequence[Optional[BlockHome]], arena: HostArena
+    ) -> None:
         self.copier = copier
+        self.arena = arena
         self.ledger = ledger
         self.homes = homes
         # Staging only where copies are asynchronous (on a CPU device gradients are added from where they are),
@@ -69,14 +74,14 @@ class GradientReturn:
     def send_block(self, index: int, pieces: Sequence[ParamSlice], grads: Sequence[Optional[Tensor]]) -> None:
         """Takes the gradients of block ``index``'s ``pieces`` (``None`` for a parameter that got none) off the
         device."""
-        # The previous block's gradients leave the device before this block's are counted: at most one block's
-        # gradients occupy it.
-        self._finish_copies()
         present = [(piece, grad) for piece, grad in zip(pieces, grads) if grad is not None]
+        nbytes = sum(grad.numel() * grad.element_size() for _, grad in present)
+        # This block's gradients exist on the device already, while the previous block's may still be on their way
+        # to the host (the allocator keeps their memory until the copy ran): up to two blocks' gradients at once.
+        self.ledger.add("block_gradients", nbytes)
+        self._finish_copies()
         if not present:
             return
-        nbytes = sum(grad.numel() * grad.element_size() for _, grad in present)
-        self.ledger.add("block_gradients", nbytes)
         done: Event = None
         if self.copier.asynchronous:
             staging, slot = self._staging(sum(grad.numel() for _, grad in present), present[0][1].dtype)
@@ -133,11 +138,6 @@ class GradientReturn:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
-    def host_bytes(self) -> int:
-        """Host bytes of staging buffers (gradients themselves are counted as the parameters' ``.grad``)."""
-        staging = [t for t in self._block_staging if t is not None] + list(self._trunk_staging.values())
-        return sum(t.numel() * t.element_size() for t in staging)
-
     def _ship_trunk(self, param: nn.Parameter) -> None:
         grad = self._trunk_sums.pop(param, None)
         self._trunk_pending.pop(param, None)
@@ -151,7 +151,7 @@ class GradientReturn:
                 user.result()  # the worker is done reading this staging buffer
             staged = self._trunk_staging.get(param)
             if staged is None or staged.dtype != grad.dtype:
-                staged = torch.empty(param.shape, dtype=grad.dtype, pin_memory=self.copier.pin_memory)
+                staged = self.arena.empty(param.numel(), grad.dtype).view(param.shape)
                 self._trunk_staging[param] = staged
             done = self.copier.to_host(staged, grad, f"trunk gradient staging {tuple(param.shape)}")
         if param not in self._trunk_grad_homes:
@@ -171,7 +171,7 @@ class GradientReturn:
             user.result()
         buffer = self._block_staging[slot]
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
-            buffer = torch.empty(numel, dtype=dtype, pin_memory=self.copier.pin_memory)
+            buffer = self.arena.empty(numel, dtype)
             self._block_staging[slot] = buffer
         return buffer, slot
 
