@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_superpipe.recipes import ByteTokenizer, RecipeError, TextDataModule, load_tokenizer
+from lightning_superpipe.recipes.testing import save_tiny_pretrained
 from lightning_superpipe.recipes.text_data import (
     PromptCollator,
     embedded_documents,
@@ -16,7 +18,6 @@ from lightning_superpipe.recipes.text_data import (
     read_documents,
     split_rows,
 )
-from lightning_superpipe.recipes.testing import save_tiny_pretrained
 from lightning_superpipe.recipes.tokenization import PretrainedTokenizer
 
 
@@ -168,3 +169,86 @@ def test_prompts_are_left_padded_for_generation() -> None:
     data = TextDataModule(prompts=["x", "y", "z"], batch_size=2)
     data.setup("predict")
     assert [b["prompts"] for b in data.predict_dataloader()] == [["x", "y"], ["z"]]
+
+
+def batch_rows(batches: Iterable[dict[str, torch.Tensor]]) -> list[list[int]]:
+    """Each batch as the first tokens of its rows, which tell the packed rows apart."""
+    return [batch["input_ids"][:, 0].tolist() for batch in batches]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_the_training_loader_continues_part_way_through_an_epoch(num_workers: int) -> None:
+    data = TextDataModule(seq_len=256, batch_size=4, num_workers=num_workers, shuffle_seed=7)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    loader.sampler.set_epoch(3)
+    whole_epoch = batch_rows(loader)
+    # Every row once, not in the stored order.
+    first_tokens = [token for batch in whole_epoch for token in batch]
+    stored = data.train_set.rows[:, 0].tolist()
+    assert len(whole_epoch) == len(loader) and sorted(first_tokens) == sorted(stored) and first_tokens != stored
+
+    batches = iter(loader)
+    seen = [next(batches) for _ in range(5)]
+    # Counted as handed over, not as the workers prefetch them.
+    state = loader.state_dict()
+    assert state == {"epoch": 3, "batches_done": 5, "num_batches": len(loader), "batch_size": 4, "seed": 7,
+                     "num_samples": len(data.train_set), "shuffle": True}
+    del batches
+
+    resumed = TextDataModule(seq_len=256, batch_size=4, num_workers=num_workers)  # the seed comes from the state
+    resumed.setup("fit")
+    again = resumed.train_dataloader()
+    again.load_state_dict(state)
+    again.sampler.set_epoch(3)  # what Lightning does before the resumed epoch
+    assert batch_rows(seen) + batch_rows(again) == whole_epoch
+    # The next epoch starts from its beginning, in an order of its own.
+    again.sampler.set_epoch(4)
+    next_epoch = batch_rows(again)
+    assert len(next_epoch) == len(loader) and next_epoch != whole_epoch
+
+
+def test_a_checkpoint_of_a_finished_epoch_resumes_with_the_next_one() -> None:
+    data = TextDataModule(seq_len=512, batch_size=8, shuffle_seed=1)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    first_epoch = batch_rows(loader)
+    state = loader.state_dict()
+    assert state["epoch"] == 0 and state["batches_done"] == len(loader)
+    again = data.train_dataloader()
+    again.load_state_dict(state)
+    again.sampler.set_epoch(1)
+    second_epoch = batch_rows(again)
+    assert len(second_epoch) == len(first_epoch) and second_epoch != first_epoch
+
+
+def test_the_data_module_restores_the_loader_position_before_the_loader_exists() -> None:
+    # Lightning restores the data module's state before ``configure_optimizers`` builds the training loader to
+    # count the steps; the fit loop's own copy of the loader state would come too late (Lightning issue #20550).
+    data = TextDataModule(seq_len=512, batch_size=8)
+    data.setup("fit")
+    assert data.state_dict() == {}
+    loader = data.train_dataloader()
+    batches = iter(loader)
+    seen = [next(batches), next(batches)]
+    saved = data.state_dict()
+    assert saved["train_loader"]["batches_done"] == 2
+
+    resumed = TextDataModule(seq_len=512, batch_size=8)
+    resumed.load_state_dict(saved)
+    resumed.setup("fit")
+    rest = batch_rows(resumed.train_dataloader())
+    assert batch_rows(seen) + rest == batch_rows(data.train_dataloader())
+
+
+def test_resuming_with_other_data_settings_is_refused() -> None:
+    data = TextDataModule(seq_len=512, batch_size=8)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    next(iter(loader))
+    state = loader.state_dict()
+    other = TextDataModule(seq_len=512, batch_size=4)
+    other.setup("fit")
+    with pytest.raises(RecipeError, match=r"the checkpoint stopped part-way through an epoch of other training data "
+                                          r"\(batch_size 8 then, 4 now, num_batches \d+ then, \d+ now\)"):
+        other.train_dataloader().load_state_dict(state)

@@ -70,6 +70,15 @@ def test_random_init_takes_the_given_sizes_and_the_tokenizers_vocabulary() -> No
          "'hiden_size' (did you mean 'hidden_size'?)"),
         ({"model_type": "lama"}, "model_type 'lama' is not a transformers model type; did you mean 'llama'"),
         ({"model_type": "vit", "config": {}}, "model_type 'vit' has no causal-LM model in transformers"),
+        # GPT-2's configuration checks no type under the alias hidden_size, so the text would reach the layers.
+        ({"model_type": "gpt2", "config": {"hidden_size": "abc"}},
+         "model.config.hidden_size: expected an integer (the default is 768), got 'abc'"),
+        # Refused by the model, not its configuration: the key without which it builds is the one named.
+        ({"model_type": "gpt2", "config": {"n_embd": 250, "n_head": 4, "n_layer": 1}},
+         "model.config.n_embd: `embed_dim` must be divisible by num_heads (got `embed_dim`: 250 and `num_heads`: 4)."),
+        ({"config": {**SIZES, "hidden_size": -32}},
+         ("model.config.hidden_size: transformers cannot build a 'llama' model with hidden_size=-32 "
+          "(RuntimeError: Trying to create tensor with negative dimension -32")),
     ],
 )
 def test_bad_model_settings_are_refused_with_the_users_words(kwargs: dict[str, Any], message: str) -> None:

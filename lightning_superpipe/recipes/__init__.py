@@ -6,10 +6,11 @@ from lightning_superpipe.recipes.causal_lm import (
     LoRASettings,
     OptimizerSettings,
 )
+from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, TrainingInterrupted
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.generation_writer import GenerationWriter
 from lightning_superpipe.recipes.memory_report import MemoryReport
-from lightning_superpipe.recipes.text_data import TextDataModule
+from lightning_superpipe.recipes.text_data import ResumableDataLoader, ResumableSampler, TextDataModule
 from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenizer, load_tokenizer
 
 __all__ = [
@@ -21,7 +22,11 @@ __all__ = [
     "MemoryReport",
     "OptimizerSettings",
     "RecipeError",
+    "ResumableCheckpoint",
+    "ResumableDataLoader",
+    "ResumableSampler",
     "TextDataModule",
     "TextTokenizer",
+    "TrainingInterrupted",
     "load_tokenizer",
 ]

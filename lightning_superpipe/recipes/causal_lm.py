@@ -12,7 +12,7 @@ import difflib
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Weight files of a folder saved with ``save_pretrained``.
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+#: Checkpoint key of the random-number state at the time of saving.
+RNG_STATE_KEY = "causal_lm_rng_states"
 #: ``dtype`` names accepted in recipes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -183,6 +186,80 @@ def find_weight_files(folder: Path) -> list[Path]:
     return sorted({path for pattern in WEIGHT_FILE_PATTERNS for path in folder.glob(pattern)})
 
 
+def blame_config_keys(overrides: dict[str, Any], build: Callable[[dict[str, Any]], object]) -> list[str]:
+    """The keys of ``overrides`` that a failed ``build(overrides)`` is down to.
+
+    Those without which it succeeds; failing that, those that fail on their own (over the type's defaults); none
+    if the build succeeds after all (a failure that is not about the values, such as running out of memory).
+    """
+
+    def builds(settings: dict[str, Any]) -> bool:
+        try:
+            build(settings)
+        except Exception:  # noqa: BLE001 - any failure counts: it is the one being explained
+            return False
+        return True
+
+    if builds(overrides):
+        return []
+    if len(overrides) == 1:
+        return list(overrides)
+    culprits = [key for key in overrides if builds({k: v for k, v in overrides.items() if k != key})]
+    return culprits or [key for key, value in overrides.items() if not builds({key: value})]
+
+
+def describe_config_error(
+    model_type: str,
+    what: str,
+    overrides: dict[str, Any],
+    error: BaseException,
+    build: Callable[[dict[str, Any]], object],
+) -> str:
+    """One line for an error that transformers raised while building a configuration or a model from ``overrides``.
+
+    Args:
+        model_type: The ``transformers`` model type.
+        what: ``"configuration"`` or ``"model"``: what was being built.
+        overrides: The values under ``model.config``.
+        error: What transformers raised.
+        build: Builds the same thing from other values, to tell which keys the failure is down to.
+
+    Returns:
+        For example ``"model.config.hidden_size: The hidden size (250) is not a multiple of the number of attention
+        heads (4)."`` or ``"model.config.num_attention_heads: transformers cannot build a 'llama' configuration
+        with num_attention_heads=0 (ZeroDivisionError: integer division or modulo by zero)"``.
+    """
+    # ``huggingface_hub``'s strict dataclasses wrap the validator's own error, and name the field they checked.
+    field = re.match(r"Validation error for field '(\w+)'", str(error))
+    keys = [field.group(1)] if field and field.group(1) in overrides else blame_config_keys(overrides, build)
+    cause = error.__cause__
+    root = cause if cause is not None and type(error).__module__.startswith("huggingface_hub") else error
+    message = first_line(root)
+    if len(keys) == 1:
+        message = re.sub(rf"^Field '{re.escape(keys[0])}' ", "", message)  # the key is named already
+    where = " and ".join(f"model.config.{key}" for key in keys) or "model.config"
+    if isinstance(root, (ValueError, TypeError)):
+        # transformers' validators say what is wrong in words.
+        return f"{where}: {message}"
+    values = ", ".join(f"{key}={overrides[key]!r}" for key in keys)
+    with_values = f" with {values}" if values else ""
+    return f"{where}: transformers cannot build a '{model_type}' {what}{with_values} ({type(root).__name__}: {message})"
+
+
+def check_numeric_values(default_config: Any, overrides: dict[str, Any]) -> None:
+    """Refuse text where the configuration has a number, for configurations that do not check their types.
+
+    Raises:
+        RecipeError: Naming the first key whose value is not a number though its default is.
+    """
+    for key, value in overrides.items():
+        default = getattr(default_config, key, None)
+        numeric_default = isinstance(default, (int, float)) and not isinstance(default, bool)
+        if numeric_default and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            kind = "an integer" if isinstance(default, int) else "a number"
+            raise RecipeError(f"model.config.{key}: expected {kind} (the default is {default!r}), got {value!r}")
+
+
 class CausalLMModule(LightningModule):
     """Causal-LM fine-tuning (full or LoRA), evaluation with loss and perplexity, and text generation.
 
@@ -295,15 +372,34 @@ class CausalLMModule(LightningModule):
         if unknown:
             details = ", ".join(f"'{key}'{did_you_mean(key, default_config.to_dict())}" for key in unknown)
             raise RecipeError(f"model.config has keys that the '{model_type}' configuration does not know: {details}")
-        config = AutoConfig.for_model(model_type, **overrides)
-        if vocab_size is not None:
-            config.vocab_size = vocab_size
+        torch_dtype = DTYPES.get(dtype, torch.float32)
+
+        def make_config(settings: dict[str, Any]) -> Any:
+            config = AutoConfig.for_model(model_type, **settings)
+            if vocab_size is not None:
+                config.vocab_size = vocab_size
+            return config
+
+        def make_model_on_meta(settings: dict[str, Any]) -> Any:
+            with torch.device("meta"):  # the layers' shapes without their memory, to tell which key is wrong
+                return AutoModelForCausalLM.from_config(make_config(settings), dtype=torch_dtype)
+
+        # Whatever goes wrong while transformers builds the configuration or the model from it (a failed
+        # validator, a division by a zero head count, an unknown activation, a negative size) is down to the values
+        # under model.config, so it is reported against them.
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=DTYPES.get(dtype, torch.float32))
-        except ValueError as error:
-            if "Unrecognized configuration class" in str(error):
+            config = make_config(overrides)
+        except Exception as error:
+            message = describe_config_error(model_type, "configuration", overrides, error, make_config)
+            raise RecipeError(message) from error
+        check_numeric_values(default_config, overrides)
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        except Exception as error:
+            if isinstance(error, ValueError) and "Unrecognized configuration class" in str(error):
                 raise RecipeError(f"model_type '{model_type}' has no causal-LM model in transformers") from error
-            raise
+            message = describe_config_error(model_type, "model", overrides, error, make_model_on_meta)
+            raise RecipeError(message) from error
 
     @staticmethod
     def _add_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
@@ -463,6 +559,11 @@ class CausalLMModule(LightningModule):
         if self.saves_trainable_only:
             trainable = {name for name, parameter in self.named_parameters() if parameter.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        # Lightning does not save the random-number state, which dropout draws from: without it, a resumed run's
+        # dropout masks (LoRA's, the model's) differ from an uninterrupted run's, whatever the strategy.
+        checkpoint[RNG_STATE_KEY] = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            checkpoint[RNG_STATE_KEY]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # ``strict_loading`` is off for adapter-only checkpoints, so check by hand that nothing would be dropped.
@@ -472,3 +573,10 @@ class CausalLMModule(LightningModule):
                 f"the checkpoint has {len(unexpected)} weights this model lacks (first: '{unexpected[0]}'); "
                 "was it trained with other model or lora settings?"
             )
+        states = checkpoint.get(RNG_STATE_KEY)
+        # Only to continue training: ``load_from_checkpoint`` or ``predict`` leave the generator as seeded.
+        trainer = getattr(self, "_trainer", None)
+        if states is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            torch.set_rng_state(states["cpu"])
+            if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(states["cuda"])

@@ -6,12 +6,15 @@ Usage::
     superpipe fit --config recipes/finetune_lora.yaml --trainer.max_steps 10 --model.lora.rank 4
     superpipe validate --config recipes/eval_moe_paged.yaml
     superpipe predict --config recipes/finetune_lora.yaml --ckpt_path superpipe_logs/.../last.ckpt
+
+Ctrl-C or SIGTERM during ``fit`` saves ``last.ckpt`` after the current step and prints the command that resumes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -28,6 +31,7 @@ import lightning_superpipe  # noqa: F401
 from lightning_superpipe.memory import HostMemoryError
 from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
+from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, TrainingInterrupted
 from lightning_superpipe.recipes.errors import (
     RecipeError,
     describe_construction_error,
@@ -110,6 +114,48 @@ class SuperpipeCLI(LightningCLI):
                 raise
             raise RecipeError(f"trainer: {first_line(error)}") from error
 
+    def fit(self, **kwargs: Any) -> None:
+        """Run ``Trainer.fit`` (LightningCLI calls this method for ``superpipe fit``).
+
+        Raises:
+            TrainingInterrupted: However a signal stopped training (Ctrl-C once or twice, SIGTERM), naming the
+                checkpoint to resume from.
+        """
+        try:
+            self.trainer.fit(**kwargs)
+        except BaseException:
+            # Lightning ends a run stopped by SIGTERM with ``SIGTERMException`` and one stopped by a second Ctrl-C
+            # with ``SystemExit(1)``; the checkpoint callback knows what happened and what it saved.
+            interruptions = [
+                callback.interruption
+                for callback in self.trainer.callbacks  # type: ignore[attr-defined]
+                if isinstance(callback, ResumableCheckpoint) and callback.interruption is not None
+            ]
+            if interruptions:
+                raise interruptions[0] from None
+            raise
+
+
+def resume_command(args: Sequence[str], checkpoint_path: str) -> str:
+    """The ``superpipe`` command line ``args`` with ``--ckpt_path checkpoint_path`` in place of any it had."""
+    kept: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+        elif arg == "--ckpt_path":
+            skip_value = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join(["superpipe", *kept, "--ckpt_path", checkpoint_path])
+
+
+def describe_interruption(stop: TrainingInterrupted, args: Sequence[str]) -> str:
+    """One line: what stopped training, where the checkpoint is and the command that resumes from it."""
+    if stop.checkpoint_path is None:
+        return f"{stop}; nothing to resume from"
+    return f"{stop}; resume with: {resume_command(args, stop.checkpoint_path)}"
+
 
 def one_line(error: BaseException) -> str:
     """The user-facing one-line description of ``error``."""
@@ -153,6 +199,8 @@ def main(args: Sequence[str] | None = None) -> None:
     # The packed sequences are already in memory, so Lightning's advice to add data-loader workers does not apply.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     show_recipe_messages()
+    # What the resume command repeats; LightningCLI itself reads ``sys.argv`` when no ``args`` are given.
+    arguments = list(args) if args is not None else sys.argv[1:]
     try:
         SuperpipeCLI(
             CausalLMModule,
@@ -169,6 +217,13 @@ def main(args: Sequence[str] | None = None) -> None:
             raise
         print(f"superpipe: error: {one_line(error)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except TrainingInterrupted as stop:
+        print(f"superpipe: {describe_interruption(stop, arguments)}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_code) from None
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (while the model or the data is loaded): nothing to save.
+        print("superpipe: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

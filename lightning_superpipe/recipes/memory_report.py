@@ -94,9 +94,10 @@ class MemorySample:
 
     Args:
         batch: 1-based index of the batch within the stage.
-        device_bytes: Bytes on the compute device: CUDA's allocated bytes; else the superpipe strategy's block
-            bytes on the device plus the weights outside the blocks; else the module's weights, gradients and
-            optimizer state on the device; plus, off CUDA, the pages of paged experts.
+        device_bytes: Bytes on the compute device: CUDA's allocated bytes; else what the superpipe strategy's ledger
+            holds (block weights, the weights outside the blocks, gradients on their way to the host); else the
+            module's weights, gradients and optimizer state on the device; plus, off CUDA, the pages of paged
+            experts.
         peak_device_bytes: Highest device bytes so far, when the strategy or CUDA tracks it.
     """
 
@@ -120,7 +121,7 @@ class MemorySummary:
     trunk_device_bytes: int | None = None
     cuda_max_allocated_bytes: int | None = None
     host_bytes: int | None = None
-    strategy_report: dict[str, int] | None = None
+    strategy_report: dict[str, Any] | None = None
     paged_moe: dict[str, float] | None = None
     samples: list[MemorySample] = field(default_factory=list)
 
@@ -132,22 +133,27 @@ class MemorySummary:
     @property
     def peak_bytes(self) -> int | None:
         """The run's measured device peak: CUDA's when available (it includes activations); else the superpipe
-        strategy's peak of block weights and gradients plus the weights outside the blocks, which stay on the device;
-        else the most seen after a batch.
+        strategy's ledger peak (every byte it put on the device: block weights, the weights outside the blocks and
+        the gradients of both); else the most seen after a batch.
         """
         if self.cuda_max_allocated_bytes is not None:
             return self.cuda_max_allocated_bytes
         if self.superpipe_peak_device_bytes is not None:
-            return self.superpipe_peak_device_bytes + (self.trunk_device_bytes or 0)
+            return self.superpipe_peak_device_bytes
         return self.sampled_max_bytes
 
     def rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows of the table, in display order."""
         rows: list[tuple[str, str]] = []
         if self.superpipe_peak_device_bytes is not None:
-            rows.append(("peak on device, block weights + grads", format_bytes(self.superpipe_peak_device_bytes)))
+            rows.append(("peak on device, weights + grads", format_bytes(self.superpipe_peak_device_bytes)))
         if self.trunk_device_bytes is not None:
-            rows.append(("on device, weights outside the blocks", format_bytes(self.trunk_device_bytes)))
+            rows.append(("  of which weights outside the blocks", format_bytes(self.trunk_device_bytes)))
+        report = self.strategy_report or {}
+        if "peak_trunk_gradient_bytes" in report:
+            rows.append(("  their gradients, most at once", format_bytes(report["peak_trunk_gradient_bytes"])))
+        if "peak_block_gradient_bytes" in report:
+            rows.append(("  block gradients, most at once", format_bytes(report["peak_block_gradient_bytes"])))
         if self.cuda_max_allocated_bytes is not None:
             rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
         if self.cuda_max_allocated_bytes is None and self.superpipe_peak_device_bytes is None and self.samples:
@@ -224,10 +230,9 @@ class MemoryReport(Callback):
             peak = torch.cuda.max_memory_allocated(device)
         else:
             if report is not None and "device_bytes" in report:
-                # The strategy counts the streamed blocks; the weights outside them stay on the device throughout.
-                trunk_bytes = report.get("trunk_device_bytes", 0)
-                device_bytes = report["device_bytes"] + trunk_bytes
-                peak = report["peak_device_bytes"] + trunk_bytes if "peak_device_bytes" in report else None
+                # The strategy's ledger counts every byte it put on the device.
+                device_bytes = report["device_bytes"]
+                peak = report.get("peak_device_bytes")
             else:
                 device_bytes = sum(
                     tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0)
@@ -330,11 +335,13 @@ class MemoryReport(Callback):
         print("Memory report written to " + ", ".join(str(path) for path in written), flush=True)
 
 
-def describe_strategy(trainer: Trainer, report: dict[str, int]) -> str:
-    """Strategy class name, with the superpipe settings when its report has them."""
+def describe_strategy(trainer: Trainer, report: dict[str, Any]) -> str:
+    """Strategy class name, with the superpipe settings and the stacks it streams when its report has them."""
     name = type(trainer.strategy).__name__
     settings = [f"{key}={report[key]}" for key in ("num_blocks", "resident_blocks", "prefetch") if key in report]
-    return f"{name} ({', '.join(settings)})" if settings else name
+    described = f"{name} ({', '.join(settings)})" if settings else name
+    stacks = report.get("streamed_stacks")
+    return f"{described}, streaming {'; '.join(stacks)}" if stacks else described
 
 
 def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:

@@ -247,7 +247,8 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     from the middle of an epoch trains on exactly the batches the interrupted run had not reached.
 
     Lightning's fit loop saves the ``state_dict`` of a training loader that has one and loads it before the resumed
-    epoch starts. Batches are counted as the main process hands them over, not as worker processes prefetch them.
+    epoch starts (:class:`TextDataModule` loads it too, where Lightning would be too late). Batches are counted as
+    the main process hands them over, not as worker processes prefetch them.
     With a :class:`ResumableSampler` the skipped samples are never loaded; with any other sampler whose order is
     reproducible (Lightning's distributed sampler, seeded by the epoch), the skipped batches are loaded and dropped.
 
@@ -260,14 +261,15 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
         self._skip_batches = 0
         self._skip_epoch: int | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: nothing is drawn until the first batch is asked for, by which time Lightning has called
         # ``set_epoch``, also for the first epoch of a resumed run.
         return self._counted_batches()
 
     def _counted_batches(self) -> Iterator[Any]:
         skip, self._skip_batches = self._skip_batches, 0
-        if self._skip_epoch is not None and self._epoch() != self._skip_epoch or skip >= len(self):
+        skip_epoch, self._skip_epoch = self._skip_epoch, None
+        if (skip_epoch is not None and self._epoch() != skip_epoch) or skip >= len(self):
             skip = 0  # the checkpoint's epoch was complete: this is the next one, from its start
         drop = skip
         if isinstance(self.sampler, ResumableSampler) and self.batch_size is not None:
@@ -303,11 +305,13 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
                 would point at other sequences.
         """
         sampler = self.sampler
+        batches_done = int(state_dict.get("batches_done", 0))
         saved = {key: state_dict.get(key) for key in ("num_samples", "batch_size", "num_batches")}
         current = {"num_samples": getattr(sampler, "num_samples", None), "batch_size": self.batch_size}
         current["num_batches"] = len(self)
         changed = [key for key, value in saved.items() if value is not None and value != current[key]]
-        if changed:
+        # Between epochs the data may change; part-way through one, the position would point at other sequences.
+        if changed and 0 < batches_done < (saved["num_batches"] or len(self)):
             details = ", ".join(f"{key} {saved[key]} then, {current[key]} now" for key in changed)
             raise RecipeError(
                 f"the checkpoint stopped part-way through an epoch of other training data ({details}); resume "
@@ -319,10 +323,10 @@ class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
             sampler.shuffle = state_dict.get("shuffle", sampler.shuffle)
         epoch = state_dict.get("epoch")
         if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        self._skip_batches = int(state_dict.get("batches_done", 0))
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        self._skip_batches = batches_done
         self._skip_epoch = epoch
-        self._batches_done = self._skip_batches
+        self._batches_done = batches_done
 
 
 class PromptCollator:
@@ -408,6 +412,8 @@ class TextDataModule(LightningDataModule):
         self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path)
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
+        self._train_loader: ResumableDataLoader | None = None
+        self._train_loader_state: dict[str, Any] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -466,7 +472,31 @@ class TextDataModule(LightningDataModule):
         return ResumableDataLoader(dataset, sampler=sampler, **settings)
 
     def train_dataloader(self) -> ResumableDataLoader:
-        return self._loader(self.train_set, shuffle=True)  # type: ignore[return-value]
+        loader: ResumableDataLoader = self._loader(self.train_set, shuffle=True)  # type: ignore[assignment]
+        if self._train_loader_state is not None:
+            loader.load_state_dict(self._train_loader_state)
+            self._train_loader_state = None
+        self._train_loader = loader
+        return loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's position, for checkpoints.
+
+        Lightning's fit loop saves it as well, but Lightning 2.6 does not restore it when ``configure_optimizers``
+        asks for ``trainer.estimated_stepping_batches``, as :class:`CausalLMModule` does (Lightning issue #20550):
+        the data module's state is restored before the optimizers are configured.
+        """
+        return {"train_loader": self._train_loader.state_dict()} if self._train_loader is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Make the next training loader continue where the checkpoint's stopped."""
+        state = state_dict.get("train_loader")
+        if state is None:
+            return
+        if self._train_loader is not None:
+            self._train_loader.load_state_dict(state)
+        else:
+            self._train_loader_state = state
 
     def val_dataloader(self) -> DataLoader[Any]:
         return self._loader(self.val_set, shuffle=False)
