@@ -147,8 +147,15 @@ def build_task(family: str, seed: int = 7, **kwargs: Any) -> Task:
     return Task(build, kind, **kwargs)
 
 
-def fit(family: str, strategy: Any, seed: int = 7, optimizer: str = "adamw", **overrides: Any) -> Task:
-    task = build_task(family, seed, optimizer=optimizer)
+def fit_task(make: Callable[[], Task], strategy: Any, train: DataLoader, val: DataLoader | None = None, seed: int = 7, **overrides: Any) -> Task:
+    """Builds a task under ``seed`` and fits it under ``seed + 1``, so that two runs differ only in ``strategy``."""
+    pl.seed_everything(seed, verbose=False)
+    task = make()
     pl.seed_everything(seed + 1, verbose=False)
-    trainer(strategy, **overrides).fit(task, data(FAMILIES[family][1]))
+    trainer(strategy, **overrides).fit(task, train, val)
     return task
+
+
+def fit(family: str, strategy: Any, seed: int = 7, optimizer: str = "adamw", **overrides: Any) -> Task:
+    build, kind = FAMILIES[family]
+    return fit_task(lambda: Task(build, kind, optimizer=optimizer), strategy, data(kind), seed=seed, **overrides)

@@ -59,16 +59,13 @@ def test_an_ema_swapped_in_for_validation_is_what_validation_sees() -> None:
     """Lightning's EMA callback swaps the averaged weights in with ``param.data.copy_`` for validation and back."""
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=6, limit_val_batches=2, accumulate_grad_batches=1)
 
-    def run(strategy: Any) -> models.Task:
-        task = models.build_task("llama")
-        models.pl.seed_everything(8, verbose=False)
-        callbacks = [EMAWeightAveraging(decay=0.5)]
-        models.trainer(strategy, callbacks=callbacks, **options).fit(
-            task, models.data("lm"), models.data("lm", batches=2, seed=1)
+    plain, streamed = (
+        models.fit_task(
+            lambda: models.Task(models.llama, "lm"), s, models.data("lm"), models.data("lm", batches=2, seed=1),
+            callbacks=[EMAWeightAveraging(decay=0.5)], **options,
         )
-        return task
-
-    plain, streamed = (run(s) for s in _strategies())
+        for s in _strategies()
+    )
     _assert_same(streamed, plain)  # the final weights are the average, copied in at the end of training
     np.testing.assert_allclose(streamed.val_losses, plain.val_losses, rtol=1e-5)
     assert len(streamed.val_losses) == 4
@@ -98,16 +95,11 @@ def test_lbfgs_evaluates_its_closure_with_the_weights_it_just_set() -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5, history_size=4)
 
-    def run(strategy: Any) -> models.Task:
-        models.pl.seed_everything(7, verbose=False)
-        task = LBFGSTask(models.sequential, "vector")
-        models.pl.seed_everything(8, verbose=False)
-        models.trainer(strategy, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None).fit(
-            task, models.data("vector")
-        )
-        return task
-
-    plain, streamed = (run(s) for s in _strategies())
+    options = dict(max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
+    plain, streamed = (
+        models.fit_task(lambda: LBFGSTask(models.sequential, "vector"), s, models.data("vector"), **options)
+        for s in _strategies()
+    )
     assert len(plain.losses) > 4  # several closure evaluations per step
     _assert_same(streamed, plain)
 
@@ -131,16 +123,10 @@ def test_manual_optimization_with_two_backwards_per_step() -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
 
-    def run(strategy: Any) -> models.Task:
-        models.pl.seed_everything(7, verbose=False)
-        task = Manual(models.gpt2, "lm")
-        models.pl.seed_everything(8, verbose=False)
-        models.trainer(strategy, max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None).fit(
-            task, models.data("lm")
-        )
-        return task
-
-    plain, streamed = (run(s) for s in _strategies())
+    options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
+    plain, streamed = (
+        models.fit_task(lambda: Manual(models.gpt2, "lm"), s, models.data("lm"), **options) for s in _strategies()
+    )
     assert len(plain.losses) == 8
     _assert_same(streamed, plain)
 
@@ -177,16 +163,14 @@ class _HeadFirstTask(models.Task):
 def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
 
-    def run(strategy: Any) -> models.Task:
-        models.pl.seed_everything(7, verbose=False)
-        task = _HeadFirstTask(models.llama, "lm")
-        models.pl.seed_everything(8, verbose=False)
-        models.trainer(strategy, callbacks=[_UnfreezeAtEpochOne()], **options).fit(task, models.data("lm"))
-        return task
-
     models.pl.seed_everything(7, verbose=False)
     initial = _HeadFirstTask(models.llama, "lm")
-    plain, streamed = (run(s) for s in _strategies())
+    plain, streamed = (
+        models.fit_task(
+            lambda: _HeadFirstTask(models.llama, "lm"), s, models.data("lm"), callbacks=[_UnfreezeAtEpochOne()], **options
+        )
+        for s in _strategies()
+    )
     _assert_same(streamed, plain)
     # The layers trained in epoch 1 (they moved 0.0 when the strategy read `requires_grad` only at set-up).
     assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
@@ -246,15 +230,12 @@ class _SkipLastHead(nn.Module):
 
 
 def test_unused_parameters_get_no_gradient_and_are_not_moved_by_weight_decay() -> None:
-    def run(strategy: Any) -> models.Task:
-        models.pl.seed_everything(7, verbose=False)
+    def make() -> models.Task:
         task = models.Task(_SkipLastHead, "vector")
         task.initial = {k: v.clone() for k, v in task.state_dict().items()}  # type: ignore[attr-defined]
-        models.pl.seed_everything(8, verbose=False)
-        models.trainer(strategy, max_steps=4).fit(task, models.data("vector"))
         return task
 
-    plain, streamed = (run(s) for s in _strategies())
+    plain, streamed = (models.fit_task(make, s, models.data("vector"), max_steps=4) for s in _strategies())
     _assert_same(streamed, plain)
     unused = [n for n in streamed.state_dict() if ".unused." in n or n.startswith("model.model.3.")]
     assert len(unused) == 8
@@ -285,15 +266,11 @@ def _conv_net() -> nn.Module:
 
 
 def test_batchnorm_statistics_in_streamed_blocks_update_once_per_forward() -> None:
-    def run(strategy: Any) -> models.Task:
-        models.pl.seed_everything(7, verbose=False)
-        task = models.Task(_conv_net, "vector")
-        models.pl.seed_everything(8, verbose=False)
-        options = dict(max_steps=-1, max_epochs=1, limit_train_batches=6, limit_val_batches=2)
-        models.trainer(strategy, **options).fit(task, _images(), _images(batches=2, seed=1))
-        return task
-
-    plain, streamed = (run(s) for s in _strategies())
+    options = dict(max_steps=-1, max_epochs=1, limit_train_batches=6, limit_val_batches=2)
+    plain, streamed = (
+        models.fit_task(lambda: models.Task(_conv_net, "vector"), s, _images(), _images(batches=2, seed=1), **options)
+        for s in _strategies()
+    )
     _assert_same(streamed, plain)  # includes running_mean, running_var and num_batches_tracked
     tracked = [int(b) for n, b in streamed.named_buffers() if n.endswith("num_batches_tracked")]
     assert tracked == [6] * 4  # 6 micro-batches; the recomputation in backward did not count again

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -209,3 +210,32 @@ def check_host_memory(needed_bytes: int, what: str) -> None:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**20 else f"{math.ceil(nbytes / 2**10)} KiB"
+
+
+def host_bytes_to_come(
+    block_params: list[list[nn.Parameter]],
+    trunk_params: list[nn.Parameter],
+    transfer_dtype: Optional[torch.dtype],
+    training: bool,
+    pinned: bool,
+) -> int:
+    """Host bytes the run will allocate beyond the model it already holds.
+
+    Re-homing a block briefly holds it twice (page-locked on CUDA, as are the trunk's masters); mixed precision adds
+    a transfer copy of every block; training adds fp32 gradients and (Adam-like) two moments for every trainable
+    parameter, and on CUDA two staging buffers of a block's gradients and one of each trainable trunk parameter.
+    """
+    params = [p for block in block_params for p in block]
+    nbytes = max((home_bytes(block, block[0].dtype) for block in block_params if block), default=0)
+    if transfer_dtype is not None:
+        nbytes += sum(p.numel() for p in params) * transfer_dtype.itemsize
+    if pinned:
+        nbytes += sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params)
+    if training:
+        trainable = [p for p in [*params, *trunk_params] if p.requires_grad]
+        nbytes += 3 * sum(p.numel() * 4 for p in trainable)
+        if pinned:
+            itemsize = transfer_dtype.itemsize if transfer_dtype is not None else 4
+            largest = max((sum(p.numel() for p in block if p.requires_grad) for block in block_params), default=0)
+            nbytes += 2 * page_rounded(largest * itemsize) + sum(page_rounded(p.numel() * 4) for p in trunk_params)
+    return nbytes

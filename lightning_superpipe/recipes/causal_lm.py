@@ -26,6 +26,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
 from lightning_superpipe.recipes.tokenization import TextTokenizer
+from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 
 log = logging.getLogger(__name__)
@@ -561,9 +562,7 @@ class CausalLMModule(LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         # Lightning does not save the random-number state, which dropout draws from: without it, a resumed run's
         # dropout masks (LoRA's, the model's) differ from an uninterrupted run's, whatever the strategy.
-        checkpoint[RNG_STATE_KEY] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            checkpoint[RNG_STATE_KEY]["cuda"] = torch.cuda.get_rng_state_all()
+        checkpoint[RNG_STATE_KEY] = rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # ``strict_loading`` is off for adapter-only checkpoints, so check by hand that nothing would be dropped.
@@ -577,6 +576,4 @@ class CausalLMModule(LightningModule):
         # Only to continue training: ``load_from_checkpoint`` or ``predict`` leave the generator as seeded.
         trainer = getattr(self, "_trainer", None)
         if states is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            torch.set_rng_state(states["cpu"])
-            if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-                torch.cuda.set_rng_state_all(states["cuda"])
+            set_rng_states(states)

@@ -182,9 +182,10 @@ class MemorySummary:
         rows = self.rows()
         label_width = max(len(label) for label, _ in rows)
         value_width = max(len(value) for _, value in rows)
-        title = f"Device memory: {self.stage} with {self.strategy} on {self.device}"
-        rule = "-" * max(len(title), label_width + value_width + 3)
-        lines = [title, rule, *(f"{label:<{label_width}}   {value:>{value_width}}" for label, value in rows), rule]
+        title = [f"Device memory: {self.stage} with {self.strategy} on {self.device}"]
+        title += [f"streaming {stack}" for stack in (self.strategy_report or {}).get("streamed_stacks", [])]
+        rule = "-" * (label_width + value_width + 3)
+        lines = [*title, rule, *(f"{label:<{label_width}}   {value:>{value_width}}" for label, value in rows), rule]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -336,12 +337,10 @@ class MemoryReport(Callback):
 
 
 def describe_strategy(trainer: Trainer, report: dict[str, Any]) -> str:
-    """Strategy class name, with the superpipe settings and the stacks it streams when its report has them."""
+    """Strategy class name, with the superpipe settings when its report has them."""
     name = type(trainer.strategy).__name__
     settings = [f"{key}={report[key]}" for key in ("num_blocks", "resident_blocks", "prefetch") if key in report]
-    described = f"{name} ({', '.join(settings)})" if settings else name
-    stacks = report.get("streamed_stacks")
-    return f"{described}, streaming {'; '.join(stacks)}" if stacks else described
+    return f"{name} ({', '.join(settings)})" if settings else name
 
 
 def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:

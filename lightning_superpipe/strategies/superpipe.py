@@ -8,7 +8,6 @@ the streaming engine in :mod:`lightning_superpipe.streaming`.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -29,8 +28,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.host import check_host_memory, home_bytes
-from lightning_superpipe.memory.pinned import page_rounded
+from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come
+from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -44,51 +43,6 @@ from lightning_superpipe.streaming.hooks import (
 
 _RNG_KEY = "superpipe_rng_states"
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def _rng_states() -> dict[str, Any]:
-    """The RNG states dropout and data order draw from; no numpy state, so ``torch.load(weights_only=True)``
-    still reads the checkpoint."""
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def _host_bytes_to_come(
-    block_params: list[list[nn.Parameter]],
-    trunk_params: list[nn.Parameter],
-    transfer_dtype: Optional[torch.dtype],
-    training: bool,
-    pinned: bool,
-) -> int:
-    """Host bytes the run will allocate beyond the model it already holds.
-
-    Re-homing a block briefly holds it twice (page-locked on CUDA, as are the trunk's masters); mixed precision adds
-    a transfer copy of every block; training adds fp32 gradients and (Adam-like) two moments for every trainable
-    parameter, and on CUDA two staging buffers of a block's gradients and one of each trainable trunk parameter.
-    """
-    params = [p for block in block_params for p in block]
-    nbytes = max((home_bytes(block, block[0].dtype) for block in block_params if block), default=0)
-    if transfer_dtype is not None:
-        nbytes += sum(p.numel() for p in params) * transfer_dtype.itemsize
-    if pinned:
-        nbytes += sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params)
-    if training:
-        trainable = [p for p in [*params, *trunk_params] if p.requires_grad]
-        nbytes += 3 * sum(p.numel() * 4 for p in trainable)
-        if pinned:
-            itemsize = transfer_dtype.itemsize if transfer_dtype is not None else 4
-            largest = max((sum(p.numel() for p in block if p.requires_grad) for block in block_params), default=0)
-            nbytes += 2 * page_rounded(largest * itemsize) + sum(page_rounded(p.numel() * 4) for p in trunk_params)
-    return nbytes
 
 
 class SuperpipeStrategy(SingleDeviceStrategy):
@@ -192,11 +146,6 @@ class SuperpipeStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
         if self.link is not None and not isinstance(self.link, EmulatedLink):
             raise MisconfigurationException(f"SuperpipeStrategy(link={self.link!r}) must be an `EmulatedLink` or None.")
-        if self.link is not None and self.root_device.type != "cpu":
-            raise MisconfigurationException(
-                f"SuperpipeStrategy(link={self.link!r}) emulates an asynchronous device on the CPU, but the Trainer's"
-                f" device is {self.root_device}. Remove `link=` to use the real {self.root_device.type} link."
-            )
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
@@ -204,7 +153,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         check_host_memory(
-            _host_bytes_to_come(
+            host_bytes_to_come(
                 block_params, trunk_params, transfer_dtype, training=self._fitting, pinned=self.root_device.type == "cuda"
             ),
             f"homes for {describe(blocks)}, gradients and optimizer state",
@@ -325,14 +274,14 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         # Plain Lightning does not save the RNG state, so dropout after a resume differs from an uninterrupted run.
-        checkpoint[_RNG_KEY] = _rng_states()
+        checkpoint[_RNG_KEY] = rng_states()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if _RNG_KEY in checkpoint:
-            _set_rng_states(checkpoint[_RNG_KEY])
+            set_rng_states(checkpoint[_RNG_KEY])
         return checkpoint
 
     @override
@@ -352,36 +301,16 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     # ------------------------------------------------------------------ memory report
 
     def memory_report(self) -> dict[str, Any]:
-        """What the strategy holds where, in bytes, from its own ledger of every byte it puts on the device.
-
-        Returns:
-            ``peak_device_bytes`` (the most the strategy held on the device at once: block weights, the resident
-            weights outside blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held
-            now), ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind
-            held at once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
-            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
-            the host: block homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
-            ``param_bytes``, ``trainable_param_bytes``, ``optimizer_state_bytes``, ``streamed_stacks`` (where the
-            blocks are, e.g. ``['model.encoder.block: 2 x T5Block', ...]``) and, on CUDA,
-            ``cuda_max_allocated_bytes``. After the run, the figures it ended with.
-        """
+        """What the strategy holds where, in bytes, from its own ledger of every byte it puts on the device: the
+        engine's figures (:meth:`StreamingEngine.memory_report`), ``param_bytes``, ``trainable_param_bytes``,
+        ``optimizer_state_bytes``, ``streamed_stacks`` (e.g. ``['model.encoder.block: 2 x T5Block', ...]``) and,
+        on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it ended with."""
         if self._engine is None and self._last_report is not None:
             return dict(self._last_report)
-        engine = self.engine
         assert self.lightning_module is not None
         params = list(self.lightning_module.parameters())
         report: dict[str, Any] = {
-            "peak_device_bytes": engine.ledger.peak_bytes,
-            "device_bytes": engine.ledger.total_bytes,
-            "peak_block_gradient_bytes": engine.ledger.peaks["block_gradients"],
-            "peak_trunk_gradient_bytes": engine.ledger.peaks["trunk_gradients"],
-            "largest_block_bytes": engine.largest_block_bytes(),
-            "num_blocks": len(engine.homes),
-            "resident_blocks": engine.resident_blocks,
-            "prefetch": engine.prefetch,
-            "trunk_device_bytes": engine.trunk_device_bytes(),
-            "host_bytes": engine.host_bytes(),
-            "pinned_host_bytes": engine.pinned_bytes(),
+            **self.engine.memory_report(),
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
             "optimizer_state_bytes": sum(

@@ -40,7 +40,7 @@ def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.
         blocks = [block for stack in _outermost_stacks(model) for block in stack]
     else:
         predicate = _as_predicate(policy)
-        blocks = _outermost(model, predicate)
+        blocks = outermost(model, predicate)
     blocks = [block for block in blocks if _has_parameters(block)]
     if not blocks:
         how = "found no `nn.ModuleList`/`nn.Sequential` of same-type modules with parameters"
@@ -108,8 +108,9 @@ def _as_predicate(policy: BlockPolicy) -> Callable[[nn.Module], bool]:
     raise TypeError(f"`blocks` must be a set of module classes or a callable, got {policy!r}.")
 
 
-def _outermost(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list[nn.Module]:
-    """Modules matching ``predicate`` that are not inside another match (blocks must not nest)."""
+def outermost(model: nn.Module, predicate: Callable[[nn.Module], bool], include_model: bool = False) -> list[nn.Module]:
+    """Modules under ``model`` (``model`` too with ``include_model``) matching ``predicate`` that are not inside
+    another match (blocks must not nest)."""
     found: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -119,8 +120,8 @@ def _outermost(model: nn.Module, predicate: Callable[[nn.Module], bool]) -> list
         for child in module.children():
             visit(child)
 
-    for child in model.children():
-        visit(child)
+    for root in [model] if include_model else model.children():
+        visit(root)
     return found
 
 

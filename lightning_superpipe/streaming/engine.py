@@ -78,94 +78,83 @@ class StreamingEngine:
         self.homes: list[Optional[BlockHome]] = []
         self._trunk: dict[nn.Parameter, Tensor] = {}
         try:
-            self._set_up(block_params, trunk_params, device, resident_blocks, prefetch, transfer_dtype)
+            num_blocks = len(block_params)
+            self.ledger = DeviceLedger()
+            self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
+            self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
+            pin = self.copier.pin_memory
+            self.arena = HostArena(pin=pin)
+            self.homes = [
+                BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None for params in block_params
+            ]
+            # A block's version grows whenever its masters change; a slot holding an older version is stale.
+            self._block_version = [0] * num_blocks
+
+            self._resident: dict[int, Tensor] = {}
+            self._resident_ready: dict[int, Event] = {}
+            for index in _evenly_spaced(num_blocks, self.resident_blocks):
+                home = self.homes[index]
+                if home is not None:
+                    self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=device)
+                    self.ledger.add("block_weights", home.transfer_bytes)
+
+            streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
+            self._slots: list[_Slot] = []
+            if streamed:
+                slot_numel = max(self.homes[i].numel for i in streamed)
+                dtypes = {self.homes[i].transfer.dtype for i in streamed}
+                if len(dtypes) > 1:
+                    raise TypeError(
+                        f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
+                        f" {sorted(str(d) for d in dtypes)}. Give the model one dtype (e.g. `model.to(torch.bfloat16)`,"
+                        " or `precision='bf16-mixed'` with fp32 weights), or keep the odd blocks out of `blocks=`."
+                    )
+                slot_dtype = dtypes.pop()
+                for _ in range(min(self.prefetch + 1, len(streamed))):
+                    flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
+                    self._slots.append(_Slot(flat, len(self._slots)))
+                    self.ledger.add("block_weights", flat.numel() * flat.element_size())
+            self._busy: Optional[_Slot] = None
+
+            if pin:  # asynchronous copies need page-locked sources: the trunk's masters move into the arena too
+                self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
+                for param in trunk_params:
+                    pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
+                    pinned.copy_(param.detach())
+                    param.data = pinned
+            # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
+            self._trunk = {param: torch.empty_like(param, device=device) for param in trunk_params}
+            self.ledger.add("trunk_weights", self.trunk_device_bytes())
+            self._trunk_ready: Event = None
+            for param in trunk_params:
+                track_edits(param)
+            self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
+            self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
+
+            self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
+            # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
+            # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
+            allocated = self.copier.mark_compute()
+            for slot in self._slots:
+                slot.free = allocated
+
+            forward = list(range(num_blocks))
+            self._training_order = forward + forward[::-1]
+            self._forward_order = forward
+            self._order: list[int] = []
+            self._cyclic = False
+            self._cursor = -1
+            for index, buffer in self._resident.items():
+                what = f"resident block {index}"
+                self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+            self._trunk_names = {param: f"trunk parameter {i} {tuple(param.shape)}" for i, param in enumerate(self._trunk)}
+            for param, copy in self._trunk.items():
+                self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
+                self._trunk_seen[param] = master_state(param)
+            self.refresh()
         except BaseException:
             self.close()  # nothing half-built stays behind: threads, the emulated link's checker, parameter classes
             raise
-
-    def _set_up(
-        self,
-        block_params: Sequence[Sequence[nn.Parameter]],
-        trunk_params: Sequence[nn.Parameter],
-        device: torch.device,
-        resident_blocks: int,
-        prefetch: int,
-        transfer_dtype: Optional[torch.dtype],
-    ) -> None:
-        num_blocks = len(block_params)
-        self.ledger = DeviceLedger()
-        self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
-        self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
-        pin = self.copier.pin_memory
-        self.arena = HostArena(pin=pin)
-        self.homes = [
-            BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None for params in block_params
-        ]
-        # A block's version grows whenever its masters change; a slot holding an older version is stale.
-        self._block_version = [0] * num_blocks
-
-        self._resident: dict[int, Tensor] = {}
-        self._resident_ready: dict[int, Event] = {}
-        for index in _evenly_spaced(num_blocks, self.resident_blocks):
-            home = self.homes[index]
-            if home is not None:
-                self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=device)
-                self.ledger.add("block_weights", home.transfer_bytes)
-
-        streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
-        self._slots: list[_Slot] = []
-        if streamed:
-            slot_numel = max(self.homes[i].numel for i in streamed)
-            dtypes = {self.homes[i].transfer.dtype for i in streamed}
-            if len(dtypes) > 1:
-                raise TypeError(
-                    f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
-                    f" {sorted(str(d) for d in dtypes)}. Give the model one dtype (e.g. `model.to(torch.bfloat16)`,"
-                    " or `precision='bf16-mixed'` with fp32 weights), or keep the odd blocks out of `blocks=`."
-                )
-            slot_dtype = dtypes.pop()
-            for _ in range(min(self.prefetch + 1, len(streamed))):
-                flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
-                self._slots.append(_Slot(flat, len(self._slots)))
-                self.ledger.add("block_weights", flat.numel() * flat.element_size())
-        self._busy: Optional[_Slot] = None
-
-        if pin:  # asynchronous copies need page-locked sources: the trunk's masters move into the arena too
-            self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
-            for param in trunk_params:
-                pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
-                pinned.copy_(param.detach())
-                param.data = pinned
-        # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
-        self._trunk = {param: torch.empty_like(param, device=device) for param in trunk_params}
-        self.ledger.add("trunk_weights", self.trunk_device_bytes())
-        self._trunk_ready: Event = None
-        for param in trunk_params:
-            track_edits(param)
-        self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
-        self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
-
-        self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
-        # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
-        # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
-        allocated = self.copier.mark_compute()
-        for slot in self._slots:
-            slot.free = allocated
-
-        forward = list(range(num_blocks))
-        self._training_order = forward + forward[::-1]
-        self._forward_order = forward
-        self._order: list[int] = []
-        self._cyclic = False
-        self._cursor = -1
-        for index, buffer in self._resident.items():
-            what = f"resident block {index}"
-            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
-        self._trunk_names = {param: f"trunk parameter {i} {tuple(param.shape)}" for i, param in enumerate(self._trunk)}
-        for param, copy in self._trunk.items():
-            self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
-            self._trunk_seen[param] = master_state(param)
-        self.refresh()
 
     # ------------------------------------------------------------------ passes
 
@@ -384,6 +373,31 @@ class StreamingEngine:
     def pinned_bytes(self) -> int:
         """Page-locked host bytes (0 unless the compute device is CUDA)."""
         return self.arena.pinned_bytes
+
+    def memory_report(self) -> dict[str, int]:
+        """The engine's part of the strategy's memory report, from its ledger and its arena.
+
+        Returns:
+            ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
+            blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held now),
+            ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
+            once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
+            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
+            the host: homes, transfer copies, staging) and ``pinned_host_bytes`` (the page-locked part of it).
+        """
+        return {
+            "peak_device_bytes": self.ledger.peak_bytes,
+            "device_bytes": self.ledger.total_bytes,
+            "peak_block_gradient_bytes": self.ledger.peaks["block_gradients"],
+            "peak_trunk_gradient_bytes": self.ledger.peaks["trunk_gradients"],
+            "largest_block_bytes": self.largest_block_bytes(),
+            "num_blocks": len(self.homes),
+            "resident_blocks": self.resident_blocks,
+            "prefetch": self.prefetch,
+            "trunk_device_bytes": self.trunk_device_bytes(),
+            "host_bytes": self.host_bytes(),
+            "pinned_host_bytes": self.pinned_bytes(),
+        }
 
     def trunk_device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._trunk.values())

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
 
 # (module that owns the parameter, attribute name, the host parameter)
@@ -346,17 +347,7 @@ def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:
     """The outermost ``transformers`` models inside ``model`` (the ones users and ``generate()`` call)."""
     from transformers import PreTrainedModel
 
-    found: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        if isinstance(module, PreTrainedModel):
-            found.append(module)
-            return
-        for child in module.children():
-            visit(child)
-
-    visit(model)
-    return found
+    return outermost(model, lambda module: isinstance(module, PreTrainedModel), include_model=True)
 
 
 def trunk_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> Iterator[nn.Module]:
