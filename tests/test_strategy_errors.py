@@ -141,3 +141,15 @@ def test_cuda_graph_capture_while_streaming_is_refused(monkeypatch: pytest.Monke
     monkeypatch.setattr(Copier, "capturing", lambda self: True)
     with pytest.raises(RuntimeError, match="cannot stream blocks inside CUDA graph capture"):
         models.trainer("superpipe", max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
+
+
+def test_parameters_replaced_by_new_objects_mid_run_are_refused() -> None:
+    """`load_state_dict(assign=True)` swaps the Parameter objects the strategy streams: refused, not ignored."""
+
+    class Reassign(models.pl.Callback):
+        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: object) -> None:
+            state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            pl_module.load_state_dict(state, assign=True)
+
+    with pytest.raises(RuntimeError, match=r"was replaced by another\s+object during the run .*assign=True"):
+        models.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(models.build_task("sequential"), models.data("vector"))
