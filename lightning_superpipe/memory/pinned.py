@@ -98,14 +98,15 @@ class HostArena:
         total = chunk.numel()
         report = total >= _PROGRESS_FROM
         if report:
-            log.warning("SuperpipeStrategy: page-locking %.1f GiB of host memory (this takes a while)...", total / 2**30)
+            log.warning("SuperpipeStrategy: page-locking %.1f GiB of host memory (takes a while)...", total / 2**30)
         cudart = torch.cuda.cudart()
         # One registration for the chunk (unregistered with one call), preceded by touching it piece by piece so
         # that the cost shows as progress: registering faults in every page.
         for offset in range(0, total, _REGISTER_PIECE):
             chunk[offset : offset + _REGISTER_PIECE].zero_()
             if report:
-                log.warning("SuperpipeStrategy: page-locking %3.0f%%", 100 * min(total, offset + _REGISTER_PIECE) / total)
+                done = min(total, offset + _REGISTER_PIECE)
+                log.warning("SuperpipeStrategy: page-locking %3.0f%%", 100 * done / total)
         _check(cudart.cudaHostRegister(chunk.data_ptr(), total, 0), "cudaHostRegister")
         self._registered.append(chunk)
 

@@ -154,7 +154,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         check_host_memory(
             host_bytes_to_come(
-                block_params, trunk_params, transfer_dtype, training=self._fitting, pinned=self.root_device.type == "cuda"
+                block_params, trunk_params, transfer_dtype, self._fitting, pinned=self.root_device.type == "cuda"
             ),
             f"homes for {describe(blocks)}, gradients and optimizer state",
         )

@@ -184,7 +184,9 @@ class EmulatedCopier(Copier):
         self._threads: list[threading.Thread] = []
         if link.mode == "thread":
             for stream in self._queues:
-                thread = threading.Thread(target=self._run_stream, args=(stream,), name=f"emulated-{stream}", daemon=True)
+                thread = threading.Thread(
+                    target=self._run_stream, args=(stream,), name=f"emulated-{stream}", daemon=True
+                )
                 thread.start()
                 self._threads.append(thread)
 
@@ -382,7 +384,8 @@ class _Checker(TorchDispatchMode):
         output = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         if not getattr(func, "is_view", False) and name not in _METADATA_OPS:
-            touched = [t for t in tree_flatten((args, kwargs, output))[0] if isinstance(t, Tensor) and t.device.type == "cpu"]
+            leaves = tree_flatten((args, kwargs, output))[0]
+            touched = [t for t in leaves if isinstance(t, Tensor) and t.device.type == "cpu"]
             if touched:
                 self.copier._check_access(touched, f"compute ({func})")
         return output

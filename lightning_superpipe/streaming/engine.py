@@ -81,11 +81,13 @@ class StreamingEngine:
             num_blocks = len(block_params)
             self.ledger = DeviceLedger()
             self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
-            self.prefetch = _clamp("prefetch", prefetch, num_blocks - self.resident_blocks, "the number of streamed blocks")
+            streamable = num_blocks - self.resident_blocks
+            self.prefetch = _clamp("prefetch", prefetch, streamable, "the number of streamed blocks")
             pin = self.copier.pin_memory
             self.arena = HostArena(pin=pin)
             self.homes = [
-                BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None for params in block_params
+                BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None
+                for params in block_params
             ]
             # A block's version grows whenever its masters change; a slot holding an older version is stale.
             self._block_version = [0] * num_blocks
@@ -147,7 +149,7 @@ class StreamingEngine:
             for index, buffer in self._resident.items():
                 what = f"resident block {index}"
                 self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
-            self._trunk_names = {param: f"trunk parameter {i} {tuple(param.shape)}" for i, param in enumerate(self._trunk)}
+            self._trunk_names = {p: f"trunk parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._trunk)}
             for param, copy in self._trunk.items():
                 self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
                 self._trunk_seen[param] = master_state(param)
@@ -235,7 +237,8 @@ class StreamingEngine:
             self._block_version[index] += 1
             if index in self._resident:
                 what = f"resident block {index}"
-                self._resident_ready[index] = self.copier.to_device(self._resident[index], home.transfer, computed, what)
+                buffer = self._resident[index]
+                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, computed, what)
         for param in trunk:
             copy = self._trunk[param]
             if param.shape != copy.shape or param.dtype != copy.dtype:

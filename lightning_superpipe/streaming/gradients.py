@@ -66,7 +66,7 @@ class GradientReturn:
         self._trunk_pending: dict[nn.Parameter, int] = {}
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="superpipe-gradients", initializer=copier.thread_initializer())
+            ThreadPoolExecutor(1, thread_name_prefix="superpipe-gradients", initializer=copier.thread_initializer())
             if copier.asynchronous
             else None
         )

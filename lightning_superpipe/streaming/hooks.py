@@ -194,8 +194,8 @@ class BlockStreamingHook:
         for owner, name, param in self._bindings:
             if owner._parameters.get(name) is not param:
                 raise RuntimeError(
-                    f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by another"
-                    " object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set to a new"
+                    f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"
+                    " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set to a new"
                     " `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values in place"
                     " (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
                 )
@@ -305,7 +305,9 @@ def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bo
     return tensor
 
 
-def _without_cache(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _without_cache(
+    block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with an empty key-value cache replaced by ``None`` and ``use_cache`` off.
 
     Raises:
