@@ -170,7 +170,7 @@ def _mutated(module: Any, cls: str, method: str, old: str, new: str) -> Iterator
 
 MUTATIONS = {
     "no wait before reading a slot": (
-        engine_module, "StreamingEngine", "acquire", "self.copier.wait_on_compute(slot.ready)", "pass",
+        engine_module, "StreamingEngine", "acquire_flat", "self.copier.wait_on_compute(slot.ready)", "pass",
     ),
     "load into a slot with no after event": (
         engine_module, "StreamingEngine", "_load", "home.transfer, slot.free, what)", "home.transfer, None, what)",

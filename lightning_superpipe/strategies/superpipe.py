@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come
 from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -52,6 +53,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         resident_blocks: Blocks kept on the device permanently. More is faster and uses more device memory.
         prefetch: Blocks copied to the device ahead of the one computing. More hides more copy time behind
             compute and uses more device memory.
+        activations: Where each block's activations live between forward and backward: ``"recompute"`` (saved
+            inputs only; the block is recomputed in backward, about one more forward), ``"keep"`` (on the device, no
+            recomputation), ``"offload"`` (copied to host memory in forward, brought back one block ahead in
+            backward), or a sequence with one of these per block.
         blocks: Which modules stream: module classes or a predicate (as FSDP's
             ``activation_checkpointing_policy``). By default, the longest ``nn.ModuleList``/``nn.Sequential`` of
             same-type modules.
@@ -69,6 +74,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self,
         resident_blocks: int = 1,
         prefetch: int = 1,
+        activations: ActivationsPolicy = "recompute",
         blocks: Optional[BlockPolicy] = None,
         device: Optional[Union[str, torch.device]] = None,
         link: Optional[EmulatedLink] = None,
@@ -81,6 +87,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         )
         self.resident_blocks = resident_blocks
         self.prefetch = prefetch
+        self.activations = activations
         self.block_policy = blocks
         self.link = link
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
@@ -149,6 +156,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
+        try:
+            modes = per_block_modes(self.activations, len(blocks))
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from error
         self._streamed_stacks = describe_stacks(model, blocks)
         block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
@@ -170,6 +181,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             prefetch=self.prefetch,
             transfer_dtype=transfer_dtype,
             link=self.link,
+            activations=modes,
         )
         self._hooks = [BlockStreamingHook(self._engine, i, block) for i, block in enumerate(blocks)]
         self._hooks += [TrunkHook(self._engine, module) for module in trunk_modules(model, blocks)]

@@ -148,6 +148,7 @@ class _Range:
 
     start: int
     end: int
+    storage: int  # the storage it belongs to: memory freed and handed to another storage is not this buffer
     what: str
     last_copy: Optional[tuple[str, int]] = None
     tainted_by: str = ""
@@ -311,13 +312,14 @@ class EmulatedCopier(Copier):
 
     def _range_of(self, tensor: Tensor, what: str) -> _Range:
         start, end = _extent(tensor)
+        storage = tensor.untyped_storage()._cdata
         for known in self._ranges:
-            if known.start == start and known.end == end:
+            if known.start == start and known.end == end and known.storage == storage:
                 known.what = what
                 return known
         # A new buffer at an address an old one used (freed, reused): the old one's entry goes.
         self._ranges = [r for r in self._ranges if r.end <= start or r.start >= end]
-        known = _Range(start, end, what)
+        known = _Range(start, end, storage, what)
         self._ranges.append(known)
         return known
 
@@ -350,6 +352,10 @@ class EmulatedCopier(Copier):
                 start, end = _extent(tensor)
                 if end <= start:
                     continue
+                storage = tensor.untyped_storage()._cdata
+                stale = [r for r in self._ranges if r.start < end and r.end > start and r.storage != storage]
+                if stale:  # freed since its copy ran, and handed to another storage
+                    self._ranges = [r for r in self._ranges if r not in stale]
                 for known in self._ranges:
                     if known.start >= end or known.end <= start:
                         continue

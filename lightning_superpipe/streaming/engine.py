@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import BlockHome, master_state, track_edits, untrack_edits
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
@@ -62,6 +63,7 @@ class StreamingEngine:
         prefetch: How many blocks are copied in ahead of the one computing.
         transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
+        activations: Where each block's activations live between forward and backward (:mod:`.activations`).
     """
 
     def __init__(
@@ -73,7 +75,10 @@ class StreamingEngine:
         prefetch: int,
         transfer_dtype: Optional[torch.dtype] = None,
         link: Any = None,
+        activations: ActivationsPolicy = "recompute",
     ) -> None:
+        self.device = device
+        self.activation_modes = per_block_modes(activations, len(block_params))
         self.copier = make_copier(device, link)
         self.homes: list[Optional[BlockHome]] = []
         self._trunk: dict[nn.Parameter, Tensor] = {}
@@ -134,6 +139,9 @@ class StreamingEngine:
             self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
             self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
+            self.resident_indices = frozenset(self._resident)
+            self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
+            self.activations = ActivationPlacement(self)
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
             allocated = self.copier.mark_compute()
@@ -260,6 +268,12 @@ class StreamingEngine:
         The block stays in its slot until another block is acquired or the pass ends, since in backward the
         autograd engine still reads its recomputed weights after the recomputation returns.
         """
+        flat = self.acquire_flat(index)
+        return [piece.view_of(flat) for piece in self.homes[index].slices]  # type: ignore[union-attr]
+
+    @torch.compiler.disable
+    def acquire_flat(self, index: int) -> Tensor:
+        """Block ``index``'s flat device buffer (see :meth:`acquire`)."""
         if self.copier.capturing():
             raise RuntimeError(
                 "SuperpipeStrategy cannot stream blocks inside CUDA graph capture: the weights of each block arrive by"
@@ -284,7 +298,23 @@ class StreamingEngine:
             slot.ready = None
             flat = slot.flat
         self._prefetch()
-        return [piece.view_of(flat) for piece in home.slices]
+        return flat
+
+    def held_flat(self, index: int) -> Optional[Tensor]:
+        """Block ``index``'s flat device buffer if it is on the device for the current computation (resident, or in
+        the slot computing now), else ``None``."""
+        if index in self._resident:
+            return self._resident[index]
+        busy = self._busy
+        return busy.flat if busy is not None and busy.block == index and self._holds_current(busy) else None
+
+    def weights_again(self, index: int) -> Tensor:
+        """Block ``index``'s flat device buffer for backward: the one computing if it is this block, else fetched
+        (prefetched ahead in the training order, as for a recomputation)."""
+        held = self.held_flat(index)
+        if held is not None and 0 <= self._cursor < len(self._order) and self._order[self._cursor] == index:
+            return held  # the block computing now: no new acquisition, the prefetch cursor stays
+        return self.acquire_flat(index)
 
     @torch.compiler.disable
     def trunk_tensor(self, param: nn.Parameter) -> Tensor:
@@ -386,7 +416,10 @@ class StreamingEngine:
             ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
             once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
             ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
-            the host: homes, transfer copies, staging) and ``pinned_host_bytes`` (the page-locked part of it).
+            the host: homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
+            ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
+            ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
+            ``peak_activation_bytes_per_block``.
         """
         return {
             "peak_device_bytes": self.ledger.peak_bytes,
@@ -400,7 +433,14 @@ class StreamingEngine:
             "trunk_device_bytes": self.trunk_device_bytes(),
             "host_bytes": self.host_bytes(),
             "pinned_host_bytes": self.pinned_bytes(),
+            "peak_activation_bytes": self.ledger.peaks["activations"],
+            "host_activation_bytes": self.activations.peak_host_bytes,
+            "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
         }
+
+    def is_persistent(self, address: int) -> bool:
+        """Whether a storage at ``address`` is one of the trunk's resident copies (model memory, not activations)."""
+        return address in self._persistent
 
     def trunk_device_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._trunk.values())

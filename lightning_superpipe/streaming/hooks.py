@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from lightning_superpipe.streaming.activations import BlockActivations
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
 
@@ -137,6 +138,11 @@ class BlockStreamingHook:
         if torch.is_grad_enabled():
             if not self._keeps_cache:
                 args, kwargs = _without_cache(self.block, args, kwargs)
+            mode = self.engine.activation_modes[self.index]
+            if mode != "recompute":
+                # Saved weights become handles fetched again in backward; activations stay or go to the host.
+                with BlockActivations(self.engine.activations, self.index, offload=mode == "offload"):
+                    return self._compute(True, *args, **kwargs)
             # Nothing computed inside is saved for backward; backward re-runs ``_compute``, fetching the weights
             # again, with the RNG state of the first run (dropout matches) and the buffers as they were before it.
             live = {(owner, name): owner._buffers[name] for owner, name in self._buffer_bindings}

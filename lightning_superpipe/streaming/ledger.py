@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 #: What the strategy puts on the device: slots and resident blocks, the resident copies of the parameters outside
-#: blocks, and the gradients of each while they wait to leave.
-CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients")
+#: blocks, the gradients of each while they wait to leave, and the activations blocks save for backward when they
+#: are kept or brought back rather than recomputed.
+CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients", "activations")
 
 
 class DeviceLedger:

@@ -1,0 +1,247 @@
+"""Where a block's activations live between its forward and its backward: kept on the device, offloaded to the host,
+or recomputed.
+
+Recomputation (checkpointing the block) is one way to keep autograd from holding a block's device weights; it costs
+about one more forward. The other is to intercept what autograd saves, with ``saved_tensors_hooks``
+(:class:`BlockActivations`, one per block call, as torchtune's ``OffloadActivations``):
+
+* a saved tensor that lives in the block's weight buffer (a weight, or a view of one: ``weight.t()``) is packed as a
+  handle, and unpacking it in backward fetches the block again through the engine, prefetched one block ahead as a
+  recomputation would be, so the slot is free for other blocks in between;
+* any other saved tensor (an activation) stays on the device (``"keep"``) or, from a size up, is copied to host
+  memory as the block's forward saves it and brought back one block ahead in backward (``"offload"``), with host
+  buffers drawn from a pool (from the engine's arena, page-locked on CUDA) that steps after the first reuse.
+
+Saved tensors that belong to the model anyway (resident weights, the trunk's copies) are neither counted nor moved.
+The ledger counts the device bytes of kept and brought-back activations (each storage once), and the pool's host
+bytes are reported.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.ledger import DeviceLedger
+
+if TYPE_CHECKING:
+    from lightning_superpipe.streaming.engine import StreamingEngine
+
+#: The placements a block's activations may have.
+MODES = ("recompute", "keep", "offload")
+#: Activations smaller than this stay on the device under ``"offload"``: their copies cost more than they free.
+OFFLOAD_MIN_BYTES = 64 * 1024
+
+ActivationsPolicy = Union[str, Sequence[str]]
+
+
+def per_block_modes(policy: ActivationsPolicy, num_blocks: int) -> list[str]:
+    """One placement per block from ``"recompute"``/``"keep"``/``"offload"`` or a sequence of them.
+
+    Raises:
+        ValueError: With the user's call, for anything else or a sequence of the wrong length.
+    """
+    if isinstance(policy, str):
+        modes = [policy] * num_blocks
+    elif isinstance(policy, Sequence):
+        modes = list(policy)
+        if len(modes) != num_blocks:
+            raise ValueError(
+                f"SuperpipeStrategy(activations=[...]) has {len(modes)} entries, but the model streams {num_blocks}"
+                " blocks: give one of 'recompute', 'keep' or 'offload' per block, or one string for all."
+            )
+    else:
+        modes = [policy]  # type: ignore[list-item]
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(
+                f"SuperpipeStrategy(activations={policy!r}): {mode!r} is not one of 'recompute', 'keep' or 'offload'."
+            )
+    return modes
+
+
+class _WeightView:
+    """A saved view of block ``index``'s weight buffer, to be made again from wherever the block is in backward."""
+
+    __slots__ = ("index", "size", "stride", "offset")
+
+    def __init__(self, index: int, tensor: Tensor) -> None:
+        self.index = index
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
+class _Kept:
+    """A saved activation left on the device, counted in the ledger while autograd holds it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+class _Offloaded:
+    """A saved activation copied to host memory; ``device`` holds it again once brought back for backward."""
+
+    __slots__ = ("index", "host", "buffer", "shape", "copied", "device", "ready", "__weakref__")
+
+    def __init__(self, index: int, host: Tensor, buffer: Tensor, shape: torch.Size, copied: Event) -> None:
+        self.index = index
+        self.host, self.buffer, self.shape, self.copied = host, buffer, shape, copied
+        self.device: Optional[Tensor] = None
+        self.ready: Event = None
+
+
+class ActivationPlacement:
+    """Keeps, offloads and brings back the activations of every block call of one engine.
+
+    Args:
+        engine: The streaming engine (its copier, ledger, arena, and the blocks' weight buffers).
+    """
+
+    def __init__(self, engine: StreamingEngine) -> None:
+        self.engine = engine
+        self.copier: Copier = engine.copier
+        self.ledger: DeviceLedger = engine.ledger
+        self.arena: HostArena = engine.arena
+        self._storages: dict[int, list[int]] = {}  # storage address -> [bytes, holders, block]: each counted once
+        self._free: dict[int, list[tuple[Tensor, Event]]] = defaultdict(list)  # pool: page size -> (buffer, last read)
+        self._offloaded: dict[int, list[weakref.ref[_Offloaded]]] = defaultdict(list)  # block -> not yet brought back
+        self.pool_bytes = 0
+        self.host_bytes_in_use = 0
+        self.peak_host_bytes = 0
+        self._block_bytes: dict[int, int] = defaultdict(int)
+        #: The most device bytes of saved activations each block held at once (for a planner).
+        self.block_peaks: dict[int, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ the hooks' two halves
+
+    def pack(self, index: int, offload: bool, tensor: Tensor) -> Any:
+        flat = self.engine.held_flat(index)
+        storage = tensor.untyped_storage()
+        if flat is not None and storage.data_ptr() == flat.untyped_storage().data_ptr():
+            if index in self.engine.resident_indices:
+                return tensor  # a resident block's buffer outlives the step: nothing to free, nothing to fetch
+            return _WeightView(index, tensor)
+        if self.engine.is_persistent(storage.data_ptr()):
+            return tensor  # the trunk's copies: model memory, not activations
+        if offload and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+            return self._offload(index, tensor)
+        kept = _Kept(tensor)
+        self._hold(index, tensor, kept)
+        return kept
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _WeightView):
+            flat = self.engine.weights_again(packed.index)
+            return flat.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        if isinstance(packed, _Offloaded):
+            if packed.device is None:
+                self._bring_back(packed)
+            # The next block backward needs is the previous one: bring its activations while this one computes.
+            self._bring_back_block(packed.index - 1)
+            self.copier.wait_on_compute(packed.ready)
+            assert packed.device is not None
+            return packed.device
+        return packed
+
+    # ------------------------------------------------------------------ offloading
+
+    def _offload(self, index: int, tensor: Tensor) -> _Offloaded:
+        # The same strides there and back: backward kernels then take the paths they take in plain training, and the
+        # results are bitwise the same. A layout that overlaps itself (expanded) travels contiguous.
+        if _overlaps_itself(tensor):
+            tensor = tensor.contiguous()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        nbytes = span * tensor.element_size()
+        buffer = self._take(nbytes)
+        host = buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+        copied = self.copier.to_host(host, tensor, f"offloaded activation of block {index}")
+        packed = _Offloaded(index, host, buffer, tensor.shape, copied)
+        self._offloaded[index].append(weakref.ref(packed))
+        weakref.finalize(packed, self._give, buffer, nbytes)
+        return packed
+
+    def _bring_back_block(self, index: int) -> None:
+        for ref in self._offloaded.pop(index, []):
+            packed = ref()
+            if packed is not None and packed.device is None:
+                self._bring_back(packed)
+
+    def _bring_back(self, packed: _Offloaded) -> None:
+        # The host copy must be complete before it is read back; it was issued during forward, long done by now.
+        self.copier.wait_on_host(packed.copied)
+        host = packed.host
+        device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.engine.device)
+        what = f"activation of block {packed.index} brought back"
+        packed.ready = self.copier.to_device(device, packed.host, self.copier.mark_compute(), what)
+        packed.device = device
+        self._hold(packed.index, device, packed)
+
+    def _take(self, nbytes: int) -> Tensor:
+        size = page_rounded(nbytes)
+        free = self._free[size]
+        if free:
+            buffer, last_read = free.pop()
+            self.copier.wait_on_host(last_read)  # the copy that brought it back has read it
+        else:
+            buffer = self.arena.empty(size, torch.uint8)
+            self.pool_bytes += size
+        self.host_bytes_in_use += size
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
+        return buffer
+
+    def _give(self, buffer: Tensor, nbytes: int) -> None:
+        size = page_rounded(nbytes)
+        self.host_bytes_in_use -= size
+        # A copy back to the device may still read the buffer: the next user waits for everything issued so far.
+        self._free[size].append((buffer, self.copier.mark_compute()))
+
+    # ------------------------------------------------------------------ counting
+
+    def _hold(self, index: int, tensor: Tensor, owner: object) -> None:
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        entry = self._storages.get(address)
+        if entry is None:
+            entry = self._storages[address] = [storage.nbytes(), 0, index]
+            self.ledger.add("activations", entry[0])
+            self._block_bytes[index] += entry[0]
+            self.block_peaks[index] = max(self.block_peaks[index], self._block_bytes[index])
+        entry[1] += 1
+        weakref.finalize(owner, self._release, address)
+
+    def _release(self, address: int) -> None:
+        entry = self._storages.get(address)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._storages[address]
+            self.ledger.remove("activations", entry[0])
+            self._block_bytes[entry[2]] -= entry[0]
+
+
+def _overlaps_itself(tensor: Tensor) -> bool:
+    """Whether two elements of ``tensor`` share memory (a zero or too small stride), which ``copy_`` cannot write."""
+    extent = 0
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] > 1), key=lambda d: d[1]):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+class BlockActivations(torch.autograd.graph.saved_tensors_hooks):
+    """The saved-tensor hooks of one block call under ``"keep"`` or ``"offload"`` (see the module)."""
+
+    def __init__(self, placement: ActivationPlacement, index: int, offload: bool) -> None:
+        super().__init__(lambda tensor: placement.pack(index, offload, tensor), placement.unpack)

@@ -1,0 +1,118 @@
+"""Where activations live: every placement, and mixes of them, train exactly as plain Lightning does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.streaming import activations as activations_module
+from tests import families, models
+
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
+
+@pytest.fixture(autouse=True)
+def offload_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test models are tiny: offload every saved activation, not only those of 64 KiB or more."""
+    monkeypatch.setattr(activations_module, "OFFLOAD_MIN_BYTES", 0)
+
+
+MIXED = ["keep", "offload", "recompute"]
+
+
+@pytest.mark.parametrize("name", ["llama-eager-padded", "gpt2-padded", "t5-padded", "llava", "resnet", "qwen2_moe"])
+@pytest.mark.parametrize("activations", ["keep", "offload", "mixed"])
+def test_each_placement_trains_exactly_as_plain_lightning(name: str, activations: str) -> None:
+    plain = families.fit(name, "auto")
+    blocks = SuperpipeStrategy()
+    families.fit(name, blocks, steps=1)
+    modes: Any = activations
+    if activations == "mixed":
+        count = blocks.memory_report()["num_blocks"]
+        modes = [MIXED[i % 3] for i in range(count)]
+    strategy = SuperpipeStrategy(resident_blocks=1, prefetch=1, activations=modes)
+    streamed = families.fit(name, strategy)
+    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert families.max_relative_difference(streamed, plain) < 1e-5  # BatchNorm's statistics included
+    report = strategy.memory_report()
+    assert report["peak_activation_bytes"] > 0
+    assert (report["host_activation_bytes"] > 0) == (activations != "keep")
+
+
+@pytest.mark.parametrize(("resident_blocks", "prefetch"), [(0, 0), (0, 2), (2, 1)])
+@pytest.mark.parametrize("activations", ["keep", "offload"])
+def test_knobs_clipping_by_value_and_accumulation_do_not_change_results(
+    resident_blocks: int, prefetch: int, activations: str
+) -> None:
+    options = dict(gradient_clip_algorithm="value")
+    plain = models.fit("sequential", "auto", **options)
+    strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch, activations=activations)
+    streamed = models.fit("sequential", strategy, **options)
+    np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+
+
+def test_lora_with_kept_activations_matches_plain() -> None:
+    peft = pytest.importorskip("peft")
+
+    def make() -> models.Task:
+        task = models.Task(models.llama, "lm")
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        task.model = peft.get_peft_model(task.model, config)
+        return task
+
+    plain = models.fit_task(make, "auto", models.data("lm"))
+    streamed = models.fit_task(make, SuperpipeStrategy(activations="keep"), models.data("lm"))
+    np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+
+
+@pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
+def test_blocks_run_once_per_micro_batch_unless_recomputed_and_slots_stay_unreferenced(activations: str) -> None:
+    calls: list[int] = []
+    extra_references: list[int] = []
+
+    class Probe(models.pl.Callback):
+        def on_train_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+            pl_module.model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *args: calls.append(1))
+
+        def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
+            engine = trainer.strategy.engine
+            engine.copier.synchronize()  # an emulated link's queued copies hold views of the slots they fill
+            for slot in engine._slots:  # autograd holds handles, not views, of the streamed weights
+                extra_references.append(torch._C._storage_Use_Count(slot.flat.untyped_storage()._cdata) - 2)
+
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1, activations=activations)
+    models.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(models.build_task("llama"), models.data("lm"))
+    assert len(calls) == 4 * (2 if activations == "recompute" else 1)  # 4 micro-batches
+    assert extra_references and max(extra_references) == 0
+    report = strategy.memory_report()
+    if activations == "recompute":
+        assert report["peak_activation_bytes"] == 0 and report["host_activation_bytes"] == 0
+    assert len(report["peak_activation_bytes_per_block"]) == 3
+
+
+def test_offloading_keeps_fewer_activation_bytes_on_the_device_than_keeping() -> None:
+    peaks = {}
+    for activations in ("keep", "offload"):
+        strategy = SuperpipeStrategy(resident_blocks=0, activations=activations)
+        models.trainer(strategy, max_steps=2).fit(models.build_task("gpt2"), models.data("lm"))
+        peaks[activations] = strategy.memory_report()
+    assert peaks["offload"]["peak_activation_bytes"] < 0.8 * peaks["keep"]["peak_activation_bytes"]
+    assert peaks["offload"]["host_activation_bytes"] > 0 == peaks["keep"]["host_activation_bytes"]
+
+
+def test_bad_placements_are_refused_with_the_users_call() -> None:
+    with pytest.raises(MisconfigurationException, match=r"activations='stash'\): 'stash' is not one of"):
+        models.trainer(SuperpipeStrategy(activations="stash")).fit(models.build_task("sequential"), models.data("vector"))
+    with pytest.raises(MisconfigurationException, match=r"has 2 entries, but the model streams 4 blocks"):
+        models.trainer(SuperpipeStrategy(activations=["keep", "offload"])).fit(
+            models.build_task("sequential"), models.data("vector")
+        )
