@@ -19,6 +19,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -109,7 +110,11 @@ def run_one(args: argparse.Namespace, strategy: Any, tokens: int) -> dict[str, A
         result["device_bytes"] = torch.cuda.max_memory_allocated()
     elif isinstance(strategy, SuperpipeStrategy):
         report = strategy.memory_report()
-        result["device_bytes"] = report["peak_device_bytes"]  # the ledger counts the trunk and its gradients
+        # The ledger counts the trunk and its gradients, and kept or brought-back activations (not recompute's saved
+        # block inputs, nor plain's activations).
+        result["device_bytes"] = report["peak_device_bytes"]
+        result["activation_bytes"] = report["peak_activation_bytes"]
+        result["host_activation_bytes"] = report["host_activation_bytes"]
     else:
         result["device_bytes"] = 2 * param_bytes + optimizer_bytes  # weights, gradients, optimizer state
     return result
@@ -152,6 +157,10 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
     parser.add_argument("--knobs", nargs="+", default=None, help="resident,prefetch pairs, e.g. 0,1 1,1 4,2")
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="tokens per micro-batch to sweep")
+    parser.add_argument(
+        "--activations", nargs="+", default=["recompute", "keep", "offload"], choices=["recompute", "keep", "offload"],
+        help="where blocks' activations live (each with every knob setting)",
+    )
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
@@ -161,7 +170,8 @@ def main() -> None:
     args = parser.parse_args()
     args.preset = args.preset or args.device
     args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
-    knobs = [tuple(int(v) for v in k.split(",")) for k in (args.knobs or (["0,1", "1,1", "2,2"] if args.device == "cpu" else ["0,1", "1,1", "2,2", "4,2"]))]
+    default_knobs = ["1,1"] if args.device == "cpu" else ["0,1", "1,1", "2,2", "4,2"]
+    knobs = [tuple(int(v) for v in k.split(",")) for k in (args.knobs or default_knobs)]
     token_sweep = args.tokens or ([512] if args.device == "cpu" else [2048, 8192, 16384, 32768])
     if args.device == "cpu":
         torch.set_num_threads(torch.get_num_threads())
@@ -170,10 +180,11 @@ def main() -> None:
     for tokens in token_sweep:
         plain = run_one(args, "auto", tokens)
         rows.append({"strategy": "plain", "tokens": plain["tokens"], **plain, "time_ratio": 1.0, "memory_ratio": 1.0})
-        for resident, prefetch in knobs:
-            result = run_one(args, SuperpipeStrategy(resident_blocks=resident, prefetch=prefetch), tokens)
+        for (resident, prefetch), activations in itertools.product(knobs, args.activations):
+            strategy = SuperpipeStrategy(resident_blocks=resident, prefetch=prefetch, activations=activations)
+            result = run_one(args, strategy, tokens)
             rows.append({
-                "strategy": f"superpipe r={resident} p={prefetch}", **result,
+                "strategy": f"superpipe r={resident} p={prefetch} {activations}", **result,
                 "time_ratio": result["step_s"] / plain["step_s"],
                 "memory_ratio": result["device_bytes"] / plain["device_bytes"],
             })
