@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -34,6 +35,7 @@ from lightning_superpipe.streaming.activations import ActivationsPolicy, per_blo
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.overlap import overlap_refusal
 from lightning_superpipe.streaming.hooks import (
     BlockStreamingHook,
     CallerDeviceHook,
@@ -57,6 +59,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             inputs only; the block is recomputed in backward, about one more forward), ``"keep"`` (on the device, no
             recomputation), ``"offload"`` (copied to host memory in forward, brought back one block ahead in
             backward), or a sequence with one of these per block.
+        overlap_optimizer: Step each block's parameters on a host thread as soon as its gradients are complete in
+            backward, where that gives the step after backward's result (not with clipping, gradient scaling, hooks
+            between backward and the step, manual optimization, or optimizers other than SGD/Adam/AdamW; a
+            one-time message says why not). ``"auto"``: also not on a CPU compute device whose cores torch's
+            threads already use, where the step would compete with compute; ``True`` overlaps there too.
         blocks: Which modules stream: module classes or a predicate (as FSDP's
             ``activation_checkpointing_policy``). By default, the longest ``nn.ModuleList``/``nn.Sequential`` of
             same-type modules.
@@ -75,6 +82,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         resident_blocks: int = 1,
         prefetch: int = 1,
         activations: ActivationsPolicy = "recompute",
+        overlap_optimizer: Union[bool, str] = "auto",
         blocks: Optional[BlockPolicy] = None,
         device: Optional[Union[str, torch.device]] = None,
         link: Optional[EmulatedLink] = None,
@@ -88,6 +96,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.resident_blocks = resident_blocks
         self.prefetch = prefetch
         self.activations = activations
+        self.overlap_optimizer = overlap_optimizer
+        self._overlap_refusals: set[str] = set()
         self.block_policy = blocks
         self.link = link
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
@@ -148,6 +158,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         """Puts buffers on the device and starts streaming; parameters stay in host memory."""
         assert self.model is not None
         # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
+        if self.overlap_optimizer not in (True, False, "auto"):
+            raise MisconfigurationException(
+                f"SuperpipeStrategy(overlap_optimizer={self.overlap_optimizer!r}) must be True, False or 'auto'."
+            )
         for name, value in (("resident_blocks", self.resident_blocks), ("prefetch", self.prefetch)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
@@ -255,7 +269,18 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         model: Optional[Union[LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.overlap_optimizer:
+            assert self._lightning_module is not None
+            refusal = overlap_refusal(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto")
+            if refusal is None:
+                self.engine.overlap.arm(optimizer)  # the closure's backward steps block by block
+            elif refusal not in self._overlap_refusals:
+                self._overlap_refusals.add(refusal)
+                rank_zero_info(f"SuperpipeStrategy steps the optimizer after backward, not during it: {refusal}.")
+        try:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self.engine.overlap.disarm()
         # The next forward must stream the weights this step produced.
         self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
         return output

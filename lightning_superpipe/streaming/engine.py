@@ -38,6 +38,7 @@ from lightning_superpipe.streaming.activations import ActivationPlacement, Activ
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
+from lightning_superpipe.streaming.overlap import OverlappedStep
 
 
 @dataclass(eq=False)
@@ -142,6 +143,8 @@ class StreamingEngine:
             self.resident_indices = frozenset(self._resident)
             self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
             self.activations = ActivationPlacement(self)
+            self.overlap = OverlappedStep(block_params)
+            self.gradients.on_block_complete = self.overlap.block_done
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
             allocated = self.copier.mark_compute()
@@ -191,6 +194,7 @@ class StreamingEngine:
         optimizer is about to write it)."""
         self._release_busy()
         self.gradients.finish()
+        self.overlap.finish()
         self.copier.synchronize()
 
     def close(self) -> None:
@@ -198,6 +202,8 @@ class StreamingEngine:
         try:
             if hasattr(self, "gradients"):  # not when set-up failed before it
                 self.gradients.close()
+            if hasattr(self, "overlap"):
+                self.overlap.close()
         finally:
             self.copier.close()
             if hasattr(self, "arena"):
@@ -419,7 +425,8 @@ class StreamingEngine:
             the host: homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
             ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
             ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
-            ``peak_activation_bytes_per_block``.
+            ``peak_activation_bytes_per_block``, and ``overlapped_block_steps`` (blocks the optimizer stepped during
+            backward, over the run).
         """
         return {
             "peak_device_bytes": self.ledger.peak_bytes,
@@ -436,6 +443,7 @@ class StreamingEngine:
             "peak_activation_bytes": self.ledger.peaks["activations"],
             "host_activation_bytes": self.activations.peak_host_bytes,
             "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
+            "overlapped_block_steps": self.overlap.blocks_stepped,
         }
 
     def is_persistent(self, address: int) -> bool:

@@ -21,8 +21,9 @@ first allocate no host memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Optional
 
 import torch
@@ -64,6 +65,9 @@ class GradientReturn:
         self._futures: list[Future[None]] = []
         self._trunk_sums: dict[nn.Parameter, Tensor] = {}
         self._trunk_pending: dict[nn.Parameter, int] = {}
+        self._block_pending: dict[int, int] = {}
+        #: Called with a block's index once all its gradients of this backward are in ``.grad``.
+        self.on_block_complete: Optional[Callable[[int], None]] = None
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="superpipe-gradients", initializer=copier.thread_initializer())
@@ -75,12 +79,16 @@ class GradientReturn:
         """Takes the gradients of block ``index``'s ``pieces`` (``None`` for a parameter that got none) off the
         device."""
         present = [(piece, grad) for piece, grad in zip(pieces, grads) if grad is not None]
+        self._block_pending[index] = pending = self._block_pending.get(index, 0) - 1
+        complete = partial(self.on_block_complete, index) if pending == 0 and self.on_block_complete else None
         nbytes = sum(grad.numel() * grad.element_size() for _, grad in present)
         # This block's gradients exist on the device already, while the previous block's may still be on their way
         # to the host (the allocator keeps their memory until the copy ran): up to two blocks' gradients at once.
         self.ledger.add("block_gradients", nbytes)
         self._finish_copies()
         if not present:
+            if complete is not None:
+                complete()
             return
         done: Event = None
         if self.copier.asynchronous:
@@ -93,11 +101,15 @@ class GradientReturn:
                 staged.append(view)
         else:
             staged = [grad for _, grad in present]  # already in host memory, and added below before autograd lets go
-        future = self._submit([piece for piece, _ in present], staged, done, self._grad_home(index))
+        future = self._submit([piece for piece, _ in present], staged, done, self._grad_home(index), complete)
         self._leaving(done, "block_gradients", nbytes)
         if self.copier.asynchronous:
             self._staging_users[slot] = future
         self._futures.append(future)
+
+    def expect_block(self, index: int) -> None:
+        """Counts one call of block ``index`` in forward whose backward will deliver gradients."""
+        self._block_pending[index] = self._block_pending.get(index, 0) + 1
 
     def expect_trunk(self, param: nn.Parameter) -> None:
         """Counts one use of a resident parameter in forward: its gradient is complete when every use delivered."""
@@ -127,6 +139,7 @@ class GradientReturn:
         for param in list(self._trunk_sums):
             self._ship_trunk(param)
         self._trunk_pending.clear()
+        self._block_pending.clear()
         self._finish_copies()
         for future in self._futures:
             future.result()
@@ -197,17 +210,31 @@ class GradientReturn:
             self._block_grad_homes[index] = torch.zeros(home.numel, dtype=home.master_dtype)
         return self._block_grad_homes[index]
 
-    def _submit(self, pieces: list[ParamSlice], staged: list[Tensor], done: Event, grad_home: Tensor) -> Future[None]:
+    def _submit(
+        self,
+        pieces: list[ParamSlice],
+        staged: list[Tensor],
+        done: Event,
+        grad_home: Tensor,
+        then: Optional[Callable[[], None]] = None,
+    ) -> Future[None]:
         if self._worker is not None:
-            return self._worker.submit(self._accumulate, pieces, staged, done, grad_home)
-        self._accumulate(pieces, staged, done, grad_home)
+            return self._worker.submit(self._accumulate, pieces, staged, done, grad_home, then)
+        self._accumulate(pieces, staged, done, grad_home, then)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _accumulate(self, pieces: list[ParamSlice], staged: list[Tensor], done: Event, grad_home: Tensor) -> None:
+    def _accumulate(
+        self,
+        pieces: list[ParamSlice],
+        staged: list[Tensor],
+        done: Event,
+        grad_home: Tensor,
+        then: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Runs on the worker: ``.grad += staged``, or ``.grad = staged`` (in the masters' dtype) for the first
-        micro-batch after ``zero_grad``."""
+        micro-batch after ``zero_grad``; then ``then`` (the block's gradients are complete)."""
         self.copier.wait_on_host(done)
         for piece, grad in zip(pieces, staged):
             param = piece.param
@@ -216,3 +243,5 @@ class GradientReturn:
                 param.grad.copy_(grad)
             else:
                 param.grad.add_(grad)
+        if then is not None:
+            then()

@@ -187,6 +187,8 @@ class BlockStreamingHook:
             # Read at every call: which parameters train may change between steps (e.g. ``BaseFinetuning``).
             trainable = self._home.trainable
             if trainable:
+                if first_run:
+                    self.engine.gradients.expect_block(self.index)
                 params = [piece.param for piece in trainable]
                 deliver = partial(self.engine.gradients.send_block, self.index, trainable)
                 on_device = _ToDevice.apply(deliver, tuple(tensors[p] for p in params), *params)

@@ -1,0 +1,147 @@
+"""The host optimizer step, block by block, while backward is still running.
+
+Offloaded training usually leaves the device idle while the host steps the optimizer after backward. A block's
+gradients are complete as soon as its backward has delivered them (the last block first), so its parameters can be
+stepped then, on a host thread, while backward goes on with the blocks before it. :class:`OverlappedStep` does that
+with the user's own optimizer, stepping it over one block's parameters at a time (its ``param_groups`` restricted
+to them, so hyperparameters, state, schedules and checkpoints are those of the optimizer as configured), and
+afterwards lets the optimizer's own step update only what is left (the trunk, blocks not stepped).
+
+It is exact only where nothing needs all gradients before any parameter moves, so :func:`overlap_refusal` says why
+not for: manual optimization, clipping (the global norm), gradient scaling, hooks between backward and the step,
+optimizer step hooks, and optimizers that are not known to update each parameter on its own (LBFGS re-evaluates
+its closure). The step is armed only for the micro-batch whose backward runs inside ``optimizer.step(closure)``,
+the last of an accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+#: Optimizers whose update of a parameter depends on that parameter's gradient and state alone.
+PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool = True) -> Optional[str]:
+    """Why stepping block by block during backward would not give the step after backward's result (or, with
+    ``only_where_it_pays``, would only compete with compute), or ``None``."""
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module = trainer.lightning_module
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if only_where_it_pays and trainer.strategy.root_device.type == "cpu" and torch.get_num_threads() >= cores:
+        return (
+            f"the compute device is the CPU and torch's {torch.get_num_threads()} threads use every core, so a host"
+            " step during backward would compete with it (`overlap_optimizer=True` overlaps anyway)"
+        )
+    if not module.automatic_optimization:
+        return "manual optimization steps after its backward"
+    if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+        return f"{type(optimizer).__name__} is not known to update each parameter on its own"
+    if trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", module, LightningModule):
+        return "gradient clipping needs every gradient before any parameter moves"
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        return "the gradient scaler checks every gradient for infinities before the step"
+    for hook in ("on_after_backward", "on_before_optimizer_step"):
+        users = [module] if is_overridden(hook, module, LightningModule) else []
+        users += [c for c in trainer.callbacks if is_overridden(hook, c, Callback)]
+        if users:
+            return f"`{hook}` is overridden by {type(users[0]).__name__} and may read every gradient"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the optimizer has step hooks, which would run once per block"
+    return None
+
+
+class OverlappedStep:
+    """Steps the armed optimizer over each block's parameters as soon as the block's gradients are complete.
+
+    Args:
+        block_params: Each block's streamed parameters.
+    """
+
+    def __init__(self, block_params: Sequence[Sequence[nn.Parameter]]) -> None:
+        self.block_params = block_params
+        self._optimizer: Optional[Optimizer] = None
+        self._owned: set[nn.Parameter] = set()
+        self._stepped: set[nn.Parameter] = set()
+        self._futures: list[Future[None]] = []
+        self._groups: Optional[list[list[nn.Parameter]]] = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="superpipe-optimizer")
+        #: Blocks stepped during backward, over the whole run.
+        self.blocks_stepped = 0
+
+    @property
+    def armed(self) -> bool:
+        return self._optimizer is not None
+
+    def arm(self, optimizer: Optimizer) -> None:
+        self._optimizer = optimizer
+        self._owned = {p for group in optimizer.param_groups for p in group["params"]}
+        self._stepped = set()
+
+    def block_done(self, index: int) -> None:
+        """Called once block ``index``'s gradients are all in ``.grad`` (on the thread that added them)."""
+        if self._optimizer is None:
+            return
+        params = [p for p in self.block_params[index] if p in self._owned and p.grad is not None]
+        if params:
+            self._stepped.update(params)
+            self._futures.append(self._executor.submit(self._step, params))
+
+    def finish(self) -> None:
+        """After backward: waits for the block steps, and leaves the optimizer's own step only what is left."""
+        if self._optimizer is None:
+            return
+        for future in self._futures:
+            future.result()
+        self._futures.clear()
+        remaining = [p for p in self._owned if p not in self._stepped]
+        self._groups = _restrict(self._optimizer, set(remaining))
+
+    def disarm(self) -> None:
+        """After the optimizer's step: its parameter groups are whole again."""
+        for future in self._futures:  # a backward that raised may leave steps behind
+            future.result()
+        self._futures.clear()
+        if self._optimizer is not None and self._groups is not None:
+            _unrestrict(self._optimizer, self._groups)
+        self._optimizer, self._groups = None, None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _step(self, params: list[nn.Parameter]) -> None:
+        assert self._optimizer is not None
+        with _restricted(self._optimizer, set(params)):
+            self._optimizer.step()
+        self.blocks_stepped += 1
+
+
+def _restrict(optimizer: Optimizer, keep: set[nn.Parameter]) -> list[list[nn.Parameter]]:
+    groups = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if p in keep]
+    return groups
+
+
+def _unrestrict(optimizer: Optimizer, groups: list[list[nn.Parameter]]) -> None:
+    for group, params in zip(optimizer.param_groups, groups):
+        group["params"] = params
+
+
+@contextmanager
+def _restricted(optimizer: Optimizer, keep: set[nn.Parameter]) -> Iterator[None]:
+    groups = _restrict(optimizer, keep)
+    try:
+        yield
+    finally:
+        _unrestrict(optimizer, groups)

@@ -1,0 +1,112 @@
+"""The host optimizer step overlapped with backward: bitwise the step after backward, and off where it would not be."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
+from tests import families, models
+
+# Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
+NO_CLIPPING = dict(gradient_clip_val=None)
+
+
+def _bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return a.state_dict().keys() == b.state_dict().keys() and all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "optimizer", "activations"),
+    [("llama", "adamw", "recompute"), ("gpt2", "adamw-fused", "keep"), ("sequential", "sgd", "offload"), ("vit", "adamw", "recompute")],
+)
+def test_stepping_blocks_during_backward_is_bitwise_the_step_after_backward(family: str, optimizer: str, activations: str) -> None:
+    """AdamW (loop and fused) and SGD with momentum, an LR warm-up, two parameter groups, accumulation over two
+    micro-batches (only the last backward of each step overlaps)."""
+    serial = models.fit(family, SuperpipeStrategy(activations=activations, overlap_optimizer=False), optimizer=optimizer, **NO_CLIPPING)
+    strategy = SuperpipeStrategy(activations=activations)
+    overlapped = models.fit(family, strategy, optimizer=optimizer, **NO_CLIPPING)
+    assert overlapped.losses == serial.losses
+    assert _bitwise_equal(overlapped, serial)
+    report = strategy.memory_report()
+    assert report["overlapped_block_steps"] == 10 * report["num_blocks"]  # every block of every step
+
+
+def test_a_family_of_each_kind_trains_as_plain_with_the_overlap_on() -> None:
+    for name in ("t5-padded", "llava", "qwen2_moe"):
+        strategy = SuperpipeStrategy()
+        streamed = families.fit(name, strategy)
+        plain = families.fit(name, "auto")
+        assert families.max_relative_difference(streamed, plain) < 1e-5
+        assert strategy.memory_report()["overlapped_block_steps"] > 0
+
+
+class _ReadsGradients(models.pl.Callback):
+    def on_before_optimizer_step(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, optimizer: Any) -> None:
+        self.norm = sum(p.grad.norm() for p in pl_module.parameters() if p.grad is not None)
+
+
+class _LBFGSTask(models.Task):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("clipping by norm", "gradient clipping needs every gradient"),
+        ("a hook that reads gradients", "`on_before_optimizer_step` is overridden by _ReadsGradients"),
+        ("LBFGS", "LBFGS is not known to update each parameter on its own"),
+    ],
+)
+def test_the_overlap_switches_itself_off_where_it_would_change_results(
+    case: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    options: dict[str, Any] = dict(NO_CLIPPING, max_steps=3)
+    make = lambda: models.Task(models.sequential, "vector")  # noqa: E731
+    if case == "clipping by norm":
+        options["gradient_clip_val"] = 0.5
+    elif case == "a hook that reads gradients":
+        options["callbacks"] = [_ReadsGradients()]
+    else:
+        make = lambda: _LBFGSTask(models.sequential, "vector")  # noqa: E731
+        options["accumulate_grad_batches"] = 1
+    plain = models.fit_task(make, "auto", models.data("vector"), **options)
+    strategy = SuperpipeStrategy()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        streamed = models.fit_task(make, strategy, models.data("vector"), **options)
+    assert strategy.memory_report()["overlapped_block_steps"] == 0
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+    said = [r.getMessage() for r in caplog.records if "steps the optimizer after backward" in r.getMessage()]
+    assert len(said) == 1 and reason in said[0]  # once, with the reason
+
+
+def test_auto_does_not_overlap_where_compute_already_uses_every_host_core(caplog: pytest.LogCaptureFixture) -> None:
+    """On a CPU compute device whose cores torch's threads all use, a host step during backward only competes with
+    compute (measured: slower); `True` overlaps anyway, `False` never, anything else is refused."""
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            auto = SuperpipeStrategy()
+            models.fit("sequential", auto, max_steps=2, **NO_CLIPPING)
+        forced = SuperpipeStrategy(overlap_optimizer=True)
+        models.fit("sequential", forced, max_steps=2, **NO_CLIPPING)
+    finally:
+        torch.set_num_threads(threads)
+    assert auto.memory_report()["overlapped_block_steps"] == 0
+    assert any(f"torch's {cores} threads use every core" in r.getMessage() for r in caplog.records)
+    assert forced.memory_report()["overlapped_block_steps"] == 2 * 4
+    with pytest.raises(MisconfigurationException, match=r"overlap_optimizer='yes'\) must be True, False or 'auto'"):
+        models.fit("sequential", SuperpipeStrategy(overlap_optimizer="yes"), max_steps=1)
