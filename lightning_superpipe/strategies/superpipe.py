@@ -175,8 +175,13 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         except ValueError as error:
             raise MisconfigurationException(str(error)) from error
         self._streamed_stacks = describe_stacks(model, blocks)
-        block_params, trunk_params = assign_parameters(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
+        # Under mixed precision the matrices travel in the compute dtype, which is what autocast casts them to
+        # anyway; vectors (norms, biases) and embedding tables stay fp32 and resident, as autocast keeps them: the
+        # step then matches plain mixed precision.
+        lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+        streams = (lambda p: p.ndim >= 2 and p not in lookups) if transfer_dtype is not None else (lambda p: True)
+        block_params, trunk_params = assign_parameters(model, blocks, streams)
         check_host_memory(
             host_bytes_to_come(
                 block_params, trunk_params, transfer_dtype, self._fitting, pinned=self.root_device.type == "cuda"

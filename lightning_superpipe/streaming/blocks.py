@@ -132,11 +132,13 @@ def describe(blocks: Iterable[nn.Module]) -> str:
     return f"{len(blocks)} x {'/'.join(names)}"
 
 
-def assign_parameters(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
+def assign_parameters(
+    model: nn.Module, blocks: list[nn.Module], streams: Callable[[nn.Parameter], bool] = lambda param: True
+) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
     """Splits the model's parameters into those that stream with each block and the resident rest.
 
     A parameter streams with a block only if that block alone uses it; one shared with the rest of the model or
-    with another block (tied weights) stays resident, so that it stays tied.
+    with another block (tied weights) stays resident, so that it stays tied. So does one ``streams`` says no to.
 
     Returns:
         The streamed parameters of each block, in block order, and the resident ("trunk") parameters.
@@ -148,7 +150,7 @@ def assign_parameters(model: nn.Module, blocks: list[nn.Module]) -> tuple[list[l
     outside = {param for param in _parameters_outside(model, blocks)}
     per_block: list[list[nn.Parameter]] = [[] for _ in blocks]
     for param, owners in users.items():
-        if len(owners) == 1 and param not in outside:
+        if len(owners) == 1 and param not in outside and streams(param):
             per_block[next(iter(owners))].append(param)
     streamed = {param for params in per_block for param in params}
     trunk = [param for param in model.parameters() if param not in streamed]
