@@ -37,7 +37,7 @@ def pinned_requests(config: dict[str, int]) -> list[int]:
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **config))
     blocks = find_blocks(model)
-    block_params, trunk_params = assign_parameters(model, blocks)
+    block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=True)  # bf16-mixed
     requests = []
     for params in block_params:
         numel = sum(-(-p.numel() // ALIGNMENT) * ALIGNMENT for p in params)

@@ -23,7 +23,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -35,7 +34,6 @@ from lightning_superpipe.streaming.activations import ActivationsPolicy, per_blo
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.overlap import overlap_refusal
 from lightning_superpipe.streaming.hooks import (
     BlockStreamingHook,
     CallerDeviceHook,
@@ -97,7 +95,6 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.prefetch = prefetch
         self.activations = activations
         self.overlap_optimizer = overlap_optimizer
-        self._overlap_refusals: set[str] = set()
         self.block_policy = blocks
         self.link = link
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
@@ -176,12 +173,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             raise MisconfigurationException(str(error)) from error
         self._streamed_stacks = describe_stacks(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
-        # Under mixed precision the matrices travel in the compute dtype, which is what autocast casts them to
-        # anyway; vectors (norms, biases) and embedding tables stay fp32 and resident, as autocast keeps them: the
-        # step then matches plain mixed precision.
-        lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-        streams = (lambda p: p.ndim >= 2 and p not in lookups) if transfer_dtype is not None else (lambda p: True)
-        block_params, trunk_params = assign_parameters(model, blocks, streams)
+        block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
         check_host_memory(
             host_bytes_to_come(
                 block_params, trunk_params, transfer_dtype, self._fitting, pinned=self.root_device.type == "cuda"
@@ -274,14 +266,9 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         model: Optional[Union[LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self.overlap_optimizer:
+        if self.overlap_optimizer:  # the closure's backward then steps block by block, where that is exact
             assert self._lightning_module is not None
-            refusal = overlap_refusal(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto")
-            if refusal is None:
-                self.engine.overlap.arm(optimizer)  # the closure's backward steps block by block
-            elif refusal not in self._overlap_refusals:
-                self._overlap_refusals.add(refusal)
-                rank_zero_info(f"SuperpipeStrategy steps the optimizer after backward, not during it: {refusal}.")
+            self.engine.overlap.arm_if_exact(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto")
         try:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:

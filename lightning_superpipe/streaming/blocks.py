@@ -133,16 +133,24 @@ def describe(blocks: Iterable[nn.Module]) -> str:
 
 
 def assign_parameters(
-    model: nn.Module, blocks: list[nn.Module], streams: Callable[[nn.Parameter], bool] = lambda param: True
+    model: nn.Module, blocks: list[nn.Module], mixed_precision: bool = False
 ) -> tuple[list[list[nn.Parameter]], list[nn.Parameter]]:
     """Splits the model's parameters into those that stream with each block and the resident rest.
 
     A parameter streams with a block only if that block alone uses it; one shared with the rest of the model or
-    with another block (tied weights) stays resident, so that it stays tied. So does one ``streams`` says no to.
+    with another block (tied weights) stays resident, so that it stays tied. Under ``mixed_precision`` only
+    matrices stream (they travel in the compute dtype, what autocast casts them to before each matmul anyway);
+    vectors (norms, biases) and embedding tables stay fp32 and resident, as autocast keeps them, so the step
+    matches plain mixed precision.
 
     Returns:
         The streamed parameters of each block, in block order, and the resident ("trunk") parameters.
     """
+    lookups = {p for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+
+    def streams(param: nn.Parameter) -> bool:
+        return not mixed_precision or (param.ndim >= 2 and param not in lookups)
+
     users: dict[nn.Parameter, set[int]] = {}
     for index, block in enumerate(blocks):
         for param in block.parameters():

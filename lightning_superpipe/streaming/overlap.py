@@ -76,12 +76,24 @@ class OverlappedStep:
         self._futures: list[Future[None]] = []
         self._groups: Optional[list[list[nn.Parameter]]] = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="superpipe-optimizer")
+        self._refusals_said: set[str] = set()
         #: Blocks stepped during backward, over the whole run.
         self.blocks_stepped = 0
 
     @property
     def armed(self) -> bool:
         return self._optimizer is not None
+
+    def arm_if_exact(self, trainer: Any, optimizer: Optimizer, only_where_it_pays: bool) -> None:
+        """Arms the step for ``optimizer`` unless :func:`overlap_refusal` objects; says why once per reason."""
+        refusal = overlap_refusal(trainer, optimizer, only_where_it_pays)
+        if refusal is None:
+            self.arm(optimizer)
+        elif refusal not in self._refusals_said:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            self._refusals_said.add(refusal)
+            rank_zero_info(f"SuperpipeStrategy steps the optimizer after backward, not during it: {refusal}.")
 
     def arm(self, optimizer: Optimizer) -> None:
         self._optimizer = optimizer
