@@ -146,7 +146,7 @@ class MemorySummary:
         """``(label, value)`` rows of the table, in display order."""
         rows: list[tuple[str, str]] = []
         if self.superpipe_peak_device_bytes is not None:
-            rows.append(("peak on device, weights + grads", format_bytes(self.superpipe_peak_device_bytes)))
+            rows.append(("peak on device, strategy's count", format_bytes(self.superpipe_peak_device_bytes)))
         if self.trunk_device_bytes is not None:
             rows.append(("  of which weights outside the blocks", format_bytes(self.trunk_device_bytes)))
         report = self.strategy_report or {}
@@ -154,6 +154,8 @@ class MemorySummary:
             rows.append(("  their gradients, most at once", format_bytes(report["peak_trunk_gradient_bytes"])))
         if "peak_block_gradient_bytes" in report:
             rows.append(("  block gradients, most at once", format_bytes(report["peak_block_gradient_bytes"])))
+        if report.get("peak_activation_bytes"):
+            rows.append(("  kept activations, most at once", format_bytes(report["peak_activation_bytes"])))
         if self.cuda_max_allocated_bytes is not None:
             rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
         if self.cuda_max_allocated_bytes is None and self.superpipe_peak_device_bytes is None and self.samples:
