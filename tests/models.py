@@ -147,6 +147,13 @@ def build_task(family: str, seed: int = 7, **kwargs: Any) -> Task:
     return Task(build, kind, **kwargs)
 
 
+def extra_slot_references(engine: Any) -> list[int]:
+    """For each slot, the references to its storage beyond the slot's own tensor (and the temporary storage object
+    asked for the count): 0 when nothing, autograd included, holds a view of it."""
+    engine.copier.synchronize()  # an emulated link's queued copies hold views of the slots they fill
+    return [torch._C._storage_Use_Count(slot.flat.untyped_storage()._cdata) - 2 for slot in engine._slots]
+
+
 def fit_task(make: Callable[[], Task], strategy: Any, train: DataLoader, val: DataLoader | None = None, seed: int = 7, **overrides: Any) -> Task:
     """Builds a task under ``seed`` and fits it under ``seed + 1``, so that two runs differ only in ``strategy``."""
     pl.seed_everything(seed, verbose=False)

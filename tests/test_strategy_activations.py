@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_superpipe  # noqa: F401
@@ -84,10 +83,8 @@ def test_blocks_run_once_per_micro_batch_unless_recomputed_and_slots_stay_unrefe
             pl_module.model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *args: calls.append(1))
 
         def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
-            engine = trainer.strategy.engine
-            engine.copier.synchronize()  # an emulated link's queued copies hold views of the slots they fill
-            for slot in engine._slots:  # autograd holds handles, not views, of the streamed weights
-                extra_references.append(torch._C._storage_Use_Count(slot.flat.untyped_storage()._cdata) - 2)
+            # Autograd holds handles, not views, of the streamed weights.
+            extra_references.extend(models.extra_slot_references(trainer.strategy.engine))
 
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1, activations=activations)
     models.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(models.build_task("llama"), models.data("lm"))

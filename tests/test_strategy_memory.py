@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.engine import StreamingEngine
 from tests import families, models
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
@@ -28,10 +26,7 @@ class _Probe(models.pl.Callback):
         # Forward is done, backward has not started: autograd must hold no view of any slot (every streamed block
         # is checkpointed), so each slot's storage is referenced by the slot's own flat tensor alone (and by the
         # temporary storage object asked for the count).
-        engine: StreamingEngine = trainer.strategy.engine
-        engine.copier.synchronize()  # an emulated link's queued copies hold views of the slots they fill
-        for slot in engine._slots:
-            self.extra_references.append(torch._C._storage_Use_Count(slot.flat.untyped_storage()._cdata) - 2)
+        self.extra_references += models.extra_slot_references(trainer.strategy.engine)
 
     def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
         ledger = trainer.strategy.engine.ledger

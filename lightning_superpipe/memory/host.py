@@ -122,12 +122,6 @@ class BlockHome:
         """Bytes that cross the link for one copy of this block."""
         return self.numel * self.transfer.element_size()
 
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes held by this home (masters plus the transfer copy when it is separate)."""
-        extra = 0 if self.transfer is self.master else self.transfer_bytes
-        return self.numel * self.master.element_size() + extra
-
     def mark_changed(self, param: nn.Parameter) -> None:
         """Counts ``param``'s master as changed even if its version counter says otherwise (CPU fused optimizers
         write parameters without bumping it)."""

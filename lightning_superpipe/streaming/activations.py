@@ -113,7 +113,6 @@ class ActivationPlacement:
         self._storages: dict[int, list[int]] = {}  # storage address -> [bytes, holders, block]: each counted once
         self._free: dict[int, list[tuple[Tensor, Event]]] = defaultdict(list)  # pool: page size -> (buffer, last read)
         self._offloaded: dict[int, list[weakref.ref[_Offloaded]]] = defaultdict(list)  # block -> not yet brought back
-        self.pool_bytes = 0
         self.host_bytes_in_use = 0
         self.peak_host_bytes = 0
         self._block_bytes: dict[int, int] = defaultdict(int)
@@ -194,7 +193,6 @@ class ActivationPlacement:
             self.copier.wait_on_host(last_read)  # the copy that brought it back has read it
         else:
             buffer = self.arena.empty(size, torch.uint8)
-            self.pool_bytes += size
         self.host_bytes_in_use += size
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes_in_use)
         return buffer

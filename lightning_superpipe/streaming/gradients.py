@@ -101,7 +101,8 @@ class GradientReturn:
                 staged.append(view)
         else:
             staged = [grad for _, grad in present]  # already in host memory, and added below before autograd lets go
-        future = self._submit([piece for piece, _ in present], staged, done, self._grad_home(index), complete)
+        arrived = [piece for piece, _ in present]
+        future = self._submit(partial(self._accumulate, arrived, staged, done, self._grad_home(index), complete))
         self._leaving(done, "block_gradients", nbytes)
         if self.copier.asynchronous:
             self._staging_users[slot] = future
@@ -170,7 +171,7 @@ class GradientReturn:
         if param not in self._trunk_grad_homes:
             self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
         piece = ParamSlice(param, 0, param.numel(), param.shape)
-        future = self._submit([piece], [staged], done, self._trunk_grad_homes[param])
+        future = self._submit(partial(self._accumulate, [piece], [staged], done, self._trunk_grad_homes[param]))
         self._leaving(done, "trunk_gradients", grad.numel() * grad.element_size())
         self._trunk_staging_users[param] = future
         self._futures.append(future)
@@ -210,17 +211,11 @@ class GradientReturn:
             self._block_grad_homes[index] = torch.zeros(home.numel, dtype=home.master_dtype)
         return self._block_grad_homes[index]
 
-    def _submit(
-        self,
-        pieces: list[ParamSlice],
-        staged: list[Tensor],
-        done: Event,
-        grad_home: Tensor,
-        then: Optional[Callable[[], None]] = None,
-    ) -> Future[None]:
+    def _submit(self, work: Callable[[], None]) -> Future[None]:
+        """Runs ``work`` on the worker, or in line where there is none."""
         if self._worker is not None:
-            return self._worker.submit(self._accumulate, pieces, staged, done, grad_home, then)
-        self._accumulate(pieces, staged, done, grad_home, then)
+            return self._worker.submit(work)
+        work()
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -135,6 +135,7 @@ class BlockStreamingHook:
     # compiles what runs between blocks.
     @torch.compiler.disable
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_bindings()  # once per call: a recomputation runs with the bindings its first run checked
         if torch.is_grad_enabled():
             if not self._keeps_cache:
                 args, kwargs = _without_cache(self.block, args, kwargs)
@@ -180,7 +181,6 @@ class BlockStreamingHook:
 
     def _compute(self, first_run: bool, *args: Any, **kwargs: Any) -> Any:
         assert self._original_forward is not None
-        self._check_bindings()
         # A block whose parameters are all shared with others has nothing to stream: all of it is resident.
         tensors = dict(zip(self._streamed, self.engine.acquire(self.index))) if self._streamed else {}
         if torch.is_grad_enabled() and self._home is not None:

@@ -25,14 +25,6 @@ class DeviceLedger:
         return sum(self.held.values())
 
     @property
-    def weight_bytes(self) -> int:
-        return self.held["block_weights"] + self.held["trunk_weights"]
-
-    @property
-    def gradient_bytes(self) -> int:
-        return self.held["block_gradients"] + self.held["trunk_gradients"]
-
-    @property
     def peak_gradient_bytes(self) -> int:
         """The most block gradients held at once."""
         return self.peaks["block_gradients"]

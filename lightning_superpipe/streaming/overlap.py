@@ -80,10 +80,6 @@ class OverlappedStep:
         #: Blocks stepped during backward, over the whole run.
         self.blocks_stepped = 0
 
-    @property
-    def armed(self) -> bool:
-        return self._optimizer is not None
-
     def arm_if_exact(self, trainer: Any, optimizer: Optimizer, only_where_it_pays: bool) -> None:
         """Arms the step for ``optimizer`` unless :func:`overlap_refusal` objects; says why once per reason."""
         refusal = overlap_refusal(trainer, optimizer, only_where_it_pays)
