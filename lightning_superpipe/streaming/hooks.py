@@ -155,12 +155,14 @@ class BlockStreamingHook:
             # The first checkpointed call shows which buffers the forward mutates; later calls copy only those.
             # Values are compared too: kernels such as batch norm's update running statistics in place without
             # bumping the version counter.
+            known = self._mutated_buffers or set()
             mutated = {
                 key
                 for key, buffer in live.items()
-                if buffer._version != versions[key] or (key in before and not torch.equal(buffer, before[key]))
+                if key not in known
+                and (buffer._version != versions[key] or (key in before and not torch.equal(buffer, before[key])))
             }
-            self._mutated_buffers = mutated | (self._mutated_buffers or set())
+            self._mutated_buffers = known | mutated
             return output
         return self._compute(True, *args, **kwargs)
 
@@ -203,9 +205,9 @@ class BlockStreamingHook:
             if owner._parameters.get(name) is not param:
                 raise RuntimeError(
                     f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"
-                    " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set to a new"
-                    " `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values in place"
-                    " (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
+                    " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set"
+                    " to a new `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values"
+                    " in place (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
                 )
 
 
