@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import threading
 import time
 from collections import deque
@@ -39,9 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.units import parse_bytes
 
 _COMPUTE = "compute"
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 # Operators that touch no data: creating views, reading metadata.
 _METADATA_OPS = {"detach", "alias", "lift_fresh", "empty_like", "size", "stride", "dim", "numel", "is_same_size"}
 
@@ -57,10 +56,10 @@ def parse_bandwidth(value: Union[None, int, float, str]) -> Optional[float]:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"EmulatedLink(bandwidth={value!r}) must be bytes per second or a string such as '8GB/s'.")
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([kmgt]i?)?b(?:ytes)?(?:/s|ps)?\s*", value.lower())
-        if not match:
-            raise ValueError(f"EmulatedLink(bandwidth={value!r}): expected e.g. '8GB/s', '500MiB/s' or a number.")
-        value = float(match.group(1)) * _UNITS[match.group(2) or ""]
+        try:
+            value = parse_bytes(value, per_second=True)
+        except ValueError:
+            raise ValueError(f"EmulatedLink(bandwidth={value!r}): expected e.g. '8GB/s', '500MiB/s' or a number.") from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"EmulatedLink(bandwidth={value!r}) must be a positive number of bytes per second.")
     return float(value)
