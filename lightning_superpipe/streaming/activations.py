@@ -121,15 +121,18 @@ class ActivationPlacement:
 
     # ------------------------------------------------------------------ the hooks' two halves
 
-    def pack(self, index: int, offload: bool, tensor: Tensor) -> Any:
+    def is_activation(self, index: int, tensor: Tensor) -> bool:
+        """Whether a tensor block ``index`` saves is an activation, not model memory (its weights, the trunk's)."""
+        address = tensor.untyped_storage().data_ptr()
         flat = self.engine.held_flat(index)
-        storage = tensor.untyped_storage()
-        if flat is not None and storage.data_ptr() == flat.untyped_storage().data_ptr():
-            if index in self.engine.resident_indices:
-                return tensor  # a resident block's buffer outlives the step: nothing to free, nothing to fetch
+        held = flat is not None and address == flat.untyped_storage().data_ptr()
+        return not held and not self.engine.is_persistent(address)
+
+    def pack(self, index: int, offload: bool, tensor: Tensor) -> Any:
+        if not self.is_activation(index, tensor):
+            if index in self.engine.resident_indices or self.engine.is_persistent(tensor.untyped_storage().data_ptr()):
+                return tensor  # resident weights, the trunk's copies: they outlive the step, nothing to free or fetch
             return _WeightView(index, tensor)
-        if self.engine.is_persistent(storage.data_ptr()):
-            return tensor  # the trunk's copies: model memory, not activations
         if offload and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
             return self._offload(index, tensor)
         kept = _Kept(tensor)
@@ -159,8 +162,7 @@ class ActivationPlacement:
         # results are bitwise the same. A layout that overlaps itself (expanded) travels contiguous.
         if _overlaps_itself(tensor):
             tensor = tensor.contiguous()
-        span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        nbytes = span * tensor.element_size()
+        nbytes = _span_bytes(tensor)
         buffer = self._take(nbytes)
         host = buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
         copied = self.copier.to_host(host, tensor, f"offloaded activation of block {index}")
@@ -228,6 +230,11 @@ class ActivationPlacement:
             self._block_bytes[entry[2]] -= entry[0]
 
 
+def _span_bytes(tensor: Tensor) -> int:
+    """The bytes from ``tensor``'s first element to its last."""
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+
+
 def _overlaps_itself(tensor: Tensor) -> bool:
     """Whether two elements of ``tensor`` share memory (a zero or too small stride), which ``copy_`` cannot write."""
     extent = 0
@@ -236,6 +243,36 @@ def _overlaps_itself(tensor: Tensor) -> bool:
             return True
         extent += (size - 1) * stride
     return False
+
+
+class ActivationCensus(torch.autograd.graph.saved_tensors_hooks):
+    """Counts what one block call saves for backward, as each placement would hold it, and saves it as autograd
+    would (for a planner's profile: the call is run once more under these hooks, and its result dropped).
+
+    Args:
+        placement: The engine's placement, which tells activations from model memory.
+        index: The block.
+    """
+
+    def __init__(self, placement: ActivationPlacement, index: int) -> None:
+        def pack(tensor: Tensor) -> Tensor:
+            if placement.is_activation(index, tensor):
+                self.count(tensor)
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+        self.kept: dict[int, int] = {}  # storage address -> bytes: what "keep" holds, each storage once
+        self.small: dict[int, int] = {}  # the same for what "offload" leaves on the device
+        self.offloaded_bytes = 0  # what "offload" copies out and back, each saved tensor on its own
+
+    def count(self, tensor: Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.kept[storage.data_ptr()] = storage.nbytes()
+        if tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+            # A layout that overlaps itself travels contiguous (as ``_offload`` sends it).
+            self.offloaded_bytes += tensor.numel() * tensor.element_size() if _overlaps_itself(tensor) else _span_bytes(tensor)
+        else:
+            self.small[storage.data_ptr()] = storage.nbytes()
 
 
 class BlockActivations(torch.autograd.graph.saved_tensors_hooks):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -60,7 +60,7 @@ class StreamingEngine:
         block_params: The parameters that stream with each block, in block order.
         trunk_params: The parameters that stay resident on the device (outside blocks, or tied).
         device: The compute device.
-        resident_blocks: How many blocks stay on the device permanently.
+        resident_blocks: How many blocks stay on the device permanently (evenly spaced), or which.
         prefetch: How many blocks are copied in ahead of the one computing.
         transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
@@ -72,7 +72,7 @@ class StreamingEngine:
         block_params: Sequence[Sequence[nn.Parameter]],
         trunk_params: Sequence[nn.Parameter],
         device: torch.device,
-        resident_blocks: int,
+        resident_blocks: Union[int, Sequence[int]],
         prefetch: int,
         transfer_dtype: Optional[torch.dtype] = None,
         link: Any = None,
@@ -86,9 +86,8 @@ class StreamingEngine:
         try:
             num_blocks = len(block_params)
             self.ledger = DeviceLedger()
-            self.resident_blocks = _clamp("resident_blocks", resident_blocks, num_blocks, "the number of blocks")
-            streamable = num_blocks - self.resident_blocks
-            self.prefetch = _clamp("prefetch", prefetch, streamable, "the number of streamed blocks")
+            resident = _resident_indices(resident_blocks, num_blocks)
+            self.prefetch = _clamp("prefetch", prefetch, num_blocks - len(resident), "the number of streamed blocks")
             pin = self.copier.pin_memory
             self.arena = HostArena(pin=pin)
             self.homes = [
@@ -100,28 +99,8 @@ class StreamingEngine:
 
             self._resident: dict[int, Tensor] = {}
             self._resident_ready: dict[int, Event] = {}
-            for index in _evenly_spaced(num_blocks, self.resident_blocks):
-                home = self.homes[index]
-                if home is not None:
-                    self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=device)
-                    self.ledger.add("block_weights", home.transfer_bytes)
-
-            streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
             self._slots: list[_Slot] = []
-            if streamed:
-                slot_numel = max(self.homes[i].numel for i in streamed)
-                dtypes = {self.homes[i].transfer.dtype for i in streamed}
-                if len(dtypes) > 1:
-                    raise TypeError(
-                        f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
-                        f" {sorted(str(d) for d in dtypes)}. Give the model one dtype (e.g. `model.to(torch.bfloat16)`,"
-                        " or `precision='bf16-mixed'` with fp32 weights), or keep the odd blocks out of `blocks=`."
-                    )
-                slot_dtype = dtypes.pop()
-                for _ in range(min(self.prefetch + 1, len(streamed))):
-                    flat = torch.empty(slot_numel, dtype=slot_dtype, device=device)
-                    self._slots.append(_Slot(flat, len(self._slots)))
-                    self.ledger.add("block_weights", flat.numel() * flat.element_size())
+            self._allocate_blocks(resident)
             self._busy: Optional[_Slot] = None
 
             if pin:  # asynchronous copies need page-locked sources: the trunk's masters move into the arena too
@@ -140,9 +119,10 @@ class StreamingEngine:
             self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
             self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
-            self.resident_indices = frozenset(self._resident)
             self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
             self.activations = ActivationPlacement(self)
+            #: A planner's ``StepProfiler`` while it measures a step, told by the hooks what compute is doing.
+            self.profiler: Any = None
             self.overlap = OverlappedStep(block_params)
             self.gradients.on_block_complete = self.overlap.block_done
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
@@ -168,6 +148,61 @@ class StreamingEngine:
         except BaseException:
             self.close()  # nothing half-built stays behind: threads, the emulated link's checker, parameter classes
             raise
+
+    def _allocate_blocks(self, resident: Sequence[int]) -> None:
+        """Allocates the device buffers of the blocks: one per resident block, and ``prefetch + 1`` slots of the
+        largest streamed block (fewer if fewer blocks stream)."""
+        for index in resident:
+            home = self.homes[index]
+            if home is not None:
+                self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=self.device)
+                self.ledger.add("block_weights", home.transfer_bytes)
+        self.resident_indices = frozenset(self._resident)
+        streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
+        if not streamed:
+            return
+        slot_numel = max(self.homes[i].numel for i in streamed)  # type: ignore[union-attr]
+        dtypes = {self.homes[i].transfer.dtype for i in streamed}  # type: ignore[union-attr]
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
+                f" {sorted(str(d) for d in dtypes)}. Give the model one dtype (e.g. `model.to(torch.bfloat16)`,"
+                " or `precision='bf16-mixed'` with fp32 weights), or keep the odd blocks out of `blocks=`."
+            )
+        slot_dtype = dtypes.pop()
+        for _ in range(min(self.prefetch + 1, len(streamed))):
+            flat = torch.empty(slot_numel, dtype=slot_dtype, device=self.device)
+            self._slots.append(_Slot(flat, len(self._slots)))
+            self.ledger.add("block_weights", flat.numel() * flat.element_size())
+
+    def replan(self, resident: Sequence[int], prefetch: int, activations: ActivationsPolicy) -> None:
+        """Places the blocks anew between steps (a planner's decision): which are resident, how many stream
+        ahead, where each one's activations live. The host homes stay; only the device buffers are made again.
+
+        Args:
+            resident: Indices of the blocks to keep on the device.
+            prefetch: Blocks copied in ahead of the one computing.
+            activations: One placement for all blocks, or one per block.
+        """
+        modes = per_block_modes(activations, len(self.homes))
+        resident = _resident_indices(list(resident), len(self.homes))
+        self._release_busy()
+        self.copier.synchronize()  # no copy may still write the buffers about to go
+        for buffer in self._resident.values():
+            self.ledger.remove("block_weights", buffer.numel() * buffer.element_size())
+        for slot in self._slots:
+            self.ledger.remove("block_weights", slot.flat.numel() * slot.flat.element_size())
+        self._resident, self._resident_ready, self._slots = {}, {}, []
+        self.activation_modes = modes
+        self.prefetch = _clamp("prefetch", prefetch, len(self.homes) - len(resident), "the number of streamed blocks")
+        self._allocate_blocks(resident)
+        allocated = self.copier.mark_compute()  # fresh memory that compute may have read until now
+        for slot in self._slots:
+            slot.free = allocated
+        for index, buffer in self._resident.items():
+            what = f"resident block {index}"
+            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+        self._prepare(training=True)
 
     # ------------------------------------------------------------------ passes
 
@@ -246,13 +281,8 @@ class StreamingEngine:
         # old copies (the tail of the last backward).
         self.copier.synchronize()
         computed = self.copier.mark_compute()
-        for index, home, pieces in changed:
-            home.sync(pieces)
-            self._block_version[index] += 1
-            if index in self._resident:
-                what = f"resident block {index}"
-                buffer = self._resident[index]
-                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, computed, what)
+        # The host-to-device stream runs copies in the order they are issued: the trunk's first (the embedding is
+        # the first thing a pass needs), then the blocks in the order they compute.
         for param in trunk:
             copy = self._trunk[param]
             if param.shape != copy.shape or param.dtype != copy.dtype:
@@ -263,6 +293,13 @@ class StreamingEngine:
                 )
             self._trunk_ready = self.copier.to_device(copy, param.detach(), computed, self._trunk_names[param])
             self._trunk_seen[param] = master_state(param)
+        for index, home, pieces in changed:
+            home.sync(pieces)
+            self._block_version[index] += 1
+            if index in self._resident:
+                what = f"resident block {index}"
+                buffer = self._resident[index]
+                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, computed, what)
 
     # ------------------------------------------------------------------ weights
 
@@ -306,6 +343,12 @@ class StreamingEngine:
         self._prefetch()
         return flat
 
+    def held(self, index: int) -> list[Tensor]:
+        """Block ``index``'s weights where they are for the current computation (see :meth:`held_flat`)."""
+        flat = self.held_flat(index)
+        assert flat is not None, f"block {index} is not on the device"
+        return [piece.view_of(flat) for piece in self.homes[index].slices]  # type: ignore[union-attr]
+
     def held_flat(self, index: int) -> Optional[Tensor]:
         """Block ``index``'s flat device buffer if it is on the device for the current computation (resident, or in
         the slot computing now), else ``None``."""
@@ -329,6 +372,10 @@ class StreamingEngine:
             self.copier.wait_on_compute(self._trunk_ready)
             self._trunk_ready = None
         return self._trunk[param]
+
+    def trunk_parameters(self) -> list[nn.Parameter]:
+        """The parameters outside blocks, resident on the device as copies."""
+        return list(self._trunk)
 
     def is_trunk(self, param: nn.Parameter) -> bool:
         return param in self._trunk
@@ -435,7 +482,7 @@ class StreamingEngine:
             "peak_trunk_gradient_bytes": self.ledger.peaks["trunk_gradients"],
             "largest_block_bytes": self.largest_block_bytes(),
             "num_blocks": len(self.homes),
-            "resident_blocks": self.resident_blocks,
+            "resident_blocks": len(self.resident_indices),
             "prefetch": self.prefetch,
             "trunk_device_bytes": self.trunk_device_bytes(),
             "host_bytes": self.host_bytes(),
@@ -457,11 +504,42 @@ class StreamingEngine:
         return max((home.transfer_bytes for home in self.homes if home is not None), default=0)
 
 
+def check_knobs(
+    overlap_optimizer: Any, resident_blocks: Any, prefetch: Any, activations: Any, link: Any
+) -> None:
+    """Checks the strategy's knobs as the user wrote them (``None``: left to the default or the planner).
+
+    Raises:
+        ValueError: With the user's call.
+    """
+    from lightning_superpipe.streaming.emulated import EmulatedLink
+
+    if overlap_optimizer not in (True, False, "auto"):
+        raise ValueError(f"SuperpipeStrategy(overlap_optimizer={overlap_optimizer!r}) must be True, False or 'auto'.")
+    for name, value in (("resident_blocks", resident_blocks), ("prefetch", prefetch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
+    if isinstance(activations, str):
+        per_block_modes(activations, 1)
+    if link is not None and not isinstance(link, EmulatedLink):
+        raise ValueError(f"SuperpipeStrategy(link={link!r}) must be an `EmulatedLink` or None.")
+
+
 def _clamp(name: str, value: int, limit: int, what: str) -> int:
     if value > limit:
         warnings.warn(f"SuperpipeStrategy({name}={value}) is more than {what} ({limit}); using {limit}.", stacklevel=3)
         return limit
     return value
+
+
+def _resident_indices(resident: Union[int, Sequence[int]], num_blocks: int) -> list[int]:
+    """The resident blocks' indices from a count (evenly spaced, clamped to the number of blocks) or a list."""
+    if isinstance(resident, int):
+        return _evenly_spaced(num_blocks, _clamp("resident_blocks", resident, num_blocks, "the number of blocks"))
+    indices = sorted(set(resident))
+    if any(not 0 <= index < num_blocks for index in indices):
+        raise ValueError(f"Resident block indices {indices} are not all among the {num_blocks} blocks.")
+    return indices
 
 
 def _evenly_spaced(count: int, chosen: int) -> list[int]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from lightning_superpipe.streaming.activations import BlockActivations
+from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.streaming.activations import ActivationCensus, BlockActivations
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
 
@@ -111,6 +112,7 @@ class BlockStreamingHook:
         # The buffers seen to change in a forward (None until the first checkpointed call has shown which).
         self._mutated_buffers: Optional[set[tuple[nn.Module, str]]] = None
         self._keeps_cache = bool(getattr(block, "_can_checkpoint_with_cache", False))
+        self._census_running = False  # the census computes with the weights the call just used
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
 
@@ -163,6 +165,8 @@ class BlockStreamingHook:
                 and (buffer._version != versions[key] or (key in before and not torch.equal(buffer, before[key])))
             }
             self._mutated_buffers = known | mutated
+            if self.engine.profiler is not None:
+                self._census(live, before, args, kwargs)
             return output
         return self._compute(True, *args, **kwargs)
 
@@ -173,6 +177,17 @@ class BlockStreamingHook:
             return self._compute(True, *args, **kwargs)
         # The recomputation updates copies of the mutated buffers, which are then dropped: the first run's update
         # is the step's one update, as in plain training.
+        profiler = self.engine.profiler
+        if profiler is not None:
+            profiler.enter("recompute", self.index)
+        try:
+            return self._on_buffer_copies(live, before, *args, **kwargs)
+        finally:
+            if profiler is not None:
+                profiler.enter("backward", self.index)
+
+    def _on_buffer_copies(self, live: _Buffers, before: _Buffers, *args: Any, **kwargs: Any) -> Any:
+        """Computes the block again with copies of its mutated buffers as they were before its first run."""
         for (owner, name), tensor in before.items():
             owner._buffers[name] = tensor.clone()
         try:
@@ -181,10 +196,37 @@ class BlockStreamingHook:
             for owner, name in before:
                 owner._buffers[name] = live[(owner, name)]
 
+    def _census(self, live: _Buffers, before: _Buffers, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """For a planner's profile: what the call would keep for backward without recomputation, and what a
+        checkpoint of it holds (its inputs). The call runs once more, right after the first, on the weights still
+        held, under an :class:`ActivationCensus`, with the buffers as they were before the first run and the RNG put
+        back afterwards; its result is dropped."""
+        profiler = self.engine.profiler
+        profiler.block_inputs(self.index, [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)])
+        # Cut from the real graph, but needing gradients where the inputs do: autograd then saves the same tensors.
+        detach = partial(
+            tree_map, lambda value: value.detach().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
+        )
+        states = rng_states()
+        profiler.enter("census")
+        self._census_running = True
+        census = ActivationCensus(self.engine.activations, self.index)
+        try:
+            with census:
+                self._on_buffer_copies(live, before, *detach(args), **detach(kwargs))
+        finally:
+            self._census_running = False
+            set_rng_states(states)
+            profiler.enter("trunk")
+        profiler.activations(self.index, census)
+
     def _compute(self, first_run: bool, *args: Any, **kwargs: Any) -> Any:
         assert self._original_forward is not None
         # A block whose parameters are all shared with others has nothing to stream: all of it is resident.
-        tensors = dict(zip(self._streamed, self.engine.acquire(self.index))) if self._streamed else {}
+        tensors: dict[nn.Parameter, Tensor] = {}
+        if self._streamed:
+            fetch = self.engine.held if self._census_running else self.engine.acquire
+            tensors = dict(zip(self._streamed, fetch(self.index)))
         if torch.is_grad_enabled() and self._home is not None:
             # Read at every call: which parameters train may change between steps (e.g. ``BaseFinetuning``).
             trainable = self._home.trainable
@@ -192,13 +234,25 @@ class BlockStreamingHook:
                 if first_run:
                     self.engine.gradients.expect_block(self.index)
                 params = [piece.param for piece in trainable]
-                deliver = partial(self.engine.gradients.send_block, self.index, trainable)
+                deliver = partial(self._deliver, trainable)
                 on_device = _ToDevice.apply(deliver, tuple(tensors[p] for p in params), *params)
                 tensors.update(zip(params, on_device))
         for param in self._resident:
             tensors[param] = _resident_tensor(self.engine, param, count_use=first_run)
-        with _bound(self._bindings, tensors):
-            return self._original_forward(*args, **kwargs)
+        profiler = self.engine.profiler
+        if profiler is not None and first_run:
+            profiler.enter("forward", self.index)
+        try:
+            with _bound(self._bindings, tensors):
+                return self._original_forward(*args, **kwargs)
+        finally:
+            if profiler is not None and first_run:
+                profiler.enter("trunk")
+
+    def _deliver(self, pieces: Sequence[Any], grads: Sequence[Optional[Tensor]]) -> None:
+        self.engine.gradients.send_block(self.index, pieces, grads)
+        if self.engine.profiler is not None:
+            self.engine.profiler.enter("trunk")  # the block's backward ends with its weights' gradients
 
     def _check_bindings(self) -> None:
         for owner, name, param in self._bindings:
@@ -355,6 +409,9 @@ def _cache_length(cache: Any) -> int:
         return 0
 
 
+Hook = Union[BlockStreamingHook, TrunkHook, CallerDeviceHook]
+
+
 def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:
     """The outermost ``transformers`` models inside ``model`` (the ones users and ``generate()`` call)."""
     from transformers import PreTrainedModel
@@ -375,3 +432,15 @@ def trunk_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> Iterator[nn.
             yield from visit(child)
 
     yield from visit(model)
+
+
+def attach_hooks(engine: StreamingEngine, model: nn.Module, blocks: Sequence[nn.Module]) -> list[Hook]:
+    """Attaches every hook the strategy needs: one per block, one per trunk module, and on an accelerator one per
+    outermost ``transformers`` model (inputs to the device)."""
+    hooks: list[Hook] = [BlockStreamingHook(engine, i, block) for i, block in enumerate(blocks)]
+    hooks += [TrunkHook(engine, module) for module in trunk_modules(model, blocks)]
+    if engine.device.type != "cpu":
+        hooks += [CallerDeviceHook(module, engine.device) for module in outermost_pretrained_models(model)]
+    for hook in hooks:
+        hook.attach()
+    return hooks
