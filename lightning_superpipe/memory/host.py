@@ -9,15 +9,15 @@ buffer holds the weights in that dtype, so only half the bytes cross the link.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.units import format_bytes
 
 
 class HostMemoryError(MemoryError):
@@ -166,6 +166,11 @@ def _aligned(numel: int) -> int:
     return -(-numel // ALIGNMENT) * ALIGNMENT
 
 
+def transfer_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
+    """The bytes one copy of a :class:`BlockHome` of ``params`` moves to the device (its flat transfer buffer)."""
+    return sum(_aligned(param.numel()) for param in params) * transfer_dtype.itemsize
+
+
 def home_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
     """The arena bytes a :class:`BlockHome` of ``params`` takes: its masters and, if separate, its transfer copy."""
     numel = sum(_aligned(param.numel()) for param in params)
@@ -196,14 +201,10 @@ def check_host_memory(needed_bytes: int, what: str) -> None:
     if available is None or needed_bytes <= available:
         return
     raise HostMemoryError(
-        f"SuperpipeStrategy needs about {_gib(needed_bytes)} more host memory ({what}) but only {_gib(available)}"
+        f"SuperpipeStrategy needs about {format_bytes(needed_bytes)} more host memory ({what}) but only {format_bytes(available)}"
         " is available. Free host memory, train fewer parameters (e.g. LoRA), use `precision='bf16-true'`, or use"
         " a machine with more RAM."
     )
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**20 else f"{math.ceil(nbytes / 2**10)} KiB"
 
 
 def host_bytes_to_come(
@@ -233,3 +234,18 @@ def host_bytes_to_come(
             largest = max((sum(p.numel() for p in block if p.requires_grad) for block in block_params), default=0)
             nbytes += 2 * page_rounded(largest * itemsize) + sum(page_rounded(p.numel() * 4) for p in trunk_params)
     return nbytes
+
+
+def training_state_bytes(params: Sequence[nn.Parameter], optimizers: Sequence[Any]) -> dict[str, int]:
+    """``param_bytes``, ``trainable_param_bytes`` and ``optimizer_state_bytes`` (every tensor the optimizers hold)."""
+    return {
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "optimizer_state_bytes": sum(
+            t.numel() * t.element_size()
+            for optimizer in optimizers
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, Tensor)
+        ),
+    }

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
+
+from lightning_superpipe.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +49,6 @@ def optimizer_state_bytes(optimizers: list[Optimizer], device: torch.device | No
         for value in state.values()
         if isinstance(value, torch.Tensor) and (device is None or value.device == device)
     )
-
-
-def format_bytes(count: float) -> str:
-    """``count`` bytes in the largest binary unit that keeps the number at least 1, e.g. ``'1.50 GiB'``."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(count) < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1024
-    return f"{count:.2f} GiB"
 
 
 def strategy_memory_report(trainer: Trainer) -> dict[str, int] | None:
@@ -124,6 +119,8 @@ class MemorySummary:
     strategy_report: dict[str, Any] | None = None
     paged_moe: dict[str, float] | None = None
     samples: list[MemorySample] = field(default_factory=list)
+    #: The median wall time of the optimizer steps that ran in the plan (``memory_budget=``), for the plan's rows.
+    planned_step_s: float | None = None
 
     @property
     def sampled_max_bytes(self) -> int | None:
@@ -169,6 +166,14 @@ class MemorySummary:
             if "ppl_paged" in paged:
                 perplexities = f"{paged['ppl_paged']:.3f} / {paged['ppl_full']:.3f}"
                 rows.append(("  perplexity paged / full experts", perplexities))
+        plan = report.get("plan")
+        if plan is not None:
+            measured_peak = self.peak_bytes or 0
+            rows.append((f"plan for a {format_bytes(plan['budget_bytes'])} budget: peak predicted / measured",
+                         f"{format_bytes(plan['predicted_peak_bytes'])} / {format_bytes(measured_peak)}"))
+            if self.planned_step_s is not None:
+                rows.append(("  step time predicted / measured",
+                             f"{plan['predicted_step_s'] * 1e3:.0f} / {self.planned_step_s * 1e3:.0f} ms"))
         rows.append(("plain strategy would keep on device:", ""))
         rows.append(("  weights", format_bytes(self.param_bytes)))
         if self.stage == "fit":
@@ -215,10 +220,13 @@ class MemoryReport(Callback):
         self.summary: MemorySummary | None = None
         self._unit_name = "MiB"
         self._unit_bytes = 2**20
+        self._step_times: dict[int, float] = {}  # optimizer step -> the wall time of its micro-batches
+        self._batch_start = (0, 0.0)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.samples = []
         self.summary = None
+        self._step_times = {}
         if weight_bytes(trainer, pl_module)[0] >= 2**30:
             self._unit_name, self._unit_bytes = "GiB", 2**30
         if trainer.strategy.root_device.type == "cuda":
@@ -247,7 +255,13 @@ class MemoryReport(Callback):
         self.samples.append(sample)
         return sample
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        # Micro-batches are grouped by the optimizer step they belong to: the counter as each one starts.
+        self._batch_start = (trainer.global_step, time.perf_counter())
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step, start = self._batch_start
+        self._step_times[step] = self._step_times.get(step, 0.0) + time.perf_counter() - start
         sample = self._sample(trainer, pl_module)
         if self.progress_bar:
             pl_module.log(
@@ -316,7 +330,18 @@ class MemoryReport(Callback):
             host_bytes=report.get("host_bytes"),
             strategy_report=report or None,
             samples=list(self.samples),
+            planned_step_s=self._planned_step_s(trainer),
         )
+
+    def _planned_step_s(self, trainer: Trainer) -> float | None:
+        """The median time of the steps after the plan was applied, and after the first of them (a warm-up)."""
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is None:
+            return None
+        from lightning_superpipe.planning.planner import BudgetPlanner
+
+        times = [seconds for step, seconds in self._step_times.items() if step > BudgetPlanner.PROFILED_STEPS]
+        return statistics.median(times) if times else None
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         summary = self.summary

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+import time
 from functools import partial
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -28,21 +29,19 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come
+from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come, training_state_bytes
+from lightning_superpipe.planning.budget import MemoryBudget
+from lightning_superpipe.planning.plan import Plan
+from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
-from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.hooks import (
-    BlockStreamingHook,
-    CallerDeviceHook,
-    TrunkHook,
-    outermost_pretrained_models,
-    trunk_modules,
-)
+from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
+from lightning_superpipe.streaming.hooks import Hook, attach_hooks
 
 _RNG_KEY = "superpipe_rng_states"
+T = TypeVar("T")
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -50,13 +49,18 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     """Streams a host-resident model's blocks through one device; optimizer and masters stay on the host.
 
     Args:
-        resident_blocks: Blocks kept on the device permanently. More is faster and uses more device memory.
-        prefetch: Blocks copied to the device ahead of the one computing. More hides more copy time behind
-            compute and uses more device memory.
+        memory_budget: Device bytes the strategy may use; it then measures the first steps and solves for the
+            fastest placement that fits (:mod:`lightning_superpipe.planning`): an int, a string such as ``"12GiB"``,
+            a fraction in (0, 1] of the device's free memory, or ``"auto"`` (0.9 of it; CUDA only). The knobs
+            below, when given, become constraints of the plan. ``None``: no planning, the knobs as given.
+        resident_blocks: Blocks kept on the device permanently (default 1 without a budget). More is faster and
+            uses more device memory.
+        prefetch: Blocks copied to the device ahead of the one computing (default 1 without a budget). More hides
+            more copy time behind compute and uses more device memory.
         activations: Where each block's activations live between forward and backward: ``"recompute"`` (saved
-            inputs only; the block is recomputed in backward, about one more forward), ``"keep"`` (on the device, no
-            recomputation), ``"offload"`` (copied to host memory in forward, brought back one block ahead in
-            backward), or a sequence with one of these per block.
+            inputs only; the block is recomputed in backward, about one more forward; the default without a
+            budget), ``"keep"`` (on the device, no recomputation), ``"offload"`` (copied to host memory in forward,
+            brought back one block ahead in backward), or a sequence with one of these per block.
         overlap_optimizer: Step each block's parameters on a host thread as soon as its gradients are complete in
             backward, where that gives the step after backward's result (not with clipping, gradient scaling, hooks
             between backward and the step, manual optimization, or optimizers other than SGD/Adam/AdamW; a
@@ -77,9 +81,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
-        resident_blocks: int = 1,
-        prefetch: int = 1,
-        activations: ActivationsPolicy = "recompute",
+        memory_budget: Optional[MemoryBudget] = None,
+        resident_blocks: Optional[int] = None,
+        prefetch: Optional[int] = None,
+        activations: Optional[ActivationsPolicy] = None,
         overlap_optimizer: Union[bool, str] = "auto",
         blocks: Optional[BlockPolicy] = None,
         device: Optional[Union[str, torch.device]] = None,
@@ -91,6 +96,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         super().__init__(
             device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
+        self.memory_budget = memory_budget
         self.resident_blocks = resident_blocks
         self.prefetch = prefetch
         self.activations = activations
@@ -100,10 +106,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
         self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
-        self._hooks: list[Union[BlockStreamingHook, TrunkHook, CallerDeviceHook]] = []
+        self._hooks: list[Hook] = []
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
         self._streamed_stacks: list[str] = []
+        self._planner: Optional[BudgetPlanner] = None
 
     # ------------------------------------------------------------------ device selection
 
@@ -142,10 +149,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
 
     def _let_fused_optimizers_clip_without_a_scaler(self) -> None:
-        """Lightning's mixed-precision plugin refuses to clip gradients for an optimizer that unscales them inside
-        its ``step`` (fused AdamW), which matters only when a gradient scaler is in use, and ``bf16-mixed`` uses
-        none. The host optimizer step is the usual bottleneck of offloaded training and fused AdamW the fastest on
-        a CPU, so without a scaler the plugin clips as the base plugin does."""
+        """Lightning's mixed-precision plugin refuses to clip for optimizers that unscale inside ``step`` (fused
+        AdamW, the fastest host optimizer), which matters only with a gradient scaler; ``bf16-mixed`` has none."""
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
             plugin.clip_gradients = partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
@@ -155,25 +160,27 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         """Puts buffers on the device and starts streaming; parameters stay in host memory."""
         assert self.model is not None
         # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
-        if self.overlap_optimizer not in (True, False, "auto"):
-            raise MisconfigurationException(
-                f"SuperpipeStrategy(overlap_optimizer={self.overlap_optimizer!r}) must be True, False or 'auto'."
-            )
-        for name, value in (("resident_blocks", self.resident_blocks), ("prefetch", self.prefetch)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise MisconfigurationException(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
-        if self.link is not None and not isinstance(self.link, EmulatedLink):
-            raise MisconfigurationException(f"SuperpipeStrategy(link={self.link!r}) must be an `EmulatedLink` or None.")
+        try:
+            check_knobs(self.overlap_optimizer, self.resident_blocks, self.prefetch, self.activations, self.link)
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from error
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
-        try:
-            modes = per_block_modes(self.activations, len(blocks))
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from error
+        if not isinstance(self.activations, (str, type(None))):
+            try:
+                per_block_modes(self.activations, len(blocks))
+            except ValueError as error:
+                raise MisconfigurationException(str(error)) from error
         self._streamed_stacks = describe_stacks(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
+        knobs = (self.resident_blocks, self.prefetch, self.activations)
+        placement = (_or(self.resident_blocks, 1), _or(self.prefetch, 1), _or(self.activations, "recompute"))
+        if self.memory_budget is not None:  # the plan starts from the placement that needs least memory
+            self._planner = BudgetPlanner(self.memory_budget, self.root_device, *knobs)
+            static = static_costs(block_params, trunk_params, transfer_dtype, self._fitting)
+            placement = self._planner.first_placement(static, self._fitting)
         check_host_memory(
             host_bytes_to_come(
                 block_params, trunk_params, transfer_dtype, self._fitting, pinned=self.root_device.type == "cuda"
@@ -184,22 +191,12 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         # unchanged, so they stay home.
         at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
         model._apply(lambda t: t if id(t) in at_home else t.to(self.root_device))
+        resident, prefetch, activations = placement
         self._engine = StreamingEngine(
-            block_params,
-            trunk_params,
-            self.root_device,
-            resident_blocks=self.resident_blocks,
-            prefetch=self.prefetch,
-            transfer_dtype=transfer_dtype,
-            link=self.link,
-            activations=modes,
+            block_params, trunk_params, self.root_device, resident_blocks=resident, prefetch=prefetch,
+            transfer_dtype=transfer_dtype, link=self.link, activations=activations,
         )
-        self._hooks = [BlockStreamingHook(self._engine, i, block) for i, block in enumerate(blocks)]
-        self._hooks += [TrunkHook(self._engine, module) for module in trunk_modules(model, blocks)]
-        if self.root_device.type != "cpu":
-            self._hooks += [CallerDeviceHook(m, self.root_device) for m in outermost_pretrained_models(model)]
-        for hook in self._hooks:
-            hook.attach()
+        self._hooks = attach_hooks(self._engine, model, blocks)
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
 
@@ -237,6 +234,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.engine.start_pass(training=True)
+        if self._planner is not None:
+            self._planner.start_micro_batch(self.engine)
         output = super().training_step(*args, **kwargs)
         # Straight from the ledger: the full report walks every parameter and optimizer state.
         ledger = self.engine.ledger
@@ -254,6 +253,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         self.engine.finish_backward()
+        if self._planner is not None:
+            self._planner.end_backward(self.engine)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -266,16 +267,27 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         model: Optional[Union[LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        if self.overlap_optimizer:  # the closure's backward then steps block by block, where that is exact
+        planner = self._planner
+        # The closure's backward steps block by block where that is exact; not while the planner times the step.
+        if self.overlap_optimizer and (planner is None or planner.plan is not None):
             assert self._lightning_module is not None
             self.engine.overlap.arm_if_exact(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto")
+        start = time.perf_counter()
         try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            output = super().optimizer_step(optimizer, planner.timed_closure(closure) if planner else closure, model, **kwargs)
         finally:
             self.engine.overlap.disarm()
+        stepped = time.perf_counter()
         # The next forward must stream the weights this step produced.
         self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
+        if planner is not None:  # after the profiled steps, the engine takes the plan
+            planner.after_step(self, optimizer, stepped - start, time.perf_counter() - stepped)
         return output
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The placement solved for ``memory_budget`` (after the profiled steps), or ``None``."""
+        return self._planner.plan if self._planner is not None else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -332,25 +344,18 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def memory_report(self) -> dict[str, Any]:
         """What the strategy holds where, in bytes, from its own ledger of every byte it puts on the device: the
         engine's figures (:meth:`StreamingEngine.memory_report`), ``param_bytes``, ``trainable_param_bytes``,
-        ``optimizer_state_bytes``, ``streamed_stacks`` (e.g. ``['model.encoder.block: 2 x T5Block', ...]``) and,
-        on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it ended with."""
+        ``optimizer_state_bytes``, ``streamed_stacks`` (e.g. ``['model.encoder.block: 2 x T5Block', ...]``),
+        ``plan`` (with ``memory_budget``) and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it ended with."""
         if self._engine is None and self._last_report is not None:
             return dict(self._last_report)
         assert self.lightning_module is not None
-        params = list(self.lightning_module.parameters())
         report: dict[str, Any] = {
             **self.engine.memory_report(),
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "trainable_param_bytes": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
-            "optimizer_state_bytes": sum(
-                t.numel() * t.element_size()
-                for optimizer in self.optimizers
-                for state in optimizer.state.values()
-                for t in state.values()
-                if isinstance(t, Tensor)
-            ),
+            **training_state_bytes(list(self.lightning_module.parameters()), self.optimizers),
             "streamed_stacks": list(self._streamed_stacks),
         }
+        if self.plan is not None:
+            report["plan"] = self.plan.as_dict()
         if self.root_device.type == "cuda":
             report["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.root_device)
         return report
@@ -360,3 +365,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description=cls.__name__)
+
+
+def _or(value: Optional[T], default: T) -> T:
+    return default if value is None else value

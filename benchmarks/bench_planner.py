@@ -1,0 +1,196 @@
+"""The planner against an exhaustive grid, in one run: ``SuperpipeStrategy(memory_budget=...)`` on the CPU with the
+emulated link capped so that copies matter (or on CUDA).
+
+For a Llama-style model built from a config, it measures every point of the grid (resident blocks x prefetch x one
+activation mode for all blocks), then for budgets from the least placement to the whole model runs the planner and
+reports, per budget: the plan's measured step time against the fastest grid point whose measured peak fits the same
+budget, its predicted against measured step time and peak, and whether its fp32 losses equal plain Lightning's.
+
+Usage:
+    python benchmarks/bench_planner.py                         # CPU, emulated 400 MB/s link, ~10 minutes on 2 cores
+    python benchmarks/bench_planner.py --bandwidth 1GB/s --budgets 5
+    python benchmarks/bench_planner.py --device cuda --preset cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_streaming import StepTimer  # noqa: E402
+
+import lightning_superpipe  # noqa: E402,F401  (registers "superpipe")
+from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
+from lightning_superpipe.planning.cost import predict  # noqa: E402
+from lightning_superpipe.planning.planner import BudgetPlanner  # noqa: E402
+from lightning_superpipe.planning.solver import minimum_plan  # noqa: E402
+from lightning_superpipe.units import format_bytes  # noqa: E402
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 6 blocks of ~12.6 MB fp32: a block's forward and a block's copy at 400 MB/s take tens of milliseconds each.
+    "cpu": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, vocab_size=2048),
+    "cuda": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16, vocab_size=32000),
+}
+
+
+class CausalLM(pl.LightningModule):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, **config))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=True)
+
+
+def run(args: argparse.Namespace, strategy: Any, steps: int) -> dict[str, Any]:
+    """Trains ``steps`` optimizer steps; times the last ``args.steps``."""
+    pl.seed_everything(0, verbose=False)
+    config = PRESETS[args.preset]
+    module = CausalLM(config)
+    data = TensorDataset(torch.randint(0, config["vocab_size"], (steps * args.batch, args.seq)))
+    timer = StepTimer()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = pl.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, strategy=strategy, max_steps=steps,
+        callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=args.batch))
+    result: dict[str, Any] = {"step_s": statistics.median(timer.times[-args.steps :]), "losses": module.losses}
+    if isinstance(strategy, SuperpipeStrategy):
+        report = strategy.memory_report()
+        result["peak_bytes"] = (
+            torch.cuda.max_memory_allocated() if args.device == "cuda" else report["peak_device_bytes"]
+        )
+        result["plan"] = strategy.plan
+        result["profile"] = strategy._planner.profile if strategy._planner is not None else None
+    return result
+
+
+def link(args: argparse.Namespace) -> Optional[EmulatedLink]:
+    if args.device == "cuda":
+        return None
+    return EmulatedLink(mode="thread", bandwidth=args.bandwidth, max_delay_s=0.0, check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--bandwidth", default="400MB/s", help="the emulated link's cap (CPU only)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    parser.add_argument("--budgets", type=int, default=4, help="budgets from the least placement to the whole model")
+    parser.add_argument("--max-prefetch", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    args.preset = args.preset or args.device
+    if args.layers:
+        PRESETS[args.preset]["num_hidden_layers"] = args.layers
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    blocks = PRESETS[args.preset]["num_hidden_layers"]
+    steps = args.steps + 1  # one warm-up step
+
+    plain = run(args, "auto", steps)
+    grid: list[dict[str, Any]] = []
+    for resident, prefetch, mode in itertools.product(range(blocks + 1), range(args.max_prefetch + 1), ("recompute", "keep", "offload")):
+        if resident == blocks and prefetch > 0:
+            continue  # nothing streams: prefetch changes nothing
+        strategy = SuperpipeStrategy(resident_blocks=resident, prefetch=prefetch, activations=mode, link=link(args))
+        result = run(args, strategy, steps)
+        grid.append({"resident": resident, "prefetch": prefetch, "activations": mode, **_public(result)})
+        print(f"grid r={resident} p={prefetch} {mode}: {result['step_s'] * 1e3:.0f} ms, {format_bytes(result['peak_bytes'])}")
+
+    # The budgets: from the least placement's predicted peak to the whole model's, from one profiled run.
+    probe = run(args, SuperpipeStrategy(memory_budget=2**40, link=link(args)), 3)
+    profile = probe["profile"]
+    least = minimum_plan(profile).predicted_peak_bytes
+    whole = predict(profile, range(blocks), 1, ["keep"] * blocks).peak_bytes
+    budgets = [int(least + (whole - least) * k / (args.budgets - 1)) for k in range(args.budgets)]
+
+    rows: list[dict[str, Any]] = []
+    for budget in budgets:
+        result = run(args, SuperpipeStrategy(memory_budget=budget, link=link(args)), BudgetPlanner.PROFILED_STEPS + steps)
+        plan = result["plan"]
+        fitting = [point for point in grid if point["peak_bytes"] <= budget]
+        best = min(fitting, key=lambda point: point["step_s"]) if fitting else None
+        loss_difference = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], plain["losses"]))
+        rows.append({
+            "budget_bytes": budget,
+            "plan": plan.as_dict(),
+            "measured_step_s": result["step_s"],
+            "predicted_step_s": plan.predicted_step_s,
+            "measured_peak_bytes": result["peak_bytes"],
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "best_grid": {k: best[k] for k in ("resident", "prefetch", "activations", "step_s", "peak_bytes")} if best else None,
+            "max_relative_loss_difference": loss_difference,
+        })
+
+    lines = [
+        f"# planner vs exhaustive grid ({args.device}, preset {args.preset}, {blocks} blocks,"
+        f" {args.batch}x{args.seq} tokens, {torch.get_num_threads()} threads"
+        + (f", emulated link {args.bandwidth}" if args.device == "cpu" else "") + ")",
+        "",
+        f"Plain Lightning: {plain['step_s'] * 1e3:.0f} ms/step. Grid: {len(grid)} points.",
+        "",
+        "| budget | plan (resident / prefetch / activations) | measured ms | predicted ms | predicted / measured |"
+        " best grid point that fits | its ms | plan / best | measured peak | predicted peak | loss rel. diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        plan, best = row["plan"], row["best_grid"]
+        modes = _modes(plan["activations"])
+        best_text = f"r={best['resident']} p={best['prefetch']} {best['activations']}" if best else "none fits"
+        ratio = row["measured_step_s"] / best["step_s"] if best else float("nan")
+        lines.append(
+            f"| {format_bytes(row['budget_bytes'])} | {len(plan['resident'])} / {plan['prefetch']} / {modes} |"
+            f" {row['measured_step_s'] * 1e3:.0f} | {row['predicted_step_s'] * 1e3:.0f} |"
+            f" {row['predicted_step_s'] / row['measured_step_s']:.2f} | {best_text} |"
+            f" {best['step_s'] * 1e3 if best else float('nan'):.0f} | {ratio:.2f} | {format_bytes(row['measured_peak_bytes'])} |"
+            f" {format_bytes(row['predicted_peak_bytes'])} | {row['max_relative_loss_difference']:.1e} |"
+        )
+    report = "\n".join(lines)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"planner_{args.device}.md").write_text(report + "\n")
+    (args.out / f"planner_{args.device}.json").write_text(
+        json.dumps({"plain_step_s": plain["step_s"], "grid": grid, "budgets": rows}, indent=2)
+    )
+
+
+def _public(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k in ("step_s", "peak_bytes")}
+
+
+def _modes(modes: list[str]) -> str:
+    counts = {mode: modes.count(mode) for mode in dict.fromkeys(modes)}
+    return ", ".join(f"{count} {mode}" for mode, count in counts.items())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""Planning: the placement of a memory budget, from measured costs (``SuperpipeStrategy(memory_budget=...)``).
+
+:mod:`.budget` reads the budget the user wrote, :mod:`.profile` holds what one profiled step measured, :mod:`.cost`
+predicts a placement's step time and device bytes from it, :mod:`.solver` finds the fastest placement that fits as a
+mixed-integer program, and :mod:`.plan` is the result, with its table.
+"""

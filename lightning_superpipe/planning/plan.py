@@ -1,0 +1,120 @@
+"""A placement chosen for a memory budget, with what :mod:`.cost` predicts of it, as a table and as data."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_superpipe.units import format_bytes
+
+if TYPE_CHECKING:
+    from lightning_superpipe.planning.cost import Prediction
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each block's weights and activations live, and the step time and peak that placement predicts.
+
+    Attributes:
+        resident: Indices of the blocks whose weights stay on the device; the others are streamed.
+        prefetch: Blocks fetched ahead of the one in use.
+        activations: Each block's activation mode (``"keep"``, ``"offload"``, ``"recompute"``).
+        budget_bytes: The device memory budget the plan was made for.
+        predicted_step_s: Predicted seconds per optimizer step.
+        predicted_peak_bytes: Predicted device bytes at the step's worst moment.
+        breakdown: The peak's parts (``trunk``, ``trunk_gradients``, ``block_gradients``, ``margin``,
+            ``resident_weights``, ``slots``, ``activations``).
+        blocks: Per block: ``index``, ``placement`` (``"resident"`` or ``"streamed"``), ``activations``,
+            ``predicted_ms`` (its forward and backward per micro-batch, copies included) and ``device_bytes`` (its
+            resident weights and the activations it holds at the peak).
+    """
+
+    resident: frozenset[int]
+    prefetch: int
+    activations: list[str]
+    budget_bytes: int
+    predicted_step_s: float
+    predicted_peak_bytes: int
+    breakdown: dict[str, int]
+    blocks: list[dict[str, Any]]
+
+    @classmethod
+    def from_prediction(
+        cls,
+        resident: Collection[int],
+        prefetch: int,
+        activations: Sequence[str],
+        budget_bytes: int,
+        prediction: Prediction,
+    ) -> Plan:
+        """The plan of a placement, with ``prediction`` (from :func:`~.cost.predict` of that placement)."""
+        blocks = [
+            {
+                "index": index,
+                "placement": "resident" if index in resident else "streamed",
+                "activations": mode,
+                "predicted_ms": (costs["forward_s"] + costs["backward_s"]) * 1e3,
+                "device_bytes": costs["device_bytes"],
+            }
+            for index, (mode, costs) in enumerate(zip(activations, prediction.per_block))
+        ]
+        return cls(
+            resident=frozenset(resident),
+            prefetch=prefetch,
+            activations=list(activations),
+            budget_bytes=budget_bytes,
+            predicted_step_s=prediction.step_s,
+            predicted_peak_bytes=prediction.peak_bytes,
+            breakdown=dict(prediction.breakdown),
+            blocks=blocks,
+        )
+
+    def table(self) -> str:
+        """One row per block (consecutive blocks that read the same share one, e.g. ``3-10``), then the totals."""
+        header = ("blocks", "placement", "activations", "ms/micro-batch", "device")
+        runs: list[tuple[int, int, tuple[str, ...]]] = []
+        for block in self.blocks:
+            cells = (
+                block["placement"],
+                block["activations"],
+                f"{block['predicted_ms']:.2f}",
+                format_bytes(block["device_bytes"]),
+            )
+            if runs and runs[-1][2] == cells:
+                runs[-1] = (runs[-1][0], block["index"], cells)
+            else:
+                runs.append((block["index"], block["index"], cells))
+        rows = [(str(first) if first == last else f"{first}-{last}", *cells) for first, last, cells in runs]
+        widths = [max(len(row[column]) for row in (header, *rows)) for column in range(len(header))]
+        # Names read left-aligned, numbers right-aligned.
+        lines = [
+            "  ".join(
+                cell.ljust(width) if column < 3 else cell.rjust(width)
+                for column, (cell, width) in enumerate(zip(row, widths))
+            ).rstrip()
+            for row in (header, *rows)
+        ]
+        parts = ", ".join(
+            f"{name.replace('_', ' ')} {format_bytes(nbytes)}" for name, nbytes in self.breakdown.items() if nbytes
+        )
+        lines += [
+            f"predicted step  {self.predicted_step_s * 1e3:.2f} ms",
+            f"predicted peak  {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} budget"
+            f" ({parts or 'nothing'})",
+            f"prefetch        {self.prefetch}",
+        ]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (the resident set as a sorted list)."""
+        return {
+            "resident": sorted(self.resident),
+            "prefetch": self.prefetch,
+            "activations": list(self.activations),
+            "budget_bytes": self.budget_bytes,
+            "predicted_step_s": self.predicted_step_s,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "breakdown": dict(self.breakdown),
+            "blocks": [dict(block) for block in self.blocks],
+        }

@@ -1,0 +1,286 @@
+"""``SuperpipeStrategy(memory_budget=...)``: profile the first steps, solve for the placement, apply it.
+
+The order of events in a run with a budget:
+
+1. Before anything is allocated, the bytes that any placement needs (the weights outside blocks and their
+   gradients, one slot of the largest block and its gradients) are checked against the budget
+   (:func:`check_static`); a budget below them is refused there.
+2. The first :attr:`BudgetPlanner.PROFILED_STEPS` optimizer steps run in the placement that needs least memory
+   (no resident block, every block recomputed, one block prefetched if two slots fit, else none), the host step
+   after backward. The first micro-batch of each is profiled (:class:`~.profile.StepProfiler`): compute per block,
+   copies, what each activation placement would hold; and so is the optimizer step. Profiling changes no value:
+   every placement computes the same losses and gradients, and the census of activations runs on the side with
+   the RNG put back.
+3. From the fastest of the profiled samples (the first step also pays for warm-up), the placement that predicts the
+   shortest step within the budget is solved for (:func:`~.solver.solve`), the engine is re-placed
+   (``StreamingEngine.replan``), and the plan's table is printed once. A budget that only the activations make
+   impossible is refused here, with the least budget that works.
+
+An evaluation-only run (``Trainer.validate/test/predict``) has no backward to profile: it keeps as many blocks
+resident as fit beside one prefetched slot (forward-only passes hold no activations between blocks), which is the
+fastest placement a forward pass allows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_superpipe.memory.host import transfer_bytes
+from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
+from lightning_superpipe.planning.plan import Plan
+from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
+from lightning_superpipe.planning.solver import InfeasibleBudget, solve
+from lightning_superpipe.streaming.activations import ActivationsPolicy
+from lightning_superpipe.units import format_bytes
+
+
+@dataclass(frozen=True)
+class StaticCosts:
+    """Device bytes known before anything is allocated."""
+
+    trunk_bytes: int
+    trunk_gradient_bytes: int
+    block_bytes: list[int]
+    largest_gradient_bytes: int
+
+    def least_bytes(self, slots: int) -> int:
+        """What the placement with no resident block and ``slots`` slots holds before any activation."""
+        return self.trunk_bytes + self.trunk_gradient_bytes + slots * max(self.block_bytes, default=0) + self.largest_gradient_bytes
+
+
+def static_costs(
+    block_params: Sequence[Sequence[nn.Parameter]],
+    trunk_params: Sequence[nn.Parameter],
+    transfer_dtype: Optional[torch.dtype],
+    training: bool,
+) -> StaticCosts:
+    """The device bytes of weights and gradients, from the parameters alone."""
+
+    def dtype_of(params: Sequence[nn.Parameter]) -> torch.dtype:
+        return transfer_dtype or params[0].dtype
+
+    trainable = [[p for p in block if p.requires_grad] for block in block_params]
+    return StaticCosts(
+        trunk_bytes=sum(p.numel() * p.element_size() for p in trunk_params),
+        trunk_gradient_bytes=sum(p.numel() * p.element_size() for p in trunk_params if p.requires_grad) if training else 0,
+        block_bytes=[transfer_bytes(block, dtype_of(block)) if block else 0 for block in block_params],
+        largest_gradient_bytes=max(
+            (transfer_bytes(t, dtype_of(t)) for t in trainable if t), default=0
+        ) if training else 0,
+    )
+
+
+class BudgetPlanner:
+    """Plans one run's placement from its memory budget (see the module).
+
+    Args:
+        memory_budget: The budget as the user wrote it (:func:`~.budget.resolve_budget`).
+        device: The compute device.
+        resident_blocks: A resident-block count the user pinned, or ``None``.
+        prefetch: A prefetch depth the user pinned, or ``None``.
+        activations: A placement (or one per block) the user pinned, or ``None``.
+
+    Raises:
+        MisconfigurationException: For a budget that means nothing on ``device``.
+    """
+
+    #: Optimizer steps profiled before the plan is solved; the fastest sample counts.
+    PROFILED_STEPS = 2
+
+    def __init__(
+        self,
+        memory_budget: MemoryBudget,
+        device: torch.device,
+        resident_blocks: Optional[int],
+        prefetch: Optional[int],
+        activations: Optional[ActivationsPolicy],
+    ) -> None:
+        self.call = f"SuperpipeStrategy(memory_budget={memory_budget!r})"
+        try:
+            self.budget_bytes = resolve_budget(memory_budget, device)
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from error
+        self.pinned: dict[str, Any] = {"resident_blocks": resident_blocks, "prefetch": prefetch, "activations": activations}
+        self.plan: Optional[Plan] = None
+        #: What the plan was solved from (after the profiled steps).
+        self.profile: Optional[Profile] = None
+        self._static: Optional[StaticCosts] = None
+        self._profiler: Optional[StepProfiler] = None
+        self._samples: list[dict[str, Any]] = []
+        self._closure_s = 0.0
+        self._profiling_step = False
+
+    # ------------------------------------------------------------------ before allocating
+
+    def first_placement(self, static: StaticCosts, training: bool) -> tuple[int, int, str]:
+        """The placement to start in: how many blocks are resident (evenly spaced), prefetch and activations.
+
+        Raises:
+            MisconfigurationException: If no placement can fit the budget, naming what the least one holds.
+        """
+        self._static = static
+        least = static.least_bytes(slots=1)
+        if least > self.budget_bytes:
+            raise MisconfigurationException(
+                f"{self.call} is {format_bytes(self.budget_bytes)}, and any placement of this model needs more than"
+                f" {format_bytes(least)} before its activations: the weights outside blocks"
+                f" ({format_bytes(static.trunk_bytes)}), their gradients ({format_bytes(static.trunk_gradient_bytes)}),"
+                f" one slot of the largest block ({format_bytes(max(static.block_bytes, default=0))}) and that"
+                f" block's gradients ({format_bytes(static.largest_gradient_bytes)}). Raise the budget to at least"
+                f" {format_bytes(least)} plus the activations, or train fewer parameters (e.g. LoRA) or in bf16."
+            )
+        if training:
+            prefetch = 1 if static.least_bytes(slots=2) <= self.budget_bytes else 0
+            return 0, prefetch, "recompute"
+        # Forward only: as many resident blocks as fit beside the slots, evenly spaced by the engine.
+        resident_room = self.budget_bytes - static.least_bytes(slots=2)
+        count = 0
+        for nbytes in sorted(static.block_bytes):
+            if nbytes > resident_room:
+                break
+            resident_room -= nbytes
+            count += 1
+        if self.pinned["resident_blocks"] is not None:
+            count = min(count, self.pinned["resident_blocks"])
+        return count, 1, "recompute"
+
+    # ------------------------------------------------------------------ profiling
+
+    @property
+    def profiling(self) -> bool:
+        """Whether the run is still in its profiled steps (the optimizer then steps after backward)."""
+        return self.plan is None
+
+    def start_micro_batch(self, engine: Any) -> None:
+        """Profiles the first micro-batch of each profiled step."""
+        if self.plan is not None or self._profiling_step:
+            return
+        self._profiling_step = True
+        self._profiler = StepProfiler(engine, len(engine.homes))
+        if engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        self._profiler.start()
+
+    def end_backward(self, engine: Any) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        sample: dict[str, Any] = {"profiler": self._profiler, "ledger_peak": engine.ledger.peak_bytes}
+        if engine.device.type == "cuda":
+            sample["cuda_peak"] = torch.cuda.max_memory_allocated(engine.device)
+        self._samples.append(sample)
+        self._profiler = None
+
+    def timed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer's closure (forward and backward), timed during profiled steps."""
+        if self.plan is not None:
+            return closure
+
+        def timed() -> Any:
+            start = time.perf_counter()
+            try:
+                return closure()
+            finally:
+                self._closure_s += time.perf_counter() - start
+
+        return timed
+
+    def after_step(self, strategy: Any, optimizer: Any, step_s: float, refresh_s: float) -> None:
+        """Records a profiled step's host time (``step_s`` covers ``optimizer_step``, closure included); after the
+        last profiled step, solves for the plan, gives it to the engine and prints its table.
+
+        Raises:
+            MisconfigurationException: If no placement fits the budget with the measured activations.
+        """
+        if self.plan is not None or not self._samples:
+            return
+        sample = self._samples[-1]
+        sample.setdefault("optimizer_s", step_s - self._closure_s)
+        sample.setdefault("refresh_s", refresh_s)
+        self._closure_s = 0.0
+        self._profiling_step = False
+        if len(self._samples) < self.PROFILED_STEPS:
+            return
+        self.profile = self._profile(strategy, optimizer)
+        try:
+            plan = solve(self.profile, self.budget_bytes, **self.pinned)
+        except InfeasibleBudget as error:
+            raise MisconfigurationException(f"{self.call}: {error}") from error
+        strategy.engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
+        self.plan = plan
+        rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}")
+
+    def _profile(self, strategy: Any, optimizer: Any) -> Profile:
+        from lightning_superpipe.streaming.overlap import overlap_refusal
+
+        engine = strategy.engine
+        trainer = strategy.lightning_module.trainer
+        best = {name: min(s[name] for s in self._samples) for name in ("optimizer_s", "refresh_s")}
+        profilers = [s["profiler"] for s in self._samples]
+
+        def fastest(values: Callable[[StepProfiler], Sequence[float]], index: int) -> float:
+            return min(values(p)[index] for p in profilers)
+
+        numel = [sum(piece.numel for piece in home.trainable) if home is not None else 0 for home in engine.homes]
+        trunk_numel = sum(p.numel() for p in engine.trunk_parameters() if p.requires_grad)
+        total_numel = max(1, sum(numel) + trunk_numel)
+        # The host step is per element for SGD/Adam-like optimizers: each block's share is its share of elements.
+        per_element_s = best["optimizer_s"] / total_numel
+        itemsize = {i: home.transfer.element_size() for i, home in enumerate(engine.homes) if home is not None}
+        blocks = [
+            BlockCosts(
+                forward_s=fastest(lambda p: p.forward_s, i),
+                backward_s=fastest(lambda p: p.backward_s, i),
+                recompute_s=fastest(lambda p: p.recompute_s, i),
+                weight_bytes=home.transfer_bytes if home is not None else 0,
+                gradient_bytes=numel[i] * itemsize.get(i, 0),
+                kept_bytes=max(p.kept_bytes[i] for p in profilers),
+                offloaded_bytes=max(p.offloaded_bytes[i] for p in profilers),
+                small_bytes=max(p.small_bytes[i] for p in profilers),
+                input_bytes=max(p.input_bytes[i] for p in profilers),
+                optimizer_s=numel[i] * per_element_s,
+            )
+            for i, home in enumerate(engine.homes)
+        ]
+        h2d = _speed(profilers, "h2d")
+        d2h = _speed(profilers, "d2h") or h2d
+        overlap = bool(strategy.overlap_optimizer) and (
+            overlap_refusal(trainer, optimizer, strategy.overlap_optimizer == "auto") is None
+        )
+        ledger_peak = max(s["ledger_peak"] for s in self._samples)
+        margin = max(s["cuda_peak"] for s in self._samples) - ledger_peak if "cuda_peak" in self._samples[0] else 0
+        return Profile(
+            blocks=blocks,
+            trunk_s=min(p.trunk_s for p in profilers),
+            trunk_optimizer_s=trunk_numel * per_element_s + best["refresh_s"],
+            h2d_bytes_per_s=h2d or float("inf"),
+            d2h_bytes_per_s=d2h or float("inf"),
+            asynchronous=engine.copier.asynchronous,
+            overlap_optimizer=overlap,
+            micro_batches=trainer.accumulate_grad_batches,
+            trunk_bytes=engine.trunk_device_bytes(),
+            # Bounds, not measurements, as what the gradients hold at once depends on timing: every trunk gradient,
+            # and the largest block's gradients twice where copies are asynchronous (one block leaves while the next
+            # one's exist already).
+            trunk_gradient_bytes=self._static.trunk_gradient_bytes,
+            block_gradient_bytes=(2 if engine.copier.asynchronous else 1) * self._static.largest_gradient_bytes,
+            margin_bytes=max(0, margin),
+        )
+
+
+def _speed(profilers: Sequence[StepProfiler], direction: str) -> float:
+    """Bytes per second of one direction of the link over the profiled copies (0 if none was made)."""
+    speeds = [p.copy_bytes[direction] / p.copy_s[direction] for p in profilers if p.copy_s[direction] > 0]
+    return max(speeds, default=0.0)
+
+
+__all__ = ["BudgetPlanner", "InfeasibleBudget", "StaticCosts", "static_costs"]

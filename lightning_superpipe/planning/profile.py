@@ -1,0 +1,199 @@
+"""What the planner knows about a run: the costs one profiled training step measured.
+
+Everything here is measured, none of it is guessed from the model's config: a block's compute times and the bytes its
+saved activations take come from running it, the link's speeds from copies on the real copy path (the copier's
+streams, pinned buffers; on the CPU the emulated link), and the bytes outside blocks from the engine's ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """One streamed block's costs, per micro-batch.
+
+    Attributes:
+        forward_s: Compute time of its forward.
+        backward_s: Compute time of its backward, without recomputation.
+        recompute_s: Time of recomputing its forward in backward (``"recompute"``).
+        weight_bytes: Bytes of its weights on the device (what one copy of it moves, and what a resident copy or its
+            share of a slot holds).
+        gradient_bytes: Bytes of its weight gradients that leave the device after its backward.
+        kept_bytes: Its saved activations under ``"keep"`` (each storage once).
+        offloaded_bytes: What ``"offload"`` copies to the host in forward and back in backward.
+        small_bytes: What ``"offload"`` leaves on the device (saved tensors below the offload threshold).
+        input_bytes: What ``"recompute"`` holds until backward: its inputs, saved by the checkpoint.
+        optimizer_s: The host optimizer step over its parameters.
+    """
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    weight_bytes: int
+    gradient_bytes: int
+    kept_bytes: int
+    offloaded_bytes: int
+    small_bytes: int
+    input_bytes: int
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The costs of a run, from one profiled step.
+
+    Attributes:
+        blocks: Each block's costs, in block order.
+        trunk_s: Compute time outside the blocks (embeddings, head, loss) per micro-batch, forward and backward.
+        trunk_optimizer_s: The host optimizer step over the parameters outside blocks.
+        h2d_bytes_per_s: Host-to-device speed of the copy path.
+        d2h_bytes_per_s: Device-to-host speed of the copy path.
+        asynchronous: Whether copies run beside compute (CUDA, an emulated link) or on the compute thread (a CPU
+            device), where their time adds to it.
+        overlap_optimizer: Whether the optimizer steps each block during backward (:mod:`..streaming.overlap`).
+        micro_batches: Micro-batches per optimizer step (``accumulate_grad_batches``).
+        trunk_bytes: Device bytes of the weights outside blocks (always resident).
+        trunk_gradient_bytes: The most device bytes of their gradients at once.
+        block_gradient_bytes: The most device bytes of block gradients waiting to leave at once.
+        margin_bytes: Device bytes the ledger does not count (the allocator's overhead, activations outside blocks)
+            measured on CUDA during the profiled step; 0 on the CPU.
+        trunk_update_bytes: Bytes of the weights outside blocks that each optimizer step changes: copied to the device
+            again at the start of each step, and their gradients off it at the end of each backward.
+    """
+
+    blocks: list[BlockCosts]
+    trunk_s: float
+    trunk_optimizer_s: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    asynchronous: bool
+    overlap_optimizer: bool
+    micro_batches: int
+    trunk_bytes: int
+    trunk_gradient_bytes: int
+    block_gradient_bytes: int
+    margin_bytes: int = 0
+    trunk_update_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StepProfiler:
+    """Measures one training micro-batch of a streaming engine, for :class:`Profile`.
+
+    The engine's hooks tell it what the compute thread is doing (:meth:`enter`: a block's forward or backward, or
+    the trunk); every copy is timed on its own by making it synchronous (the device is synchronized before and after
+    it), so compute phases never include copy time and the copies give the link's speed on the real copy path. The
+    profiled micro-batch is slower than the others, and computes the same values.
+
+    Args:
+        engine: The engine to measure (a ``StreamingEngine``).
+        num_blocks: The number of blocks.
+    """
+
+    def __init__(self, engine: Any, num_blocks: int) -> None:
+        self.engine = engine
+        self.num_blocks = num_blocks
+        self.forward_s = [0.0] * num_blocks
+        self.backward_s = [0.0] * num_blocks
+        self.trunk_s = 0.0
+        self.copy_bytes = {"h2d": 0, "d2h": 0}
+        self.copy_s = {"h2d": 0.0, "d2h": 0.0}
+        self.recompute_s = [0.0] * num_blocks
+        self.input_bytes = [0] * num_blocks
+        self.kept_bytes = [0] * num_blocks
+        self.offloaded_bytes = [0] * num_blocks
+        self.small_bytes = [0] * num_blocks
+        self._inputs_seen: set[int] = set()
+        self._saved_inputs: set[int] = set()
+        self._block_input_addresses: set[int] = set()
+        self._phase: tuple[str, int] = ("trunk", -1)
+        self._since = 0.0
+        self._copier = engine.copier
+        self._cuda = engine.device.type == "cuda"
+        self._lock = threading.RLock()
+
+    def start(self) -> None:
+        """Starts the clock in the trunk and makes the copier's copies timed and synchronous."""
+        copier = self._copier
+        self.engine.profiler = self
+        self._since = self._now()
+        for name, direction in (("to_device", "h2d"), ("to_host", "d2h")):
+            setattr(copier, name, self._timed(getattr(copier, name), direction))
+
+    def stop(self) -> None:
+        """Stops the clock and gives the copier its own methods back."""
+        self.enter("trunk")
+        self.engine.profiler = None
+        for name in ("to_device", "to_host"):
+            vars(self._copier).pop(name, None)
+
+    def enter(self, phase: str, index: int = -1) -> None:
+        """The compute thread now works on ``phase``: ``"forward"``, ``"recompute"`` or ``"backward"`` of block
+        ``index``, ``"trunk"`` (anything else in the step), or ``"census"`` (the profile's own work, not counted)."""
+        with self._lock:
+            now = self._now()
+            self._add(self._phase, now - self._since)
+            self._phase, self._since = (phase, index), now
+
+    def block_inputs(self, index: int, tensors: list[Any]) -> None:
+        """Counts what a checkpoint of block ``index`` would hold: its tensor inputs, each storage once per pass."""
+        self._block_input_addresses = {tensor.untyped_storage().data_ptr() for tensor in tensors}
+        for tensor in tensors:
+            address = tensor.untyped_storage().data_ptr()
+            if address not in self._inputs_seen:
+                self._inputs_seen.add(address)
+                self.input_bytes[index] += tensor.untyped_storage().nbytes()
+
+    def activations(self, index: int, census: Any) -> None:
+        """Takes block ``index``'s :class:`~lightning_superpipe.streaming.activations.ActivationCensus`."""
+        # A storage several blocks save (a mask, rotary tables: inputs of each) is held once, by the first block that
+        # saved it. Only inputs can be shared: what the census computed was freed after it, and its addresses reused.
+        for address, nbytes in census.kept.items():
+            if address not in self._saved_inputs:
+                if address in self._block_input_addresses:
+                    self._saved_inputs.add(address)
+                self.kept_bytes[index] += nbytes
+                self.small_bytes[index] += nbytes if address in census.small else 0
+        self.offloaded_bytes[index] += census.offloaded_bytes
+
+    def _add(self, phase: tuple[str, int], seconds: float) -> None:
+        kind, index = phase
+        if kind == "forward":
+            self.forward_s[index] += seconds
+        elif kind == "backward":
+            self.backward_s[index] += seconds
+        elif kind == "recompute":
+            self.recompute_s[index] += seconds
+        elif kind == "trunk":
+            self.trunk_s += seconds
+        # "census": the profile's own extra forward, no part of a step
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize(self.engine.device)
+        return time.perf_counter()
+
+    def _timed(self, copy: Callable[..., Any], direction: str) -> Callable[..., Any]:
+        def timed(dst: Tensor, src: Tensor, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                now = self._now()
+                self._add(self._phase, now - self._since)
+                event = copy(dst, src, *args, **kwargs)
+                self._copier.synchronize()
+                self._since = self._now()
+                self.copy_bytes[direction] += dst.numel() * dst.element_size()
+                self.copy_s[direction] += self._since - now
+            return event
+
+        return timed

@@ -1,0 +1,502 @@
+"""The planner's cost model, its mixed-integer program against exhaustive enumeration, and the plan's table."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import time
+from dataclasses import replace
+from functools import lru_cache
+from typing import Any, NamedTuple, Optional
+
+import pytest
+from scipy.optimize import OptimizeResult
+
+from lightning_superpipe.planning.cost import MODES, PEAK_PARTS, predict
+from lightning_superpipe.planning.plan import Plan
+from lightning_superpipe.planning import solver
+from lightning_superpipe.planning.profile import BlockCosts, Profile
+from lightning_superpipe.planning.solver import InfeasibleBudget, _Program, minimum_plan, solve
+from lightning_superpipe.units import format_bytes
+
+MiB = 2**20
+
+
+def make_profile(
+    blocks: int = 3,
+    *,
+    uniform: bool = True,
+    asynchronous: bool = True,
+    overlap: bool = True,
+    micro_batches: int = 1,
+    seed: int = 0,
+) -> Profile:
+    """A synthetic profile whose trade-offs are close: a block's weights copy in about as long as it computes, and
+    offloading costs about as much as recomputing. ``uniform=False`` scales each figure of each block by its own
+    factor in [0.5, 1.5)."""
+    rng = random.Random(seed)
+
+    def scale() -> float:
+        return 1.0 if uniform else rng.uniform(0.5, 1.5)
+
+    costs = [
+        BlockCosts(
+            forward_s=0.010 * scale(),
+            backward_s=0.020 * scale(),
+            recompute_s=0.009 * scale(),
+            weight_bytes=int(80 * MiB * scale()),
+            gradient_bytes=int(40 * MiB * scale()),
+            kept_bytes=int(48 * MiB * scale()),
+            offloaded_bytes=int(40 * MiB * scale()),
+            small_bytes=int(2 * MiB * scale()),
+            input_bytes=int(6 * MiB * scale()),
+            optimizer_s=0.006 * scale(),
+        )
+        for _ in range(blocks)
+    ]
+    return Profile(
+        blocks=costs,
+        trunk_s=0.005,
+        trunk_optimizer_s=0.002,
+        h2d_bytes_per_s=8e9,
+        d2h_bytes_per_s=6e9,
+        asynchronous=asynchronous,
+        overlap_optimizer=overlap,
+        micro_batches=micro_batches,
+        trunk_bytes=256 * MiB,
+        trunk_gradient_bytes=64 * MiB,
+        block_gradient_bytes=40 * MiB,
+        margin_bytes=16 * MiB,
+    )
+
+
+class Scored(NamedTuple):
+    step_s: float
+    peak_bytes: int
+    resident: frozenset[int]
+    prefetch: int
+    modes: tuple[str, ...]
+
+
+@lru_cache(maxsize=None)
+def enumerate_placements(profile_key: tuple, max_prefetch: int = 2) -> list[Scored]:
+    """Every (resident set, prefetch, modes) of the profile ``make_profile(**dict(profile_key))``, scored by
+    predict."""
+    profile = make_profile(**dict(profile_key))
+    count = len(profile.blocks)
+    scored = []
+    for size in range(count + 1):
+        for resident in itertools.combinations(range(count), size):
+            for prefetch in range(max_prefetch + 1):
+                for modes in itertools.product(MODES, repeat=count):
+                    prediction = predict(profile, resident, prefetch, modes)
+                    scored.append(
+                        Scored(prediction.step_s, prediction.peak_bytes, frozenset(resident), prefetch, modes)
+                    )
+    return scored
+
+
+def restrict(
+    scored: list[Scored],
+    resident_blocks: Optional[int] = None,
+    prefetch: Optional[int] = None,
+    activations: Optional[tuple[str, ...]] = None,
+) -> list[Scored]:
+    return [
+        s
+        for s in scored
+        if (resident_blocks is None or len(s.resident) == resident_blocks)
+        and (prefetch is None or s.prefetch == prefetch)
+        and (activations is None or s.modes == activations)
+    ]
+
+
+def fastest_within(scored: list[Scored], budget: int) -> Optional[Scored]:
+    fitting = [s for s in scored if s.peak_bytes <= budget]
+    return min(fitting, key=lambda s: (s.step_s, s.peak_bytes)) if fitting else None
+
+
+def budgets_of(scored: list[Scored]) -> list[int]:
+    """Budgets from below the least peak to above every peak, including one byte either side of the fastest
+    placement's peak and of the least peak (where HiGHS's tolerance would show)."""
+    peaks = sorted({s.peak_bytes for s in scored})
+    fastest = min(scored, key=lambda s: s.step_s).peak_bytes
+    picks = {peaks[0] - 1, peaks[0], peaks[0] + 1, fastest - 1, fastest, peaks[-1] + 1}
+    picks |= {peaks[len(peaks) * k // 5] for k in range(1, 5)}
+    return sorted(picks)
+
+
+def assert_is_prediction(profile: Profile, plan: Plan) -> None:
+    """The plan carries predict's figures for its own placement."""
+    prediction = predict(profile, plan.resident, plan.prefetch, plan.activations)
+    assert plan.predicted_step_s == prediction.step_s
+    assert plan.predicted_peak_bytes == prediction.peak_bytes
+    assert plan.breakdown == prediction.breakdown
+
+
+def assert_matches_enumeration(profile: Profile, scored: list[Scored], budget: int, **pinned: object) -> None:
+    expected = fastest_within(scored, budget)
+    if expected is None:
+        with pytest.raises(InfeasibleBudget) as raised:
+            solve(profile, budget, **pinned)
+        least = min(s.peak_bytes for s in scored)
+        assert raised.value.minimum_bytes == least
+        assert raised.value.budget_bytes == budget
+        assert sum(raised.value.breakdown.values()) == least
+        return
+    plan = solve(profile, budget, **pinned)
+    assert_is_prediction(profile, plan)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_step_s == pytest.approx(expected.step_s, rel=1e-9)
+    # The tie-break: no placement exactly as fast holds less.
+    ties = [s.peak_bytes for s in scored if s.peak_bytes <= budget and s.step_s <= expected.step_s * (1 + 1e-12)]
+    assert plan.predicted_peak_bytes <= min(ties)
+    assert plan.budget_bytes == budget
+
+
+CONFIGURATIONS = [
+    dict(blocks=blocks, uniform=uniform, asynchronous=asynchronous, overlap=overlap, micro_batches=micro_batches)
+    for uniform, asynchronous, overlap, micro_batches, blocks in [
+        (True, True, True, 1, 3),
+        (True, True, False, 3, 4),
+        (True, False, True, 3, 3),
+        (True, False, False, 1, 4),
+        (False, True, True, 3, 4),
+        (False, True, False, 1, 3),
+        (False, False, True, 1, 4),
+        (False, False, False, 3, 3),
+    ]
+]
+
+
+def key(configuration: dict) -> tuple:
+    return tuple(sorted(configuration.items()))
+
+
+def configuration_id(configuration: dict) -> str:
+    return "-".join(f"{name}={value}" for name, value in configuration.items())
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS, ids=configuration_id)
+def test_solve_matches_exhaustive_enumeration(configuration: dict) -> None:
+    profile = make_profile(**configuration)
+    scored = enumerate_placements(key(configuration))
+    for budget in budgets_of(scored):
+        assert_matches_enumeration(profile, scored, budget)
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS[2::3], ids=configuration_id)
+def test_exact_where_the_solver_oversteps_its_limits(configuration: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HiGHS holds a limit only to a tolerance, so it may take a placement a few bytes over the budget. Made to
+    overstep every peak limit by 30 MiB, the solver still finds the enumeration's answer, to the byte."""
+    solve_program = _Program._solve
+
+    def overstepping(self: _Program, objective: str, limits: list[tuple[str, float]]) -> object:
+        loose = [(name, most + 30 * MiB if name == "peak" else most) for name, most in limits]
+        return solve_program(self, objective, loose)
+
+    monkeypatch.setattr(_Program, "_solve", overstepping)
+    profile = make_profile(**configuration)
+    scored = enumerate_placements(key(configuration))
+    peaks = sorted({s.peak_bytes for s in scored})
+    for budget in [*budgets_of(scored), *(peak + offset for peak in peaks[:: len(peaks) // 4] for offset in (-1, 1))]:
+        assert_matches_enumeration(profile, scored, budget)
+
+
+def test_solves_again_with_presolve_where_highs_errs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without presolve HiGHS has been seen to cut off feasible solutions. Made to claim infeasibility on every
+    other call, and else to return its continuous variables above their least (so predict disagrees), the solver
+    solves again with presolve and finds the enumeration's answer; where that disagrees too, it says it is a bug."""
+    real = solver.milp
+    calls = itertools.count()
+
+    def erring(c: object, *, integrality: Any, options: dict, **arguments: Any) -> OptimizeResult:
+        result = real(c, integrality=integrality, options=options, **arguments)
+        if result.x is None or (options["presolve"] and not broken):
+            return result
+        if next(calls) % 2 and not broken:
+            return OptimizeResult(status=2, x=None, message="infeasible (made up)")
+        loose = result.x + (integrality == 0)
+        return OptimizeResult(status=result.status, x=loose, message=result.message)
+
+    monkeypatch.setattr(solver, "milp", erring)
+    broken = False
+    configuration = CONFIGURATIONS[4]
+    profile = make_profile(**configuration)
+    scored = enumerate_placements(key(configuration))
+    for budget in budgets_of(scored):
+        assert_matches_enumeration(profile, scored, budget)
+    broken = True
+    with pytest.raises(RuntimeError, match="the cost model at .*: a bug in the planner"):
+        solve(profile, budgets_of(scored)[-1])
+
+
+def test_enumeration_finds_better_than_a_bad_placement() -> None:
+    """The comparison has teeth: the enumeration (and the solver) beat a deliberately slow placement that fits."""
+    configuration = CONFIGURATIONS[4]
+    profile = make_profile(**configuration)
+    bad = predict(profile, (), 0, ["recompute"] * len(profile.blocks))
+    scored = enumerate_placements(key(configuration))
+    better = fastest_within(scored, bad.peak_bytes + 200 * MiB)
+    assert better is not None and better.step_s < bad.step_s * 0.95
+    assert solve(profile, bad.peak_bytes + 200 * MiB).predicted_step_s == pytest.approx(better.step_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("configuration", CONFIGURATIONS[::3], ids=configuration_id)
+def test_minimum_plan_and_infeasible_budget(configuration: dict) -> None:
+    profile = make_profile(**configuration)
+    scored = enumerate_placements(key(configuration))
+    least = min(s.peak_bytes for s in scored)
+    smallest = minimum_plan(profile)
+    assert_is_prediction(profile, smallest)
+    assert smallest.predicted_peak_bytes == least == smallest.budget_bytes
+    assert smallest.predicted_step_s == pytest.approx(min(s.step_s for s in scored if s.peak_bytes == least), rel=1e-9)
+    for budget in (least - 1, least // 2):
+        with pytest.raises(InfeasibleBudget) as raised:
+            solve(profile, budget)
+        error = raised.value
+        assert (error.budget_bytes, error.minimum_bytes) == (budget, least)
+        assert error.breakdown == smallest.breakdown
+        message = str(error)
+        assert f"memory_budget={format_bytes(budget)}" in message
+        assert f"the least it can run in is {format_bytes(least)}" in message
+        assert f"resident_blocks={len(smallest.resident)}, prefetch={smallest.prefetch}" in message
+        assert "Raise the budget" in message
+    # At one byte apart the units round alike, so the message gives the bytes.
+    with pytest.raises(InfeasibleBudget, match=f"\\({least - 1} bytes\\).*\\({least} bytes\\)"):
+        solve(profile, least - 1)
+
+
+def test_pinned_knobs_are_respected_and_combine_with_the_budget() -> None:
+    configuration = CONFIGURATIONS[4]
+    profile = make_profile(**configuration)
+    count = len(profile.blocks)
+    scored = enumerate_placements(key(configuration))
+    budgets = budgets_of(scored)[1::2]
+    per_block = ("offload", "keep", "recompute", "keep")
+    for pinned in (
+        dict(resident_blocks=0),
+        dict(resident_blocks=2),
+        dict(resident_blocks=count),
+        dict(prefetch=0),
+        dict(prefetch=2),
+        dict(activations="keep"),
+        dict(activations=per_block),
+        dict(resident_blocks=1, prefetch=1, activations=per_block),
+    ):
+        activations = pinned.get("activations")
+        modes = (activations,) * count if isinstance(activations, str) else activations
+        allowed = restrict(scored, pinned.get("resident_blocks"), pinned.get("prefetch"), modes)
+        for budget in budgets:
+            assert_matches_enumeration(profile, allowed, budget, **pinned)
+            if fastest_within(allowed, budget) is not None:
+                plan = solve(profile, budget, **pinned)
+                assert len(plan.resident) == pinned.get("resident_blocks", len(plan.resident))
+                assert plan.prefetch == pinned.get("prefetch", plan.prefetch)
+                assert modes is None or tuple(plan.activations) == modes
+
+
+def test_prefetch_deeper_than_the_streamed_blocks() -> None:
+    """A pinned prefetch past max_prefetch and past the streamed blocks: only as many slots as streamed blocks."""
+    profile = make_profile(3, uniform=False, seed=3)
+    plan = solve(profile, 10**12, prefetch=5, resident_blocks=1)
+    assert plan.prefetch == 5 and len(plan.resident) == 1
+    streamed = [b.weight_bytes for i, b in enumerate(profile.blocks) if i not in plan.resident]
+    assert plan.breakdown["slots"] == 2 * max(streamed)
+    assert_is_prediction(profile, plan)
+    # Against the enumeration at that depth.
+    best = min(
+        (
+            predict(profile, resident, 5, modes)
+            for resident in itertools.combinations(range(3), 1)
+            for modes in itertools.product(MODES, repeat=3)
+        ),
+        key=lambda p: p.step_s,
+    )
+    assert plan.predicted_step_s == pytest.approx(best.step_s, rel=1e-9)
+
+
+def test_pinned_knobs_that_no_budget_holds_say_so() -> None:
+    profile = make_profile(4, uniform=False, seed=1)
+    least = minimum_plan(profile, resident_blocks=4).predicted_peak_bytes
+    with pytest.raises(InfeasibleBudget, match="as pinned by resident_blocks=4.*unpin those knobs") as raised:
+        solve(profile, least - 1, resident_blocks=4)
+    assert raised.value.minimum_bytes == least
+    assert least > minimum_plan(profile).predicted_peak_bytes
+
+
+def test_a_larger_budget_never_predicts_a_slower_step() -> None:
+    for asynchronous in (True, False):
+        profile = make_profile(8, uniform=False, asynchronous=asynchronous, micro_batches=2, seed=7)
+        least = minimum_plan(profile).predicted_peak_bytes
+        everything = predict(profile, range(8), 0, ["keep"] * 8).peak_bytes
+        steps = [solve(profile, least + (everything - least) * k // 7).predicted_step_s for k in range(8)]
+        assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(steps, steps[1:]))
+        assert steps[-1] < steps[0]
+
+
+def two_blocks(**changes: object) -> Profile:
+    """Round figures: a 1 GB/s link each way, so 1e6 bytes copy in 1 ms."""
+    block = BlockCosts(
+        forward_s=0.010,
+        backward_s=0.020,
+        recompute_s=0.008,
+        weight_bytes=12_000_000,  # 12 ms in
+        gradient_bytes=5_000_000,  # 5 ms out
+        kept_bytes=30_000_000,
+        offloaded_bytes=25_000_000,  # 25 ms out, 25 ms in
+        small_bytes=1_000_000,
+        input_bytes=2_000_000,
+        optimizer_s=0.003,
+    )
+    profile = Profile(
+        blocks=[block, block],
+        trunk_s=0.004,
+        trunk_optimizer_s=0.001,
+        h2d_bytes_per_s=1e9,
+        d2h_bytes_per_s=1e9,
+        asynchronous=True,
+        overlap_optimizer=False,
+        micro_batches=1,
+        trunk_bytes=100_000_000,
+        trunk_gradient_bytes=20_000_000,
+        block_gradient_bytes=10_000_000,
+    )
+    return replace(profile, **changes)  # type: ignore[arg-type]
+
+
+def test_model_on_hand_computed_numbers() -> None:
+    static = 100_000_000 + 20_000_000 + 10_000_000
+
+    # Keep, both streamed, prefetch 1, asynchronous: forward max(10, 12, 0) = 12 ms, backward max(20, 12, 5) = 20 ms;
+    # T_mb = 4 + 2 * (12 + 20) = 68 ms; optimizer 1 + 3 + 3 = 7 ms; step 75 ms.
+    # Peak: 2 slots of 12 MB; activations at block 1's backward 30 + 30 = 60 MB.
+    keep = predict(two_blocks(), (), 1, ["keep", "keep"])
+    assert keep.step_s == pytest.approx(0.075)
+    assert keep.peak_bytes == static + 24_000_000 + 60_000_000
+    assert keep.breakdown["slots"] == 24_000_000 and keep.breakdown["activations"] == 60_000_000
+    assert keep.per_block[0]["forward_s"] == pytest.approx(0.012)
+    assert keep.per_block[0]["backward_s"] == pytest.approx(0.020)
+    assert [b["device_bytes"] for b in keep.per_block] == [30_000_000, 30_000_000]
+
+    # Serial link: forward 10 + 12 = 22 ms, backward 20 + 12 + 5 = 37 ms; 4 + 2 * 59 + 7 = 129 ms. Same bytes.
+    serial = predict(two_blocks(asynchronous=False), (), 1, ["keep", "keep"])
+    assert serial.step_s == pytest.approx(0.129)
+    assert serial.peak_bytes == keep.peak_bytes
+    # Prefetch 0 on an asynchronous link is serial too, with one slot: 129 ms, 12 MB less.
+    unfetched = predict(two_blocks(), (), 0, ["keep", "keep"])
+    assert unfetched.step_s == pytest.approx(0.129)
+    assert unfetched.peak_bytes == keep.peak_bytes - 12_000_000
+
+    # Offload: forward max(10, 12, 25) = 25 ms, backward max(20, 12 + 25, 5) = 37 ms; 4 + 2 * 62 + 7 = 135 ms.
+    # Activations at block 1's backward: small 1 + 1, block 1's 25 back and block 0's 25 coming back: 52 MB.
+    offload = predict(two_blocks(), (), 1, ["offload", "offload"])
+    assert offload.step_s == pytest.approx(0.135)
+    assert offload.breakdown["activations"] == 52_000_000
+    assert offload.peak_bytes == static + 24_000_000 + 52_000_000
+
+    # Recompute, block 0 resident, prefetch 1: block 0 forward 10, backward max(20 + 8, 0, 5) = 28; block 1 forward
+    # 12, backward 28; T_mb = 4 + 10 + 28 + 12 + 28 = 82 ms. Overlapped optimizer: 1 + max(3, 6 - 28) = 4 ms.
+    # Peak: block 0's 12 MB, one slot (one streamed block) of 12 MB, activations at block 1: inputs 2 + 2 and its
+    # recomputed 30 = 34 MB.
+    recompute = predict(two_blocks(overlap_optimizer=True), (0,), 1, ["recompute", "recompute"])
+    assert recompute.step_s == pytest.approx(0.086)
+    assert recompute.breakdown["resident_weights"] == 12_000_000 and recompute.breakdown["slots"] == 12_000_000
+    assert recompute.breakdown["activations"] == 34_000_000
+    assert recompute.peak_bytes == static + 12_000_000 + 12_000_000 + 34_000_000
+    assert [b["device_bytes"] for b in recompute.per_block] == [12_000_000 + 2_000_000, 32_000_000]
+    # Three micro-batches: 3 * 82 + 4 = 250 ms.
+    assert predict(two_blocks(overlap_optimizer=True, micro_batches=3), (0,), 1, ["recompute"] * 2).step_s == (
+        pytest.approx(0.250)
+    )
+    # A host optimizer slower than backward: 50 ms per block, 1 + max(50, 100 - 20) = 81 ms exposed; 68 + 81 = 149.
+    slow = two_blocks(overlap_optimizer=True)
+    slow = replace(slow, blocks=[replace(b, optimizer_s=0.050) for b in slow.blocks])
+    assert predict(slow, (), 1, ["keep", "keep"]).step_s == pytest.approx(0.149)
+    assert sum(keep.breakdown[name] for name in PEAK_PARTS) == keep.peak_bytes
+
+
+def test_solver_on_the_hand_computed_profile() -> None:
+    """With room for everything: both blocks resident and kept, forward max(10, 0, 0) = 10 ms, backward max(20, 0, 5)
+    = 20 ms, 4 + 2 * 30 + 7 = 71 ms. Offloading (forward max(10, 0, 25)) and recomputing (backward 28) are slower,
+    and so is prefetch 0, where the gradients' copies add to backward (4 + 2 * (10 + 25) + 7 = 81 ms). Prefetch 1 and
+    2 predict the same, and the plan has the shallower."""
+    plan = solve(two_blocks(), 10**12)
+    assert plan.predicted_step_s == pytest.approx(0.071)
+    assert plan.resident == frozenset({0, 1})
+    assert plan.activations == ["keep", "keep"]
+    assert plan.prefetch == 1 and plan.breakdown["slots"] == 0
+    # Pinned, a deeper prefetch stays as it is.
+    assert solve(two_blocks(), 10**12, prefetch=2).prefetch == 2
+
+
+def test_predict_rejects_what_the_engine_does_not_have() -> None:
+    profile = two_blocks()
+    with pytest.raises(ValueError, match="unknown mode 'swap'"):
+        predict(profile, (), 1, ["keep", "swap"])
+    with pytest.raises(ValueError, match="1 modes for 2 blocks"):
+        predict(profile, (), 1, ["keep"])
+    with pytest.raises(ValueError, match="block 2 is out of range"):
+        predict(profile, (2,), 1, ["keep", "keep"])
+    with pytest.raises(ValueError, match="prefetch must be at least 0"):
+        predict(profile, (), -1, ["keep", "keep"])
+    with pytest.raises(ValueError, match=r"SuperpipeStrategy\(resident_blocks=3\)"):
+        solve(profile, 10**12, resident_blocks=3)
+    with pytest.raises(ValueError, match=r"SuperpipeStrategy\(prefetch=-1\)"):
+        solve(profile, 10**12, prefetch=-1)
+    with pytest.raises(ValueError, match=r"SuperpipeStrategy\(activations=\['keep'\]\)"):
+        solve(profile, 10**12, activations=["keep"])
+
+
+def test_plan_table_and_dict() -> None:
+    profile = make_profile(12, uniform=False, seed=5)
+    least = minimum_plan(profile).predicted_peak_bytes
+    plan = solve(profile, least + 300 * MiB)
+    assert len(plan.blocks) == 12 and [b["index"] for b in plan.blocks] == list(range(12))
+    table = plan.table()
+    lines = table.splitlines()
+    rows = {}
+    for line in lines[1:]:
+        first = line.split()[0]
+        if first[0].isdigit():
+            low, _, high = first.partition("-")
+            for index in range(int(low), int(high or low) + 1):
+                rows[index] = line
+    assert sorted(rows) == list(range(12))
+    for block in plan.blocks:
+        assert block["placement"] in rows[block["index"]] and block["activations"] in rows[block["index"]]
+        assert block["placement"] == ("resident" if block["index"] in plan.resident else "streamed")
+    assert f"{plan.predicted_step_s * 1e3:.2f} ms" in table
+    assert format_bytes(plan.predicted_peak_bytes) in table and format_bytes(plan.budget_bytes) in table
+    assert f"prefetch        {plan.prefetch}" in table
+    per_block = predict(profile, plan.resident, plan.prefetch, plan.activations).per_block
+    for block, costs in zip(plan.blocks, per_block):
+        assert block["predicted_ms"] == pytest.approx((costs["forward_s"] + costs["backward_s"]) * 1e3)
+        assert block["device_bytes"] == costs["device_bytes"]
+    data = plan.as_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["resident"] == sorted(plan.resident)
+
+    # Consecutive equal rows collapse: 80 uniform blocks all resident read as a few lines, while every block is
+    # still in `blocks`.
+    uniform = make_profile(80)
+    big = solve(uniform, predict(uniform, range(80), 1, ["keep"] * 80).peak_bytes)
+    assert len(big.resident) == 80 and len(big.blocks) == 80
+    assert len(big.table().splitlines()) < 10
+    assert big.table().splitlines()[1].split()[0] == "0-77"
+
+
+def test_96_blocks_solve_quickly() -> None:
+    for asynchronous in (True, False):
+        profile = make_profile(96, asynchronous=asynchronous)
+        least = minimum_plan(profile).predicted_peak_bytes
+        everything = predict(profile, range(96), 0, ["keep"] * 96).peak_bytes
+        started = time.perf_counter()
+        plan = solve(profile, (least + everything) // 2)
+        elapsed = time.perf_counter() - started
+        assert elapsed < 10.0
+        assert 0 < len(plan.resident) < 96
+        assert_is_prediction(profile, plan)
+        assert math.isfinite(plan.predicted_step_s)

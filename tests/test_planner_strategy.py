@@ -1,0 +1,123 @@
+"""``SuperpipeStrategy(memory_budget=...)``: the budget as users write it, the profiled steps, the plan applied."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.planning.budget import resolve_budget
+from lightning_superpipe.planning.cost import predict
+from lightning_superpipe.planning.solver import minimum_plan
+from lightning_superpipe.streaming import activations
+from tests import models
+
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [(123_456_789, 123_456_789), ("12GiB", 12 * 2**30), ("800MiB", 800 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+)
+def test_budgets_in_bytes_are_read_in_every_accepted_form(written: Any, expected: int) -> None:
+    assert resolve_budget(written, CPU) == expected
+
+
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        ("auto", r"memory_budget='auto'\) takes a share of the device's free memory, which a cpu compute device"),
+        (0.5, r"memory_budget=0.5\) takes a share of the device's free memory"),
+        (1.5, r"a float is a fraction of the device's free memory and must be in \(0, 1\]"),
+        ("12 gigs", r"expected bytes such as '12GiB'"),
+        (True, r"must be bytes"),
+        (0, r"must be a positive number of bytes"),
+    ],
+)
+def test_budgets_that_mean_nothing_here_are_refused_with_the_users_call(written: Any, message: str) -> None:
+    with pytest.raises(MisconfigurationException, match=message):
+        models.trainer(SuperpipeStrategy(memory_budget=written)).fit(models.build_task("llama"), models.data("lm"))
+
+
+def test_a_budget_below_what_any_placement_needs_is_refused_before_anything_is_allocated() -> None:
+    task = models.build_task("llama")
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    with pytest.raises(MisconfigurationException, match=r"memory_budget=4096\) is 4 KiB, and any placement .* needs more"):
+        models.trainer(SuperpipeStrategy(memory_budget=4096)).fit(task, models.data("lm"))
+    # Nothing was lost: the parameters are the user's, unchanged, and still plain tensors.
+    for name, param in task.named_parameters():
+        assert type(param) is torch.nn.Parameter
+        torch.testing.assert_close(param.detach(), before[name], rtol=0, atol=0)
+
+
+def _profiled(family: str = "llama", **options: Any) -> Any:
+    """A run with a budget too large to constrain anything: its profile, plan and memory report."""
+    strategy = SuperpipeStrategy(memory_budget="1GiB", **options)
+    models.fit(family, strategy, max_steps=4, **{"accumulate_grad_batches": 1, "gradient_clip_val": None})
+    return strategy
+
+
+def test_the_profile_measures_what_each_placement_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The test model's activations are small: a lower threshold makes "offload" move most of them.
+    monkeypatch.setattr(activations, "OFFLOAD_MIN_BYTES", 4096)
+    profile = _profiled()._planner.profile
+    assert all(b.forward_s > 0 and b.backward_s > 0 and b.recompute_s > 0 for b in profile.blocks)
+    assert profile.h2d_bytes_per_s > 0 and profile.d2h_bytes_per_s > 0
+    # What the census counted for "keep" is what a run that keeps its activations holds, block by block.
+    keep = SuperpipeStrategy(resident_blocks=0, activations="keep")
+    models.fit("llama", keep, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
+    held = keep.memory_report()["peak_activation_bytes_per_block"]
+    assert [b.kept_bytes for b in profile.blocks] == held
+    for block in profile.blocks:
+        assert 0 < block.small_bytes < block.kept_bytes <= block.offloaded_bytes + block.small_bytes
+        assert 0 < block.input_bytes < block.kept_bytes
+
+
+def test_budgets_from_the_least_to_the_whole_model_hold_and_train_as_plain(emulated_link: str) -> None:
+    profile = _profiled()._planner.profile
+    # Each run profiles itself: a little room keeps the least placement and the whole model within the next run's.
+    least = int(1.05 * minimum_plan(profile).predicted_peak_bytes)
+    everything = int(1.2 * predict(profile, range(len(profile.blocks)), 1, ["keep"] * len(profile.blocks)).peak_bytes)
+    plain = models.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
+    plans = []
+    for budget in (least, (least + everything) // 2, everything):
+        strategy = SuperpipeStrategy(memory_budget=budget)
+        task = models.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
+        report = strategy.memory_report()
+        assert report["peak_device_bytes"] <= budget
+        assert report["plan"]["budget_bytes"] == budget
+        np.testing.assert_allclose(task.losses, plain.losses, rtol=1e-5)
+        assert models.max_relative_difference(task, plain) < 1e-5
+        # The engine runs the plan.
+        plan = strategy.plan
+        engine = strategy._last_report
+        assert engine["resident_blocks"] == len(plan.resident) and engine["prefetch"] == min(
+            plan.prefetch, len(profile.blocks) - len(plan.resident)
+        )
+        plans.append(plan)
+    # With room for everything nothing is recomputed; on the synchronous CPU link, where a copy adds its time to
+    # the step, every block stays resident too (on an asynchronous link a copy faster than compute costs nothing).
+    assert "recompute" not in plans[2].activations
+    if emulated_link == "cpu":
+        assert len(plans[0].resident) < len(plans[2].resident) == len(profile.blocks)
+
+
+def test_knobs_the_user_sets_are_constraints_of_the_plan() -> None:
+    strategy = _profiled(activations="offload", resident_blocks=0)
+    assert strategy.plan.activations == ["offload"] * len(strategy.plan.activations)
+    assert not strategy.plan.resident
+    assert "offload" in strategy.plan.table()
+
+
+def test_a_budget_the_activations_make_impossible_is_refused_with_the_least_that_works() -> None:
+    profile = _profiled()._planner.profile
+    least = minimum_plan(profile).predicted_peak_bytes
+    strategy = SuperpipeStrategy(memory_budget=least - 1, activations="keep")
+    with pytest.raises(MisconfigurationException, match=r"the least it can run in is"):
+        models.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
