@@ -6,21 +6,67 @@ linear form.
 
 For block ``i`` (of ``N``), ``s_i`` is 1 if it is streamed and 0 if resident, ``r_i = 1 - s_i``, and ``k_i``, ``o_i``,
 ``c_i`` are 1 where its mode is ``"keep"``, ``"offload"``, ``"recompute"``. Its costs are those of
-:class:`BlockCosts` (``F_i`` forward, ``B_i`` backward, ``R_i`` recompute, and its bytes); the link's speeds are
-``h2d`` and ``d2h``:
+:class:`BlockCosts`: ``F_i`` forward, ``B_i`` backward, ``R_i`` recompute, ``opt_i`` its host optimizer step, and its
+bytes; ``u_i`` is 1 if ``gradient_bytes_i > 0`` (the block changes at every optimizer step), else 0. The link's
+speeds are ``h2d`` and ``d2h``; ``a`` is ``profile.asynchronous``, ``m`` is ``profile.micro_batches``.
 
 * Copies: its weights in ``w_i = weight_bytes_i / h2d``; its offloaded activations out ``ao_i = offloaded_bytes_i /
   d2h`` and back in ``ai_i = offloaded_bytes_i / h2d``; its weight gradients out ``g_i = gradient_bytes_i / d2h``.
-* Forward: compute ``F_i``, copies in ``s_i w_i``, copies out ``o_i ao_i``. Backward: compute ``B_i + c_i R_i``,
-  copies in ``s_i w_i + o_i ai_i``, copies out ``g_i``.
-* A direction's time (FlexGen's per-layer rule): ``max(compute, in, out)`` where copies run beside compute
-  (``profile.asynchronous`` and ``p >= 1``), else ``compute + in + out``.
-* Micro-batch: ``T_mb = trunk_s + sum_i (forward_i + backward_i)``.
-* Exposed optimizer time: with ``overlap_optimizer``, ``E = trunk_optimizer_s + max(opt_0, sum_i opt_i -
-  sum_{i <= N-2} backward_i)``: block ``i`` is stepped on a host thread once its backward is done, block 0 finishes
-  last so its step is always exposed, and the others hide behind the rest of backward while the host keeps up.
-  Without it ``E = trunk_optimizer_s + sum_i opt_i``.
-* Step: ``T = micro_batches * T_mb + E``.
+  The weights outside blocks that a step changes: to the device again after each optimizer step in ``t_tr =
+  trunk_update_bytes / h2d``, their gradients off it at the end of each backward in ``t_tg = trunk_update_bytes /
+  d2h``.
+* A block's backward computes ``Cb_i = B_i + c_i R_i``.
+
+The engine runs copies on their own streams, in the order they are issued. In forward, block ``i + 1``'s weights are
+copied while block ``i`` computes (``p >= 1``); block 0's copy hides behind nothing. Offloaded activations leave
+during their block's forward and come back one block ahead in backward, whatever ``p``. In backward the last block is
+still in its slot from forward: its weights are not copied again. A block's gradients leave after its backward, while
+the next block's backward runs; the last ones (block 0's, and the trunk's) after backward has ended. After each
+optimizer step every block that changed (``u_i = 1``) is copied again in the next forward: a resident one as a
+refresh, a streamed one as its usual copy; the trunk's changed weights first, as the embedding needs them first.
+
+Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first forward of a step ``fwd1``:
+
+* Synchronous link (``a`` false): everything is serial.
+
+  - ``fwd = sum_i (F_i + s_i w_i + o_i ao_i)``
+  - ``bwd = sum_i (Cb_i + s_i w_i [i < N-1] + o_i ai_i + g_i) + t_tg``
+  - ``fwd1 = fwd + t_tr + sum_i r_i u_i w_i``
+
+* Asynchronous link: each pass takes the longest of its streams' work, each with what cannot overlap it (a flow-shop
+  bound: exact for uniform blocks, and it credits streamed blocks whose copies hide behind resident neighbours'
+  compute). ``fwd`` is the largest of
+
+  - ``p >= 1``: ``s_0 w_0 + sum_i F_i`` (compute, after the first block's copy), ``sum_i s_i w_i + F_{N-1}`` (the
+    host-to-device stream, then the last block's compute), ``F_0 + sum_i o_i ao_i`` (the device-to-host stream, from
+    the first block on);
+  - ``p = 0`` (a block's weights are copied only when it is needed, serial with compute; activations' copies still
+    overlap): ``sum_i (F_i + s_i w_i)``, ``F_0 + sum_i o_i ao_i``.
+
+  ``bwd`` is the largest of
+
+  - ``p >= 1``: ``sum_i Cb_i + g_0 + t_tg`` (compute, then the last gradients leave), ``sum_{i < N-1} s_i w_i +
+    sum_i o_i ai_i + Cb_0 + g_0 + t_tg`` (the host-to-device stream: the weights again but the last block's, every
+    offloaded block's activations back; then block 0's compute and gradients);
+  - ``p = 0``: ``sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg``, ``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``;
+  - any ``p``: ``Cb_{N-1} + sum_i g_i + t_tg`` (the device-to-host stream: every block's gradients, after the last
+    block's backward, the first to run).
+
+  ``fwd1 = max(fwd, t_tr + (s_0 + r_0 u_0) w_0 + sum_i F_i, t_tr + sum_i (s_i + r_i u_i) w_i + F_{N-1})``: the
+  trunk's refresh is exposed (the embedding needs it first), and every block changed or streamed crosses the link in
+  this forward.
+
+* Exposed optimizer time: without ``overlap_optimizer``, ``E = trunk_optimizer_s + sum_i opt_i``. With it, ``E =
+  trunk_optimizer_s + max(opt_0, sum_i opt_i - (bwd - Cb_{N-1}))``: a block is stepped on a host thread once its
+  gradients are home, block 0's step is always exposed, and the others hide behind backward after its first block.
+* Step: ``T = fwd1 + (m - 1) fwd + m (trunk_s + bwd) + E``.
+
+Per block, :attr:`Prediction.per_block` (and the plan's table) show a time by the per-layer rule, for display only:
+its own compute and its own copies (forward: ``F_i``, ``s_i w_i``, ``o_i ao_i``; backward: ``Cb_i``, ``s_i w_i [i <
+N-1] + o_i ai_i``, ``g_i``) combined by ``max`` where they overlap and summed where they are serial (on an
+asynchronous link with ``p = 0`` the weights' copy adds to compute, and the result overlaps the other copies);
+refreshes and the trunk's copies are in no block's figure. The step time comes from the stream bounds above, not
+from summing these.
 
 Device bytes at the worst moment, ``peak = static + weights + activations``:
 
@@ -37,7 +83,7 @@ Device bytes at the worst moment, ``peak = static + weights + activations``:
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from lightning_superpipe.planning.profile import BlockCosts, Profile
@@ -64,20 +110,24 @@ class Prediction:
     Attributes:
         step_s: Seconds per optimizer step.
         peak_bytes: Device bytes at the worst moment of the step.
-        per_block: Per block, ``forward_s`` and ``backward_s`` (per micro-batch, copies and recomputation included, as
-            the overlap rule gives) and ``device_bytes`` (its resident weights, plus the activations it holds at the
-            peak).
+        per_block: Per block, ``forward_s`` and ``backward_s`` (per micro-batch, its own copies and recomputation
+            included, by the per-layer rule: for display, the step time does not sum them) and ``device_bytes`` (its
+            resident weights, plus the activations it holds at the peak).
         breakdown: The peak's parts (:data:`PEAK_PARTS`), summing to ``peak_bytes``.
+        passes: The step's parts in seconds: ``first_forward_s`` (``fwd1``), ``forward_s`` (``fwd``, each later
+            micro-batch's), ``backward_s`` (``bwd``) and ``optimizer_s`` (``E``, the exposed optimizer time).
     """
 
     step_s: float
     peak_bytes: int
     per_block: list[dict[str, Union[float, int]]]
     breakdown: dict[str, int]
+    passes: dict[str, float] = field(default_factory=dict)
 
 
 def overlapped(profile: Profile, prefetch: int) -> bool:
-    """Whether copies run beside compute: an asynchronous link, and a block fetched ahead of its use."""
+    """Whether weights' copies run beside compute: an asynchronous link, and a block fetched ahead of its use. The
+    model depends on the prefetch depth only through this and the number of slots."""
     return profile.asynchronous and prefetch >= 1
 
 
@@ -89,18 +139,61 @@ def slot_shape(profile: Profile, resident: Collection[int], prefetch: int) -> tu
     return min(prefetch + 1, len(streamed)), max(streamed)
 
 
-def block_times(profile: Profile, block: BlockCosts, streamed: bool, mode: str, overlap: bool) -> tuple[float, float]:
-    """``(forward_s, backward_s)`` of one block per micro-batch, by the overlap rule."""
-    weights_in = block.weight_bytes / profile.h2d_bytes_per_s if streamed else 0.0
-    offloaded = mode == "offload"
-    forward = (block.forward_s, weights_in, block.offloaded_bytes / profile.d2h_bytes_per_s if offloaded else 0.0)
-    backward = (
-        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0),
-        weights_in + (block.offloaded_bytes / profile.h2d_bytes_per_s if offloaded else 0.0),
-        block.gradient_bytes / profile.d2h_bytes_per_s,
+@dataclass(frozen=True)
+class LinkTimes:
+    """One block's copy times in seconds (``w_i``, ``ao_i``, ``ai_i``, ``g_i`` of the module's docstring), and
+    whether it changes at every optimizer step (``u_i``)."""
+
+    weights: float
+    offload_out: float
+    offload_in: float
+    gradients: float
+    changes: bool
+
+
+def link_times(profile: Profile, block: BlockCosts) -> LinkTimes:
+    """What each of ``block``'s copies takes on ``profile``'s link."""
+    return LinkTimes(
+        weights=block.weight_bytes / profile.h2d_bytes_per_s,
+        offload_out=block.offloaded_bytes / profile.d2h_bytes_per_s,
+        offload_in=block.offloaded_bytes / profile.h2d_bytes_per_s,
+        gradients=block.gradient_bytes / profile.d2h_bytes_per_s,
+        changes=block.gradient_bytes > 0,
     )
-    combine = max if overlap else sum
-    return combine(forward), combine(backward)
+
+
+def trunk_times(profile: Profile) -> tuple[float, float]:
+    """``(t_tr, t_tg)``: the trunk's changed weights to the device after a step, their gradients off it in
+    backward."""
+    return profile.trunk_update_bytes / profile.h2d_bytes_per_s, profile.trunk_update_bytes / profile.d2h_bytes_per_s
+
+
+def block_times(
+    profile: Profile, block: BlockCosts, streamed: bool, mode: str, prefetch: int, last: bool = False
+) -> tuple[float, float]:
+    """``(forward_s, backward_s)`` of one block per micro-batch by the per-layer rule, for display: its own compute
+    and copies, the longest of them where they overlap, their sum where serial. ``last``: the last block, whose
+    weights are not copied again in backward."""
+    link = link_times(profile, block)
+    weights = link.weights if streamed else 0.0
+    offloaded = mode == "offload"
+
+    def rule(compute: float, weights: float, copies_in: float, copies_out: float) -> float:
+        if not profile.asynchronous:
+            return compute + weights + copies_in + copies_out
+        if overlapped(profile, prefetch):
+            return max(compute, weights + copies_in, copies_out)
+        # Prefetch 0: the weights' copy is serial with compute; the activations' and gradients' copies overlap.
+        return max(compute + weights, copies_in, copies_out)
+
+    forward = rule(block.forward_s, weights, 0.0, link.offload_out if offloaded else 0.0)
+    backward = rule(
+        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0),
+        0.0 if last else weights,
+        link.offload_in if offloaded else 0.0,
+        link.gradients,
+    )
+    return forward, backward
 
 
 def held_bytes(block: BlockCosts, mode: str) -> int:
@@ -163,15 +256,11 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     if prefetch < 0:
         raise ValueError(f"predict(prefetch={prefetch}): prefetch must be at least 0.")
 
-    overlap = overlapped(profile, prefetch)
-    times = [block_times(profile, block, i not in resident, modes[i], overlap) for i, block in enumerate(blocks)]
-    micro_batch_s = profile.trunk_s + sum(forward + backward for forward, backward in times)
-    optimizer_s = [block.optimizer_s for block in blocks]
-    if profile.overlap_optimizer:
-        hidden_by = sum(backward for _, backward in times[: count - 1])
-        exposed_s = profile.trunk_optimizer_s + max(optimizer_s[0], sum(optimizer_s) - hidden_by)
-    else:
-        exposed_s = profile.trunk_optimizer_s + sum(optimizer_s)
+    passes = pass_times(profile, resident, prefetch, modes)
+    times = [
+        block_times(profile, block, i not in resident, modes[i], prefetch, last=i == count - 1)
+        for i, block in enumerate(blocks)
+    ]
 
     held = [held_bytes(block, mode) for block, mode in zip(blocks, modes)]
     in_use = [in_use_bytes(block, mode) for block, mode in zip(blocks, modes)]
@@ -197,9 +286,72 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
         device += in_use[i] if i == peak_at else 0
         device += returned[i] if i == peak_at - 1 else 0
         per_block.append({"forward_s": forward, "backward_s": backward, "device_bytes": device})
+    step_s = (
+        passes["first_forward_s"]
+        + (profile.micro_batches - 1) * passes["forward_s"]
+        + profile.micro_batches * (profile.trunk_s + passes["backward_s"])
+        + passes["optimizer_s"]
+    )
     return Prediction(
-        step_s=profile.micro_batches * micro_batch_s + exposed_s,
+        step_s=step_s,
         peak_bytes=sum(breakdown.values()),
         per_block=per_block,
         breakdown=breakdown,
+        passes=passes,
     )
+
+
+def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes: Sequence[str]) -> dict[str, float]:
+    """The step's parts by the module's docstring: ``first_forward_s`` (``fwd1``), ``forward_s`` (``fwd``),
+    ``backward_s`` (``bwd``) and ``optimizer_s`` (``E``), in seconds. The arguments are :func:`predict`'s, checked."""
+    blocks = profile.blocks
+    last = len(blocks) - 1
+    links = [link_times(profile, block) for block in blocks]
+    streamed = [i not in resident for i in range(len(blocks))]
+    forward = [block.forward_s for block in blocks]
+    backward = [
+        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0) for block, mode in zip(blocks, modes)
+    ]
+    weights = [link.weights if s else 0.0 for link, s in zip(links, streamed)]  # s_i w_i
+    # Crossing the link in a step's first forward: streamed, or resident and changed (s_i + r_i u_i) w_i.
+    first_weights = [link.weights if s or link.changes else 0.0 for link, s in zip(links, streamed)]
+    offload_out = [link.offload_out if mode == "offload" else 0.0 for link, mode in zip(links, modes)]
+    offload_in = [link.offload_in if mode == "offload" else 0.0 for link, mode in zip(links, modes)]
+    gradients = [link.gradients for link in links]
+    trunk_in, trunk_out = trunk_times(profile)
+    if not profile.asynchronous:
+        forward_s = sum(forward) + sum(weights) + sum(offload_out)
+        backward_s = sum(backward) + sum(weights[:last]) + sum(offload_in) + sum(gradients) + trunk_out
+        refreshed = sum(link.weights for link, s in zip(links, streamed) if link.changes and not s)
+        first_forward_s = forward_s + trunk_in + refreshed
+    else:
+        tail = gradients[0] + trunk_out  # block 0's gradients and the trunk's leave after backward has ended
+        if prefetch >= 1:
+            forward_bounds = [weights[0] + sum(forward), sum(weights) + forward[last]]
+            backward_bounds = [
+                sum(backward) + tail,
+                sum(weights[:last]) + sum(offload_in) + backward[0] + tail,
+            ]
+        else:
+            forward_bounds = [sum(forward) + sum(weights)]
+            backward_bounds = [sum(backward) + sum(weights[:last]) + tail, sum(offload_in) + backward[0] + tail]
+        forward_bounds.append(forward[0] + sum(offload_out))
+        backward_bounds.append(backward[last] + sum(gradients) + trunk_out)
+        forward_s = max(forward_bounds)
+        backward_s = max(backward_bounds)
+        first_forward_s = max(
+            forward_s,
+            trunk_in + first_weights[0] + sum(forward),
+            trunk_in + sum(first_weights) + forward[last],
+        )
+    optimizer_s = [block.optimizer_s for block in blocks]
+    if profile.overlap_optimizer:
+        exposed_s = profile.trunk_optimizer_s + max(optimizer_s[0], sum(optimizer_s) - (backward_s - backward[last]))
+    else:
+        exposed_s = profile.trunk_optimizer_s + sum(optimizer_s)
+    return {
+        "first_forward_s": first_forward_s,
+        "forward_s": forward_s,
+        "backward_s": backward_s,
+        "optimizer_s": exposed_s,
+    }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_superpipe.units import format_bytes
@@ -26,8 +26,12 @@ class Plan:
         breakdown: The peak's parts (``trunk``, ``trunk_gradients``, ``block_gradients``, ``margin``,
             ``resident_weights``, ``slots``, ``activations``).
         blocks: Per block: ``index``, ``placement`` (``"resident"`` or ``"streamed"``), ``activations``,
-            ``predicted_ms`` (its forward and backward per micro-batch, copies included) and ``device_bytes`` (its
-            resident weights and the activations it holds at the peak).
+            ``predicted_ms`` (its forward and backward per micro-batch, its own copies included, by the per-layer
+            rule of :mod:`.cost`: for display, the step time is not their sum) and ``device_bytes`` (its resident
+            weights and the activations it holds at the peak).
+        predicted_passes: The predicted step's parts in seconds (:attr:`.cost.Prediction.passes`):
+            ``first_forward_s``, ``forward_s`` (each later micro-batch's), ``backward_s`` and ``optimizer_s`` (the
+            exposed optimizer time).
     """
 
     resident: frozenset[int]
@@ -38,6 +42,7 @@ class Plan:
     predicted_peak_bytes: int
     breakdown: dict[str, int]
     blocks: list[dict[str, Any]]
+    predicted_passes: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_prediction(
@@ -68,6 +73,7 @@ class Plan:
             predicted_peak_bytes=prediction.peak_bytes,
             breakdown=dict(prediction.breakdown),
             blocks=blocks,
+            predicted_passes=dict(prediction.passes),
         )
 
     def table(self) -> str:
@@ -98,8 +104,17 @@ class Plan:
         parts = ", ".join(
             f"{name.replace('_', ' ')} {format_bytes(nbytes)}" for name, nbytes in self.breakdown.items() if nbytes
         )
+        passes = self.predicted_passes
+        if passes:
+            parts_ms = (
+                f" (forward {passes['forward_s'] * 1e3:.2f} ms, the first {passes['first_forward_s'] * 1e3:.2f} ms;"
+                f" backward {passes['backward_s'] * 1e3:.2f} ms; optimizer {passes['optimizer_s'] * 1e3:.2f} ms"
+                " exposed)"
+            )
+        else:
+            parts_ms = ""
         lines += [
-            f"predicted step  {self.predicted_step_s * 1e3:.2f} ms",
+            f"predicted step  {self.predicted_step_s * 1e3:.2f} ms{parts_ms}",
             f"predicted peak  {format_bytes(self.predicted_peak_bytes)} of a {format_bytes(self.budget_bytes)} budget"
             f" ({parts or 'nothing'})",
             f"prefetch        {self.prefetch}",
@@ -117,4 +132,5 @@ class Plan:
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "breakdown": dict(self.breakdown),
             "blocks": [dict(block) for block in self.blocks],
+            "predicted_passes": dict(self.predicted_passes),
         }

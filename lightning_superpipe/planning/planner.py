@@ -23,6 +23,8 @@ fastest placement a forward pass allows.
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,14 +173,13 @@ class BudgetPlanner:
         self._profiler.start()
 
     def end_backward(self, engine: Any) -> None:
-        if self._profiler is None:
+        if self._profiler is None or self._profiler.engine.profiler is None:
             return
-        self._profiler.stop()
+        self._profiler.pause()
         sample: dict[str, Any] = {"profiler": self._profiler, "ledger_peak": engine.ledger.peak_bytes}
         if engine.device.type == "cuda":
             sample["cuda_peak"] = torch.cuda.max_memory_allocated(engine.device)
         self._samples.append(sample)
-        self._profiler = None
 
     def timed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """The optimizer's closure (forward and backward), timed during profiled steps."""
@@ -204,8 +205,11 @@ class BudgetPlanner:
         if self.plan is not None or not self._samples:
             return
         sample = self._samples[-1]
+        # The refresh's copies are in the model (the trunk's and changed blocks' copies); only its host work is here.
+        copies_s = self._profiler.stop() if self._profiler is not None else 0.0
+        self._profiler = None
         sample.setdefault("optimizer_s", step_s - self._closure_s)
-        sample.setdefault("refresh_s", refresh_s)
+        sample.setdefault("refresh_s", max(0.0, refresh_s - copies_s))
         self._closure_s = 0.0
         self._profiling_step = False
         if len(self._samples) < self.PROFILED_STEPS:
@@ -251,6 +255,7 @@ class BudgetPlanner:
             )
             for i, home in enumerate(engine.homes)
         ]
+        blocks = _alike_blocks_alike(blocks)
         h2d = _speed(profilers, "h2d")
         d2h = _speed(profilers, "d2h") or h2d
         overlap = bool(strategy.overlap_optimizer) and (
@@ -274,7 +279,27 @@ class BudgetPlanner:
             trunk_gradient_bytes=self._static.trunk_gradient_bytes,
             block_gradient_bytes=(2 if engine.copier.asynchronous else 1) * self._static.largest_gradient_bytes,
             margin_bytes=max(0, margin),
+            trunk_update_bytes=self._static.trunk_gradient_bytes,
         )
+
+
+def _alike_blocks_alike(blocks: list[BlockCosts]) -> list[BlockCosts]:
+    """Gives blocks of the same bytes (the layers of one stack) the median of their times: they do the same work,
+    timing noise would only make the solver tell them apart."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, block in enumerate(blocks):
+        key = (block.weight_bytes, block.gradient_bytes, block.kept_bytes, block.offloaded_bytes, block.small_bytes,
+               block.input_bytes)
+        groups.setdefault(key, []).append(index)
+    alike = list(blocks)
+    for members in groups.values():
+        times = {
+            name: statistics.median(getattr(blocks[i], name) for i in members)
+            for name in ("forward_s", "backward_s", "recompute_s", "optimizer_s")
+        }
+        for i in members:
+            alike[i] = dataclasses.replace(blocks[i], **times)
+    return alike
 
 
 def _speed(profilers: Sequence[StepProfiler], direction: str) -> float:

@@ -122,6 +122,7 @@ class StepProfiler:
         self._copier = engine.copier
         self._cuda = engine.device.type == "cuda"
         self._lock = threading.RLock()
+        self._copy_s_at_pause = 0.0
 
     def start(self) -> None:
         """Starts the clock in the trunk and makes the copier's copies timed and synchronous."""
@@ -131,12 +132,18 @@ class StepProfiler:
         for name, direction in (("to_device", "h2d"), ("to_host", "d2h")):
             setattr(copier, name, self._timed(getattr(copier, name), direction))
 
-    def stop(self) -> None:
-        """Stops the clock and gives the copier its own methods back."""
-        self.enter("trunk")
+    def pause(self) -> None:
+        """Stops the clock at the end of backward; copies are still timed (see :meth:`stop`)."""
+        self.enter("census")  # what follows is no part of the micro-batch
         self.engine.profiler = None
+        self._copy_s_at_pause = sum(self.copy_s.values())
+
+    def stop(self) -> float:
+        """Gives the copier its own methods back; returns the seconds copies took since :meth:`pause` (the
+        optimizer step's refresh of the device copies, which the cost model counts on its own)."""
         for name in ("to_device", "to_host"):
             vars(self._copier).pop(name, None)
+        return sum(self.copy_s.values()) - self._copy_s_at_pause
 
     def enter(self, phase: str, index: int = -1) -> None:
         """The compute thread now works on ``phase``: ``"forward"``, ``"recompute"`` or ``"backward"`` of block

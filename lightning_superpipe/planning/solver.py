@@ -3,73 +3,84 @@
 The program is :func:`.cost.predict`'s model in linear form: for each choice of its integer variables, the least
 values its continuous variables can take are predict's step time and peak. Notation as in :mod:`.cost`, and:
 
-* ``t^rho_i(pi, mu)``: block ``i``'s forward plus backward time, placed ``pi`` (resident or streamed) with mode
-  ``mu``, by the rule ``rho``: overlapped (``max``) or serial (``sum``); ``b^rho_i(pi, mu)`` its backward alone. They
-  are constants, :func:`.cost.block_times`' values.
-* Classes ``K``: blocks that residency changes alike, i.e. with equal ``weight_bytes`` and equal changes
-  ``t^rho_i(resident, mu) - t^rho_i(streamed, mu)`` (and of ``b``) for every ``rho`` and ``mu``; the last block is
-  one of its own. ``D^rho_K(mu)`` and ``d^rho_K(mu)`` are those changes.
+* Classes ``K``: blocks that residency changes alike. It changes the model through ``s_i w_i``, ``r_i u_i w_i`` and
+  the slots' bytes, and the time singles out blocks 0 and ``N-1``: blocks with equal ``weight_bytes`` and ``u_i``
+  form a class, but for blocks 0 and ``N-1``, each a class of its own. (The mode's terms do not depend on
+  residency, so the classes do not depend on any time: timing noise leaves them as they are.)
 * ``P``: the prefetch depths allowed (``0..max_prefetch``, or the pinned one); ``S = min(max(P) + 1, N)``, the most
   slots; ``w_1 > ... > w_L`` the blocks' distinct ``weight_bytes``, ``w_{L+1} = 0``.
 
 Variables:
 
 * ``m_{i,mu}`` binary: block ``i``'s activations are ``mu``.
-* ``R_{K,mu}`` integer in ``0..|K|``: resident blocks of class ``K`` with mode ``mu`` (which ones does not change
-  the model: the plan takes them evenly spaced). Counting them, rather than a binary per block, leaves HiGHS no
-  equal placements to tell apart by branching.
+* ``R_K`` integer in ``0..|K|``: resident blocks of class ``K`` (which ones does not change the model: the plan takes
+  them evenly spaced). Counting them, rather than a binary per block, leaves HiGHS no equal placements to tell apart
+  by branching.
 * ``n_r``, ``n_mu`` integer: the resident blocks and the blocks per mode in all, for HiGHS to branch on.
 * ``q_p`` binary for ``p`` in ``P``: the prefetch depth is ``p``.
 * ``v_j`` binary: a block of weight at least ``w_j`` streams; ``z_m`` binary for ``2 <= m <= S``: slot ``m`` is
   allocated; ``y_m >= 0``: its bytes.
 * ``h_i >= 0``: what blocks ``0..i`` hold until their backward; ``a >= 0``: the activation peak.
-* Where the rule is a choice (an asynchronous link and ``0`` in ``P``, among others): ``T_b``, the blocks' time, and
-  ``H``, the backward time of blocks ``0..N-2``; ``e >= 0``: the exposed optimizer time (with ``overlap_optimizer``).
+* On an asynchronous link, continuous ``fwd1``, ``bwd`` and (with more than one micro-batch) ``fwd``, each at least
+  each of its bounds; ``e >= 0``: the exposed optimizer time (with ``overlap_optimizer``).
 
 Constraints:
 
-* ``sum_mu m_{i,mu} = 1``; ``sum_p q_p = 1``; ``R_{K,mu} <= sum_{i in K} m_{i,mu}``; ``n_r = sum R``, ``n_mu =
-  sum_i m_{i,mu}``.
-* Blocks' time under ``rho``: ``T^rho = sum_{i,mu} m_{i,mu} t^rho_i(streamed, mu) + sum_{K,mu} R_{K,mu}
-  D^rho_K(mu)``, and ``H^rho`` alike with ``b``, over blocks ``0..N-2``. Copies overlap compute on an asynchronous
-  link with ``p >= 1`` and are serial otherwise: where that is settled by the knobs, ``T_b = T^rho`` and ``H =
-  H^rho``; else, with ``M`` and ``M'`` the most the serial figures can exceed the overlapped ones by, ``T_b >=
-  T^overlap``, ``T_b >= T^serial - M (1 - q_0)`` (``T_b`` is minimised) and ``H <= H^serial``, ``H <= H^overlap +
-  M' q_0`` (``H`` is maximised, as it lowers ``e``).
-* With ``overlap_optimizer``: ``e >= trunk_optimizer_s + opt_0`` and ``e >= trunk_optimizer_s + sum_i opt_i - H``;
-  without, ``e`` is that sum. (At least one micro-batch, so a larger ``H`` never pays for a larger ``T_b``.)
-* Slots, ``min(p + 1, n_s) * max_{i streamed} weight_bytes_i`` exactly: ``v_j >= v_{j-1}`` and ``|K| v_j + sum_mu
-  R_{K,mu} >= |K|`` for each class ``K`` of weight ``w_j``; slot 1 has ``W = sum_j (w_j - w_{j+1}) v_j`` bytes (a
-  tighter relaxation than a max over blocks: ``v_L`` alone bounds it by the lightest weight). Slot ``m`` exists when
-  ``p >= m - 1`` and ``n_s >= m``, which ``N z_m >= (N - n_r) - (m - 1) - N (1 - sum_{p >= m-1} q_p)`` forces, and
-  ``y_m >= W - w_1 (1 - z_m)``.
+* ``sum_mu m_{i,mu} = 1``; ``sum_p q_p = 1``; ``n_r = sum_K R_K``, ``n_mu = sum_i m_{i,mu}``.
+* The model's terms are linear: ``sum_{i in K} s_i w_i = w_K (|K| - R_K)``, ``sum_{i in K} r_i u_i w_i = u_K w_K
+  R_K``, ``o_i = m_{i,offload}``, ``Cb_i = B_i + R_i m_{i,recompute}``, and blocks 0 and ``N-1`` are their classes.
+* Synchronous link: ``fwd``, ``bwd`` and ``fwd1`` are :mod:`.cost`'s sums, linear expressions.
+* Asynchronous link: ``fwd`` at least each of its bounds, and ``fwd1`` at least each of ``fwd``'s and its own two
+  (which makes ``fwd1 >= fwd``); ``bwd`` at least each of its bounds. The ``p >= 1`` bounds that a ``p = 0`` one
+  dominates (``s_0 w_0 + sum_i F_i`` and ``sum_i s_i w_i + F_{N-1}`` are at most ``sum_i (F_i + s_i w_i)``;
+  ``sum_i Cb_i + g_0 + t_tg`` at most ``sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg``) hold at any depth, and so
+  does the ``p = 0`` one that a ``p >= 1`` one dominates (``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``). Where ``P`` has
+  both ``0`` and a depth of at least 1, the others are switched by ``q_0`` with big-M: ``fwd >= sum_i (F_i + s_i
+  w_i) - M (1 - q_0)`` with ``M = min(sum_{i >= 1} w_i, sum_{i < N-1} F_i)``, the most it can exceed the first (the
+  second) of those always-on bounds by; ``bwd >= sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg - M' (1 - q_0)`` and
+  ``bwd >= sum_{i < N-1} s_i w_i + sum_i o_i ai_i + Cb_0 + g_0 + t_tg - M' q_0``, with ``M' = sum_{i < N-1} w_i``.
+  Where ``P`` settles it, only that depth's bounds are there. ``fwd``, ``fwd1`` and ``bwd`` are minimised (the step
+  time rises with each), so each takes its largest bound.
+* With ``overlap_optimizer``: ``e >= trunk_optimizer_s + opt_0`` and ``e >= trunk_optimizer_s + sum_i opt_i - (bwd -
+  Cb_{N-1})``; without, ``e`` is that sum. (A larger ``bwd`` raises the step time by ``micro_batches`` times what it
+  lowers ``e`` by at most, so it never pays to take ``bwd`` above its bounds.)
+* Slots, ``min(p + 1, n_s) * max_{i streamed} weight_bytes_i`` exactly: ``v_j >= v_{j-1}`` and ``|K| v_j + R_K >=
+  |K|`` for each class ``K`` of weight ``w_j``; slot 1 has ``W = sum_j (w_j - w_{j+1}) v_j`` bytes (a tighter
+  relaxation than a max over blocks: ``v_L`` alone bounds it by the lightest weight). Slot ``m`` exists when ``p >=
+  m - 1`` and ``n_s >= m``, which ``N z_m >= (N - n_r) - (m - 1) - N (1 - sum_{p >= m-1} q_p)`` forces, and ``y_m >=
+  W - w_1 (1 - z_m)``.
 * ``h_i = h_{i-1} + kept_i m_{i,keep} + small_i m_{i,offload} + input_i m_{i,recompute}`` (a variable per position
   keeps the matrix sparse) and ``a >= h_i + kept_i m_{i,recompute} + offloaded_i m_{i,offload} + offloaded_{i-1}
   m_{i-1,offload}``.
-* ``peak = static + sum_{K,mu} R_{K,mu} weight_bytes_K + W + sum_m y_m + a <= budget``.
+* ``peak = static + sum_K R_K weight_bytes_K + W + sum_m y_m + a <= budget``.
 * Pinned knobs: ``n_r = resident_blocks``; ``P`` is the pinned prefetch; ``m`` fixed to the pinned modes.
 
-Objective: the step time ``T = micro_batches (trunk_s + T_b) + e``. Among placements equally fast (within
-``EQUAL``), the least memory: a second program minimises ``peak`` subject to ``T <= T*`` of the first. (A weighted
-sum, time plus so many seconds per byte, would either trade real time for memory, 1e-12 s per byte being a
-millisecond per GiB, or fall below HiGHS's tolerances.) :func:`minimum_plan` is the same two programs the other way
-round: the least ``peak``, then the fastest at it.
+Objective: the step time ``T = fwd1 + (micro_batches - 1) fwd + micro_batches (trunk_s + bwd) + e``. Among
+placements equally fast (within ``EQUAL``), the least memory: a second program minimises ``peak`` subject to ``T <=
+T*`` of the first. (A weighted sum, time plus so many seconds per byte, would either trade real time for memory,
+1e-12 s per byte being a millisecond per GiB, or fall below HiGHS's tolerances.) :func:`minimum_plan` is the same two
+programs the other way round: the least ``peak``, then the fastest at it. Among placements equal in both (a serial
+link's last block, streamed or refreshed), the plan keeps as many blocks resident as predict allows, then the
+shallowest prefetch.
 
 Times and bytes are in units of 1e-3 of the most any placement could take (``_SCALE``). HiGHS holds a limit only to
 a tolerance relative to its row's size (about 1e-9 of it), so each placement it picks is scored again by
 :func:`.cost.predict`, whose figures the plan reports and which must agree with the program's. Where HiGHS takes a
 placement a few bytes over the budget, :func:`solve` lowers the limit until the placement taken fits, and then makes
 sure, by minimising the peak among faster placements (which HiGHS does exactly), that none of those it left out fits:
-the plan fits the budget to the byte and is the fastest that does. HiGHS runs without presolve, which would fold the
-count variables back into the binaries they sum; where it then finds no solution or one predict disagrees with, the
-program is solved again with presolve (HiGHS 1.12 without it has been seen to cut off feasible solutions).
+the plan fits the budget to the byte and is the fastest that does. A time limit that the placement found misses by
+less than HiGHS's tolerance on it (``_Program.time_band``) is no proof: there HiGHS has been seen to return a faster
+placement that is not the least in peak, so that answer counts only from a limit past the band. HiGHS runs without
+presolve, which would fold the count variables back into the binaries they sum; where it then finds no solution or
+one predict disagrees with, the program is solved again with presolve (HiGHS 1.12 without it has been seen to cut
+off feasible solutions).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -81,14 +92,14 @@ from lightning_superpipe.planning.cost import (
     MODES,
     PEAK_PARTS,
     Prediction,
-    block_times,
     check_profile,
     held_bytes,
     in_use_bytes,
-    overlapped,
+    link_times,
     predict,
     slot_shape,
     static_bytes,
+    trunk_times,
 )
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.profile import Profile
@@ -104,10 +115,15 @@ AGREEMENT = 1e-6
 #: absolute tolerance on rows (1e-6) is then 1e-9 of those, and its rows' values stay small enough for it to meet
 #: that (at 1e4, its final check has been seen to fail by a hair).
 _SCALE = 1e3
+#: HiGHS's tolerance on rows and integrality in a mixed-integer program (its ``mip_feasibility_tolerance``).
+_FEASIBILITY_TOLERANCE = 1e-6
 #: The objective is scaled further, so that HiGHS's absolute gap (1e-6) is 1e-12 of the largest value it can take.
 _OBJECTIVE_SCALE = 1e3
 #: The relative gap at which HiGHS stops: it proves its placement the best to about 1e-10.
 _MIP_REL_GAP = 1e-10
+#: Predicted step times this close (relative) differ by float rounding only: the plan's last choices among equal
+#: placements (more resident blocks, a shallower prefetch) take them as equal.
+_ROUNDING = 1e-12
 
 
 class InfeasibleBudget(Exception):
@@ -238,6 +254,24 @@ def _knobs(
     return _Knobs(resident_blocks, prefetch, modes)
 
 
+def _residency_classes(profile: Profile) -> list[list[int]]:
+    """The blocks that residency changes alike, in classes: it changes the model through ``s_i w_i`` (weights),
+    ``r_i u_i w_i`` (refreshes) and the slots' bytes, with blocks 0 and N-1 singled out, so blocks alike in
+    ``weight_bytes`` and ``u_i`` are interchangeable but for those two, each a class of its own."""
+    count = len(profile.blocks)
+    classes: dict[tuple, list[int]] = {}
+    for i, block in enumerate(profile.blocks):
+        classes.setdefault((i == 0, i == count - 1, block.weight_bytes, block.gradient_bytes > 0), []).append(i)
+    return list(classes.values())
+
+
+def _spread(members: Sequence[int], many: int) -> set[int]:
+    """``many`` of a class's ``members``, evenly spaced: any of them give the same prediction, and these leave
+    streamed blocks between them."""
+    many = min(many, len(members))
+    return {members[(2 * j + 1) * len(members) // (2 * many)] for j in range(many)}
+
+
 class _Program:
     """The program's variables and standing constraints for one profile and its pinned knobs, as the module's
     docstring has them.
@@ -253,17 +287,23 @@ class _Program:
         self._upper: list[float] = []
         self._integral: list[int] = []
         self._rows: list[tuple[_Linear, float, float]] = []
-        # times[overlapped][i][(streamed, mode)]: block i's (forward_s, backward_s).
-        times = {
-            rule: [
-                {(s, mode): block_times(profile, block, s, mode, rule) for s in (False, True) for mode in MODES}
-                for block in blocks
-            ]
-            for rule in (True, False)
-        }
+        links = [link_times(profile, block) for block in blocks]
+        trunk_in, trunk_out = trunk_times(profile)
+        micro_batches = profile.micro_batches
         optimizer_s = profile.trunk_optimizer_s + sum(block.optimizer_s for block in blocks)
-        slowest_s = profile.trunk_s + sum(max(map(sum, block.values())) for block in times[False])
-        self.time_unit = (profile.micro_batches * slowest_s + optimizer_s) / _SCALE or 1.0
+        # More than any placement's step: every copy serial with every computation, every block refreshed.
+        forward_most = sum(b.forward_s + link.weights + link.offload_out for b, link in zip(blocks, links))
+        backward_most = trunk_out + sum(
+            b.backward_s + b.recompute_s + link.weights + link.offload_in + link.gradients
+            for b, link in zip(blocks, links)
+        )
+        slowest_s = (
+            trunk_in
+            + sum(link.weights for link in links)
+            + micro_batches * (forward_most + profile.trunk_s + backward_most)
+            + optimizer_s
+        )
+        self.time_unit = slowest_s / _SCALE or 1.0
         static = sum(static_bytes(profile).values())
         heaviest = max(block.weight_bytes for block in blocks)
         most_bytes = (
@@ -287,76 +327,119 @@ class _Program:
         for mode in MODES:
             self._add(self._variable(count) - _total([modes[mode] for modes in self.modes]), 0.0, 0.0)
 
-        def residency_key(i: int) -> tuple:
-            changes = (
-                # Rounded so that float noise in equal changes does not split a class.
-                round((times[rule][i][(False, mode)][d] - times[rule][i][(True, mode)][d]) * seconds, 9)
-                for rule in (True, False)
-                for mode in MODES
-                for d in (0, 1)
-            )
-            return (i == count - 1, blocks[i].weight_bytes, *changes)
-
-        classes: dict[tuple, list[int]] = {}
-        for i in range(count):
-            classes.setdefault(residency_key(i), []).append(i)
-        self.classes = list(classes.values())
-        self.resident = [{mode: self._variable(len(members)) for mode in MODES} for members in self.classes]
-        for members, resident in zip(self.classes, self.resident):
-            for mode, variable in resident.items():
-                self._add(variable - _total([self.modes[i][mode] for i in members]), -math.inf, 0.0)
+        self.classes = _residency_classes(profile)
+        self.resident = [self._variable(len(members)) for members in self.classes]
         resident_count = self._variable(count)
-        self._add(resident_count - _total([v for resident in self.resident for v in resident.values()]), 0.0, 0.0)
+        self._add(resident_count - _total(self.resident), 0.0, 0.0)
         if knobs.resident_blocks is not None:
             self._add(resident_count, knobs.resident_blocks, knobs.resident_blocks)
         self.depths = [knobs.prefetch] if knobs.prefetch is not None else list(range(max_prefetch + 1))
         self.depth = {p: self._variable(1.0) for p in self.depths}
         self._add(_total(list(self.depth.values())), 1.0, 1.0)
 
-        def blocks_time(rule: bool, hidden: bool) -> _Linear:
-            """``T^rule``, or with ``hidden`` ``H^rule``: the backward time of the blocks before the last."""
-            direction = (lambda f, b: b) if hidden else (lambda f, b: f + b)
+        last = count - 1
+
+        def every(i: int) -> bool:
+            return True
+
+        def crossing(include: Callable[[int], bool], changed_too: bool = False) -> _Linear:
+            """``sum_i s_i w_i`` over the blocks ``include`` takes (whole classes: blocks 0 and N-1 are classes of
+            their own), or with ``changed_too`` ``sum_i (s_i + r_i u_i) w_i``."""
             terms = []
             for members, resident in zip(self.classes, self.resident):
-                if hidden and count - 1 in members:
-                    continue
-                for mode in MODES:
-                    streamed = [direction(*times[rule][i][(True, mode)]) for i in members]
-                    terms += [self.modes[i][mode] * (t * seconds) for i, t in zip(members, streamed)]
-                    change = direction(*times[rule][members[0]][(False, mode)]) - streamed[0]
-                    terms.append(resident[mode] * (change * seconds))
+                if include(members[0]):
+                    weights_s = links[members[0]].weights * seconds
+                    if changed_too and links[members[0]].changes:
+                        terms.append(_Linear(constant=len(members) * weights_s))
+                    else:
+                        terms.append(_Linear(constant=len(members) * weights_s) - resident * weights_s)
             return _total(terms)
 
-        def serial_excess(hidden: bool) -> float:
-            """The most ``T^serial`` (``H^serial``) exceeds ``T^overlap`` (``H^overlap``) by."""
-            direction = (lambda f, b: b) if hidden else (lambda f, b: f + b)
-            return seconds * sum(
-                max(direction(*serial[key]) - direction(*overlap[key]) for key in serial)
-                for i, (serial, overlap) in enumerate(zip(times[False], times[True]))
-                if not (hidden and i == count - 1)
-            )
+        def per_mode(mode: str, value: Callable[[int], float], include: Callable[[int], bool] = every) -> _Linear:
+            """``sum_i mu_i value_i`` over the blocks ``include`` takes, in seconds."""
+            return _total([self.modes[i][mode] * (value(i) * seconds) for i in range(count) if include(i)])
 
-        rules = {profile.asynchronous and p >= 1 for p in self.depths}
-        hides = profile.overlap_optimizer
-        if len(rules) == 1:
-            (rule,) = rules
-            blocks_s = blocks_time(rule, False)
-            hidden_s = blocks_time(rule, True) if hides else None
+        def first(i: int) -> bool:
+            return i == 0
+
+        def before_last(i: int) -> bool:
+            return i < last
+
+        def compute_backward(include: Callable[[int], bool]) -> _Linear:
+            """``sum_i Cb_i`` over the blocks ``include`` takes."""
+            constant = sum(blocks[i].backward_s for i in range(count) if include(i)) * seconds
+            return per_mode("recompute", lambda i: blocks[i].recompute_s, include) + constant
+
+        forward_compute = sum(block.forward_s for block in blocks) * seconds
+        first_forward, last_forward = blocks[0].forward_s * seconds, blocks[last].forward_s * seconds
+        offload_out = per_mode("offload", lambda i: links[i].offload_out)
+        offload_in = per_mode("offload", lambda i: links[i].offload_in)
+        gradients = sum(link.gradients for link in links) * seconds
+        trunk_in_s, trunk_out_s = trunk_in * seconds, trunk_out * seconds
+        if not profile.asynchronous:
+            forward_s: _Linear = forward_compute + crossing(every) + offload_out
+            backward_s: _Linear = (
+                compute_backward(every) + crossing(before_last) + offload_in + gradients + trunk_out_s
+            )
+            refreshed = _total(
+                [
+                    resident * (links[members[0]].weights * seconds)
+                    for members, resident in zip(self.classes, self.resident)
+                    if links[members[0]].changes
+                ]
+            )
+            first_forward_s = forward_s + trunk_in_s + refreshed
         else:
-            serial = self.depth[0]
-            blocks_s = self._variable()
-            self._add(blocks_s - blocks_time(True, False), 0.0, math.inf)
-            self._add(blocks_s - blocks_time(False, False) + serial_excess(False) * (1.0 - serial), 0.0, math.inf)
-            hidden_s = self._variable() if hides else None
-            if hidden_s is not None:
-                self._add(hidden_s - blocks_time(False, True), -math.inf, 0.0)
-                self._add(hidden_s - blocks_time(True, True) - serial_excess(True) * serial, -math.inf, 0.0)
-        if hidden_s is not None:
+            tail = links[0].gradients * seconds + trunk_out_s
+            # (bound, when, M): "always", or only at prefetch 0 ("p0") or at least 1 ("p1"), with M the most it can
+            # exceed the pass's other bounds by elsewhere. The prefetch >= 1 bounds that the prefetch-0 ones
+            # dominate hold at any prefetch, and so do the prefetch-0 ones that prefetch >= 1 ones dominate.
+            not_first = sum(link.weights for link in links[1:]) * seconds
+            not_last = sum(link.weights for link in links[:last]) * seconds
+            computed_before_last = sum(block.forward_s for block in blocks[:last]) * seconds
+            forward_bounds = [
+                (crossing(first) + forward_compute, "always", 0.0),  # <= the serial one at prefetch 0
+                (crossing(every) + last_forward, "always", 0.0),  # likewise
+                (offload_out + first_forward, "always", 0.0),
+                # Above the first of these by sum_{i >= 1} s_i w_i, above the second by sum_{i < N-1} F_i.
+                (forward_compute + crossing(every), "p0", min(not_first, computed_before_last)),
+            ]
+            backward_bounds = [
+                (compute_backward(every) + tail, "always", 0.0),  # <= the serial one at prefetch 0
+                (offload_in + compute_backward(first) + tail, "always", 0.0),  # <= the copies' one at prefetch >= 1
+                (compute_backward(lambda i: i == last) + gradients + trunk_out_s, "always", 0.0),
+                # Each above the first (the second) of these by sum_{i < N-1} s_i w_i.
+                (compute_backward(every) + crossing(before_last) + tail, "p0", not_last),
+                (crossing(before_last) + offload_in + compute_backward(first) + tail, "p1", not_last),
+            ]
+            # fwd1 = max(fwd's bounds, the first micro-batch's own); with one micro-batch fwd itself is not needed.
+            forward_s = self._at_least(forward_bounds) if micro_batches > 1 else _Linear()
+            backward_s = self._at_least(backward_bounds)
+            first_forward_s = self._at_least(
+                [
+                    *forward_bounds,
+                    (crossing(first, changed_too=True) + trunk_in_s + forward_compute, "always", 0.0),
+                    (crossing(every, changed_too=True) + trunk_in_s + last_forward, "always", 0.0),
+                ]
+            )
+        if profile.overlap_optimizer:
+            # E >= opt_0 + ..., E >= sum_i opt_i - (bwd - Cb_{N-1}) + ...: a larger bwd lowers E by at most as much
+            # as it raises T (at least one micro-batch), so minimising T never takes bwd above its bounds.
             exposed = self._variable(lower=(profile.trunk_optimizer_s + blocks[0].optimizer_s) * seconds)
-            self._add(exposed + hidden_s, optimizer_s * seconds, math.inf)
+            self._add(exposed + backward_s - compute_backward(lambda i: i == last), optimizer_s * seconds, math.inf)
         else:
             exposed = _Linear(constant=optimizer_s * seconds)
-        self.time = profile.micro_batches * (blocks_s + profile.trunk_s * seconds) + exposed
+        self.time = (
+            first_forward_s
+            + (micro_batches - 1) * forward_s
+            + micro_batches * (backward_s + profile.trunk_s * seconds)
+            + exposed
+        )
+        # HiGHS holds a limit on the time to its tolerance on that row and on each row bounding a continuous variable
+        # the time sums, each as many times as the time counts it: within this many seconds of the limit, a placement
+        # is on its edge (twice that, for the integers' tolerance).
+        counted = 1.0 + sum(abs(c) for index, c in self.time.terms.items() if not self._integral[index])
+        self.time_band = 2 * _FEASIBILITY_TOLERANCE * counted * self.time_unit
 
         weights = sorted({block.weight_bytes for block in blocks}, reverse=True)
         size_terms = []
@@ -367,7 +450,7 @@ class _Program:
                 self._add(streams - heavier, 0.0, math.inf)
             for members, resident in zip(self.classes, self.resident):
                 if blocks[members[0]].weight_bytes == weight:
-                    self._add(len(members) * streams + _total(list(resident.values())), len(members), math.inf)
+                    self._add(len(members) * streams + resident, len(members), math.inf)
             lighter = weights[j + 1] if j + 1 < len(weights) else 0
             size_terms.append(streams * ((weight - lighter) * nbytes))
         size = _total(size_terms)
@@ -390,12 +473,35 @@ class _Program:
             self._add(activations - held - in_use - returned, 0.0, math.inf)
         resident_weights = _total(
             [
-                variable * (blocks[members[0]].weight_bytes * nbytes)
+                resident * (blocks[members[0]].weight_bytes * nbytes)
                 for members, resident in zip(self.classes, self.resident)
-                for variable in resident.values()
             ]
         )
         self.peak = _total([resident_weights, *slots, activations]) + static * nbytes
+
+    def _at_least(self, bounds: Sequence[tuple[_Linear, str, float]]) -> _Linear:
+        """The least value at least each of ``bounds``, ``(bound, when, M)``: ``when`` is ``"always"``, or ``"p0"``
+        (``"p1"``) for a bound that holds only at prefetch 0 (at least 1), where it is relaxed by ``M`` (in the
+        program's units, the most it can exceed the value by at the other depths) through the prefetch-0 binary.
+        One bound that always holds is the value itself; else a continuous variable (the step time rises with it,
+        so it takes the largest bound)."""
+        shallow, deep = 0 in self.depths, any(p >= 1 for p in self.depths)
+        active = [
+            (bound, when if shallow and deep else "always", most)
+            for bound, when, most in bounds
+            if when == "always" or (when == "p0" and shallow) or (when == "p1" and deep)
+        ]
+        if len(active) == 1:
+            return active[0][0]
+        value = self._variable()
+        for bound, when, most in active:
+            if when == "always":
+                self._add(value - bound, 0.0, math.inf)
+            else:
+                shallow_depth = self.depth[0]
+                relaxation = (1.0 - shallow_depth) * most if when == "p0" else shallow_depth * most
+                self._add(value - bound + relaxation, 0.0, math.inf)
+        return value
 
     def _variable(self, upper: float = math.inf, lower: float = 0.0) -> _Linear:
         """A new variable from ``lower`` to ``upper``: an integer where ``upper`` is finite, else continuous."""
@@ -476,12 +582,8 @@ class _Program:
             )
         modes = [one[0] for one in choices]
         resident: set[int] = set()
-        for members, counts in zip(self.classes, self.resident):
-            for mode, variable in counts.items():
-                candidates = [i for i in members if modes[i] == mode]
-                # Any of them give the same prediction; evenly spaced ones leave streamed blocks between them.
-                many = min(chosen(variable), len(candidates))
-                resident.update(candidates[(2 * j + 1) * len(candidates) // (2 * many)] for j in range(many))
+        for members, variable in zip(self.classes, self.resident):
+            resident |= _spread(members, chosen(variable))
         prediction = predict(self.profile, resident, depths[0], modes)
         placement = _Placement(frozenset(resident), depths[0], modes, prediction)
         expression, unit = self._figure(objective)
@@ -536,20 +638,36 @@ def _describe_modes(modes: Sequence[str]) -> str:
     )
 
 
+def _no_worse(candidate: Prediction, step_s: float, peak_bytes: int) -> bool:
+    """Whether ``candidate`` holds no more than ``peak_bytes`` and is as fast as ``step_s`` but for float rounding."""
+    return candidate.peak_bytes <= peak_bytes and candidate.step_s <= step_s * (1 + _ROUNDING)
+
+
 def _plan(profile: Profile, placement: _Placement, budget_bytes: int, knobs: _Knobs) -> Plan:
-    """The plan of ``placement``, at the shallowest prefetch that predicts the same where prefetch is not pinned:
-    predict depends on it only through whether copies overlap and how many slots there are, and the engine refuses
-    (warning) a prefetch deeper than the streamed blocks."""
-    prefetch = placement.prefetch
+    """The plan of ``placement``, settled among the placements that predict the same (as fast, no more bytes) where
+    the knobs are not pinned: with as many resident blocks as can be (a block streamed and one refreshed can take the
+    same time and bytes: the last block with one micro-batch), then at the shallowest prefetch (the engine refuses,
+    warning, a prefetch deeper than the streamed blocks)."""
+    resident, prefetch, modes = set(placement.resident), placement.prefetch, placement.modes
+    step_s, prediction = placement.prediction.step_s, placement.prediction
+    if knobs.resident_blocks is None:
+        for members in _residency_classes(profile):
+            while True:
+                held = len(resident.intersection(members))
+                if held == len(members):
+                    break
+                more = resident.difference(members) | _spread(members, held + 1)
+                candidate = predict(profile, more, prefetch, modes)
+                if not _no_worse(candidate, step_s, prediction.peak_bytes):
+                    break
+                resident, prediction = more, candidate
     if knobs.prefetch is None:
-        prefetch = min(
-            p
-            for p in range(prefetch + 1)
-            if overlapped(profile, p) == overlapped(profile, prefetch)
-            and slot_shape(profile, placement.resident, p) == slot_shape(profile, placement.resident, prefetch)
-        )
-    prediction = predict(profile, placement.resident, prefetch, placement.modes)
-    return Plan.from_prediction(placement.resident, prefetch, placement.modes, budget_bytes, prediction)
+        for p in range(prefetch):
+            candidate = predict(profile, resident, p, modes)
+            if _no_worse(candidate, step_s, prediction.peak_bytes):
+                prefetch, prediction = p, candidate
+                break
+    return Plan.from_prediction(frozenset(resident), prefetch, modes, budget_bytes, prediction)
 
 
 def _infeasible(profile: Profile, budget_bytes: int, smallest: Plan, knobs: _Knobs) -> InfeasibleBudget:
@@ -589,8 +707,8 @@ def solve(
     activations: Union[str, Sequence[str], None] = None,
     max_prefetch: int = 2,
 ) -> Plan:
-    """The placement with the least predicted step time that fits ``budget_bytes``, and among those the least
-    memory.
+    """The placement with the least predicted step time that fits ``budget_bytes``, among those the least memory, and
+    among those the most resident blocks and the shallowest prefetch.
 
     Args:
         profile: The measured costs.
@@ -621,7 +739,8 @@ def solve(
     # - that left out any placement with a peak between the limit and the budget, so the least peak among the
     #   placements faster than the one found (HiGHS minimises exactly where it limits loosely) says whether one of
     #   them fits; while one does, it is the one found. Where HiGHS lets in one no faster, the time limit goes below
-    #   in the same way.
+    #   in the same way; and the answer that none fits counts only from a limit below the one found by more than
+    #   HiGHS's tolerance on it (`_Program.time_band`).
     bound = budget_bytes
     while found is not None and found.prediction.peak_bytes > budget_bytes:
         bound -= 2 * (found.prediction.peak_bytes - bound)
@@ -630,13 +749,17 @@ def solve(
     cap = found.prediction.step_s * (1 - EQUAL)
     while True:
         faster = program.best("peak", [("time", cap)], tie_break=False)
-        if faster is None or faster.prediction.peak_bytes > budget_bytes:
-            break
-        if faster.prediction.step_s < found.prediction.step_s:
+        if faster is not None and faster.prediction.step_s >= found.prediction.step_s:
+            cap -= 2 * (faster.prediction.step_s - cap)
+        elif faster is not None and faster.prediction.peak_bytes <= budget_bytes:
             found = faster
             cap = found.prediction.step_s * (1 - EQUAL)
+        elif cap > found.prediction.step_s - program.time_band:
+            # With the one found on the limit's edge, HiGHS has been seen to return more than the least peak: the
+            # answer counts only from a limit past its tolerance.
+            cap = found.prediction.step_s - program.time_band
         else:
-            cap -= 2 * (faster.prediction.step_s - cap)
+            break
     # The tie-break, as in `_Program.best`.
     limits = [("peak", float(budget_bytes)), ("time", found.prediction.step_s * (1 + EQUAL))]
     tied = program.best("peak", limits, tie_break=False)
