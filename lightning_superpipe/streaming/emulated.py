@@ -88,6 +88,9 @@ class EmulatedLink:
             ``bytes / bandwidth`` seconds, one at a time per stream. ``None``: copies take no modelled time.
         check: Run the happens-before checker (it slows every operator down; the deferred copies and NaN
             fills still catch most bugs without it).
+        verify: Fill each destination with NaN and snapshot each source when a copy is issued (a reader that did
+            not wait, or a write into a copy's source, shows); ``False`` for timing only (benchmarks), where that
+            work on the compute thread would be cost a GPU does not have.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class EmulatedLink:
         max_delay_s: float = 1e-3,
         bandwidth: Union[None, int, float, str] = None,
         check: bool = True,
+        verify: bool = True,
     ) -> None:
         if mode not in ("lazy", "thread"):
             raise ValueError(f"EmulatedLink(mode={mode!r}) must be 'lazy' or 'thread'.")
@@ -107,6 +111,7 @@ class EmulatedLink:
         self.max_delay_s = float(max_delay_s)
         self.bandwidth = parse_bandwidth(bandwidth)
         self.check = check
+        self.verify = verify
         self.stats = LinkStats()
 
     def copier(self, device: torch.device) -> EmulatedCopier:
@@ -239,8 +244,8 @@ class EmulatedCopier(Copier):
 
     def _issue(self, stream: str, dst: Tensor, src: Tensor, what: str) -> _EmulatedEvent:
         with self._lock, _unwatched():
-            snapshot = src.detach().clone()
-            if dst.is_floating_point():
+            snapshot = src.detach().clone() if self.link.verify else src.detach()
+            if dst.is_floating_point() and self.link.verify:
                 dst.fill_(float("nan"))  # what a reader that did not wait finds
             self._issued[stream] += 1
             nbytes = dst.numel() * dst.element_size()
@@ -264,7 +269,7 @@ class EmulatedCopier(Copier):
         with _unwatched():
             # A host write into the source while the copy was in flight: on a GPU the copy would read a mix. Harmless
             # if nothing reads the result before a later copy replaces it (the engine re-copies what it saw change).
-            changed = not torch.equal(copy.source, copy.snapshot)
+            changed = self.link.verify and not torch.equal(copy.source, copy.snapshot)
             self._range_of(copy.dst, copy.what).tainted_by = (
                 f"the host wrote the source of copy #{copy.seq} on {stream} into {copy.what} while it was in flight"
                 if changed
