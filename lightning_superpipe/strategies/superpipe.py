@@ -8,9 +8,9 @@ the streaming engine in :mod:`lightning_superpipe.streaming`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-import time
 from functools import partial
 from typing import Any, Callable, Optional, TypeVar, Union
 
@@ -34,7 +34,7 @@ from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.rng import rng_states, set_rng_states
-from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
+from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
@@ -48,30 +48,19 @@ _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float
 class SuperpipeStrategy(SingleDeviceStrategy):
     """Streams a host-resident model's blocks through one device; optimizer and masters stay on the host.
 
+    The knobs are described, with what each costs, in the README's table.
+
     Args:
-        memory_budget: Device bytes the strategy may use; it then measures the first steps and solves for the
-            fastest placement that fits (:mod:`lightning_superpipe.planning`): an int, a string such as ``"12GiB"``,
-            a fraction in (0, 1] of the device's free memory, or ``"auto"`` (0.9 of it; CUDA only). The knobs
-            below, when given, become constraints of the plan. ``None``: no planning, the knobs as given.
-        resident_blocks: Blocks kept on the device permanently (default 1 without a budget). More is faster and
-            uses more device memory.
-        prefetch: Blocks copied to the device ahead of the one computing (default 1 without a budget). More hides
-            more copy time behind compute and uses more device memory.
-        activations: Where each block's activations live between forward and backward: ``"recompute"`` (saved
-            inputs only; the block is recomputed in backward, about one more forward; the default without a
-            budget), ``"keep"`` (on the device, no recomputation), ``"offload"`` (copied to host memory in forward,
-            brought back one block ahead in backward), or a sequence with one of these per block.
-        overlap_optimizer: Step each block's parameters on a host thread as soon as its gradients are complete in
-            backward, where that gives the step after backward's result (not with clipping, gradient scaling, hooks
-            between backward and the step, manual optimization, or optimizers other than SGD/Adam/AdamW; a
-            one-time message says why not). ``"auto"``: also not on a CPU compute device whose cores torch's
-            threads already use, where the step would compete with compute; ``True`` overlaps there too.
-        blocks: Which modules stream: module classes or a predicate (as FSDP's
-            ``activation_checkpointing_policy``). By default, the longest ``nn.ModuleList``/``nn.Sequential`` of
-            same-type modules.
-        device: The compute device; by default the one the Trainer's ``accelerator``/``devices`` resolve to.
-        link: An :class:`~lightning_superpipe.EmulatedLink` to run the engine's asynchronous (CUDA) code paths on a
-            CPU device with deferred copies and a happens-before checker, for tests; ``None`` for the real link.
+        memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a fraction of free device memory, ``"auto"``):
+            the first steps are profiled and the fastest placement that fits is applied (:mod:`..planning`).
+            ``None``: no planning.
+        resident_blocks: Blocks kept on the device for the whole run (default 1, or the plan's).
+        prefetch: Blocks copied in ahead of the one computing (default 1, or the plan's).
+        activations: ``"recompute"`` (default), ``"keep"``, ``"offload"``, or one per block (or the plan's).
+        overlap_optimizer: Step each block's parameters during backward where that is exact (``"auto"``: and pays).
+        blocks: Which modules stream: module classes or a predicate; by default every outermost stack.
+        device: The compute device; by default the one the Trainer resolves.
+        link: An :class:`~lightning_superpipe.EmulatedLink` (tests: the CUDA code paths on a CPU device).
         accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
@@ -159,19 +148,14 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def model_to_device(self) -> None:
         """Puts buffers on the device and starts streaming; parameters stay in host memory."""
         assert self.model is not None
-        # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
-        try:
-            check_knobs(self.overlap_optimizer, self.resident_blocks, self.prefetch, self.activations, self.link)
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from error
         self._stop_streaming()
         model = self.model
         blocks = find_blocks(model, self.block_policy)
-        if not isinstance(self.activations, (str, type(None))):
-            try:
-                per_block_modes(self.activations, len(blocks))
-            except ValueError as error:
-                raise MisconfigurationException(str(error)) from error
+        # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
+        try:
+            check_knobs(self.overlap_optimizer, self.resident_blocks, self.prefetch, self.activations, self.link, len(blocks))
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from error
         self._streamed_stacks = describe_stacks(model, blocks)
         transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
         block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)

@@ -86,7 +86,7 @@ class StreamingEngine:
         try:
             num_blocks = len(block_params)
             self.ledger = DeviceLedger()
-            resident = _resident_indices(resident_blocks, num_blocks)
+            resident = choose_resident(resident_blocks, num_blocks)
             self.prefetch = _clamp("prefetch", prefetch, num_blocks - len(resident), "the number of streamed blocks")
             pin = self.copier.pin_memory
             self.arena = HostArena(pin=pin)
@@ -185,7 +185,7 @@ class StreamingEngine:
             activations: One placement for all blocks, or one per block.
         """
         modes = per_block_modes(activations, len(self.homes))
-        resident = _resident_indices(list(resident), len(self.homes))
+        resident = choose_resident(list(resident), len(self.homes))
         self._release_busy()
         self.copier.synchronize()  # no copy may still write the buffers about to go
         for buffer in self._resident.values():
@@ -505,9 +505,10 @@ class StreamingEngine:
 
 
 def check_knobs(
-    overlap_optimizer: Any, resident_blocks: Any, prefetch: Any, activations: Any, link: Any
+    overlap_optimizer: Any, resident_blocks: Any, prefetch: Any, activations: Any, link: Any, num_blocks: int
 ) -> None:
-    """Checks the strategy's knobs as the user wrote them (``None``: left to the default or the planner).
+    """Checks the strategy's knobs as the user wrote them (``None``: left to the default or the planner) for a model
+    of ``num_blocks`` blocks.
 
     Raises:
         ValueError: With the user's call.
@@ -519,8 +520,8 @@ def check_knobs(
     for name, value in (("resident_blocks", resident_blocks), ("prefetch", prefetch)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
-    if isinstance(activations, str):
-        per_block_modes(activations, 1)
+    if activations is not None:
+        per_block_modes(activations, num_blocks)
     if link is not None and not isinstance(link, EmulatedLink):
         raise ValueError(f"SuperpipeStrategy(link={link!r}) must be an `EmulatedLink` or None.")
 
@@ -532,7 +533,7 @@ def _clamp(name: str, value: int, limit: int, what: str) -> int:
     return value
 
 
-def _resident_indices(resident: Union[int, Sequence[int]], num_blocks: int) -> list[int]:
+def choose_resident(resident: Union[int, Sequence[int]], num_blocks: int) -> list[int]:
     """The resident blocks' indices from a count (evenly spaced, clamped to the number of blocks) or a list."""
     if isinstance(resident, int):
         return _evenly_spaced(num_blocks, _clamp("resident_blocks", resident, num_blocks, "the number of blocks"))
