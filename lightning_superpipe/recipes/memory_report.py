@@ -174,7 +174,9 @@ class MemorySummary:
             if self.planned_step_s is not None:
                 rows.append(("  step time predicted / measured",
                              f"{plan['predicted_step_s'] * 1e3:.0f} / {self.planned_step_s * 1e3:.0f} ms"))
-        rows.append(("plain strategy would keep on device:", ""))
+        # Plain training holds its activations too; they are not counted here, as the strategy's ledger counts only
+        # the ones it keeps or brings back (a plan may keep many when the budget has room for them).
+        rows.append(("plain strategy would keep on device, activations aside:", ""))
         rows.append(("  weights", format_bytes(self.param_bytes)))
         if self.stage == "fit":
             rows.append(("  gradients", format_bytes(self.gradient_bytes)))
