@@ -121,3 +121,21 @@ def test_a_budget_the_activations_make_impossible_is_refused_with_the_least_that
     strategy = SuperpipeStrategy(memory_budget=least - 1, activations="keep")
     with pytest.raises(MisconfigurationException, match=r"the least it can run in is"):
         models.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
+
+
+def test_an_evaluation_run_keeps_as_many_blocks_resident_as_the_budget_holds() -> None:
+    def validate(strategy: Any) -> tuple[Any, list[float]]:
+        task = models.build_task("llama")
+        models.trainer(strategy, limit_val_batches=2).validate(task, models.data("lm", batches=2), verbose=False)
+        return strategy, task.val_losses
+
+    roomy, losses = validate(SuperpipeStrategy(memory_budget="1GiB"))
+    _, plain = validate("auto")
+    assert len(losses) == 2
+    np.testing.assert_allclose(losses, plain, rtol=1e-6)
+    report = roomy.memory_report()
+    assert report["resident_blocks"] == report["num_blocks"] and roomy.plan is None
+    # Room for the trunk and two slots only: nothing resident.
+    block = report["largest_block_bytes"]
+    tight, _ = validate(SuperpipeStrategy(memory_budget=report["trunk_device_bytes"] + 2 * block + block // 2))
+    assert tight.memory_report()["resident_blocks"] == 0
