@@ -128,8 +128,7 @@ class StreamingEngine:
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
             allocated = self.copier.mark_compute()
-            for slot in self._slots:
-                slot.free = allocated
+            self._fill_blocks(allocated)
 
             forward = list(range(num_blocks))
             self._training_order = forward + forward[::-1]
@@ -137,9 +136,6 @@ class StreamingEngine:
             self._order: list[int] = []
             self._cyclic = False
             self._cursor = -1
-            for index, buffer in self._resident.items():
-                what = f"resident block {index}"
-                self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
             self._trunk_names = {p: f"trunk parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._trunk)}
             for param, copy in self._trunk.items():
                 self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
@@ -175,6 +171,15 @@ class StreamingEngine:
             self._slots.append(_Slot(flat, len(self._slots)))
             self.ledger.add("block_weights", flat.numel() * flat.element_size())
 
+    def _fill_blocks(self, allocated: Event) -> None:
+        """Starts the first copies into freshly allocated block buffers, after ``allocated`` (compute issued before
+        the allocation, which may still read that memory): the resident blocks now, the slots when loaded."""
+        for slot in self._slots:
+            slot.free = allocated
+        for index, buffer in self._resident.items():
+            what = f"resident block {index}"
+            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+
     def replan(self, resident: Sequence[int], prefetch: int, activations: ActivationsPolicy) -> None:
         """Places the blocks anew between steps (a planner's decision): which are resident, how many stream
         ahead, where each one's activations live. The host homes stay; only the device buffers are made again.
@@ -196,12 +201,7 @@ class StreamingEngine:
         self.activation_modes = modes
         self.prefetch = _clamp("prefetch", prefetch, len(self.homes) - len(resident), "the number of streamed blocks")
         self._allocate_blocks(resident)
-        allocated = self.copier.mark_compute()  # fresh memory that compute may have read until now
-        for slot in self._slots:
-            slot.free = allocated
-        for index, buffer in self._resident.items():
-            what = f"resident block {index}"
-            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+        self._fill_blocks(self.copier.mark_compute())  # fresh memory that compute may have read until now
         self._prepare(training=True)
 
     # ------------------------------------------------------------------ passes
