@@ -48,9 +48,12 @@ def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int
     # With synchronous copies a block's gradients are home before the next block's exist; with asynchronous ones
     # the previous block's are still on their way while the next block's are computed.
     gradient_blocks = 1 if emulated_link == "cpu" else 2
-    # Block weights and gradients, plus the resident trunk and its gradients.
+    # Block weights and gradients, plus the resident trunk and its gradients, plus what the checkpoints held (their
+    # inputs, one block's recomputation: counted on their own, see test_strategy_activations).
     bound = (resident_blocks + prefetch + 1 + gradient_blocks) * largest + 2 * probe.trunk_bytes
-    assert max(probe.peaks) <= bound
+    activations = strategy.memory_report()["peak_activation_bytes"]
+    assert activations > 0
+    assert max(probe.peaks) <= bound + activations
     assert strategy.memory_report()["peak_device_bytes"] == max(probe.peaks)  # still readable after fit
     # The gradients of a whole block did pass through, and no more blocks of them than said above were held.
     assert block_bytes * 0.99 <= max(probe.gradient_peaks) <= gradient_blocks * block_bytes

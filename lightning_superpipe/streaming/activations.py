@@ -14,7 +14,9 @@ about one more forward. The other is to intercept what autograd saves, with ``sa
 
 Saved tensors that belong to the model anyway (resident weights, the trunk's copies) are neither counted nor moved.
 The ledger counts the device bytes of kept and brought-back activations (each storage once), and the pool's host
-bytes are reported.
+bytes are reported. Under ``"recompute"`` it counts what the checkpoint holds: the block's inputs from its forward
+until they are freed, and, from the recomputation until backward has used them, what the recomputed call saved
+(:class:`RecomputedActivations`).
 """
 
 from __future__ import annotations
@@ -207,6 +209,18 @@ class ActivationPlacement:
 
     # ------------------------------------------------------------------ counting
 
+    def hold_inputs(self, index: int, tensors: Sequence[Tensor]) -> None:
+        """Counts the activations among block ``index``'s inputs, which a checkpoint of it keeps until its backward,
+        for as long as their storage lives."""
+        for tensor in tensors:
+            if self.is_activation(index, tensor):
+                self.hold_storage(index, tensor)
+
+    def hold_storage(self, index: int, tensor: Tensor) -> None:
+        """Counts ``tensor``'s storage for block ``index`` until the storage is freed."""
+        # Storages keep one Python object for as long as they live, so it dies with the memory.
+        self._hold(index, tensor, tensor.untyped_storage())
+
     def _hold(self, index: int, tensor: Tensor, owner: object) -> None:
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
@@ -246,8 +260,8 @@ def _overlaps_itself(tensor: Tensor) -> bool:
 
 
 class ActivationCensus(torch.autograd.graph.saved_tensors_hooks):
-    """Counts what one block call saves for backward, as each placement would hold it, and saves it as autograd
-    would (for a planner's profile: the call is run once more under these hooks, and its result dropped).
+    """Counts what one block call saves for backward, as each placement would hold it (for a planner's profile: the
+    call is run once more under these hooks, and its result dropped, so nothing it saves is ever unpacked).
 
     Args:
         placement: The engine's placement, which tells activations from model memory.
@@ -258,7 +272,10 @@ class ActivationCensus(torch.autograd.graph.saved_tensors_hooks):
         def pack(tensor: Tensor) -> Tensor:
             if placement.is_activation(index, tensor):
                 self.count(tensor)
-            return tensor
+            # An alias without the autograd history: a saved output that holds its own node is a reference cycle
+            # through C++ that no garbage collection frees, and would keep the call's activations for the whole
+            # run. The alias keeps each storage alive while the call runs, so no address is counted twice.
+            return tensor.detach()
 
         super().__init__(pack, lambda tensor: tensor)
         self.kept: dict[int, int] = {}  # storage address -> bytes: what "keep" holds, each storage once
@@ -280,3 +297,25 @@ class BlockActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, placement: ActivationPlacement, index: int, offload: bool) -> None:
         super().__init__(lambda tensor: placement.pack(index, offload, tensor), placement.unpack)
+
+
+class RecomputedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Counts what block ``index``'s recomputation saves for its backward, and hands every tensor on to the hooks it
+    runs under (the checkpoint's, which keep the tensors until backward uses them).
+
+    Args:
+        placement: The engine's placement, whose ledger counts the bytes.
+        index: The block being recomputed.
+    """
+
+    def __init__(self, placement: ActivationPlacement, index: int) -> None:
+        # The innermost hooks are the only ones autograd calls: these must call the checkpoint's in turn.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = outer if outer is not None else (lambda tensor: tensor, lambda tensor: tensor)
+
+        def counting_pack(tensor: Tensor) -> Any:
+            if placement.is_activation(index, tensor):
+                placement.hold_storage(index, tensor)  # before ``pack``: its last call may end the recomputation
+            return pack(tensor)
+
+        super().__init__(counting_pack, unpack)

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.rng import rng_states, set_rng_states
-from lightning_superpipe.streaming.activations import ActivationCensus, BlockActivations
+from lightning_superpipe.streaming.activations import ActivationCensus, BlockActivations, RecomputedActivations
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
 
@@ -153,6 +153,7 @@ class BlockStreamingHook:
             watched = live.keys() if self._mutated_buffers is None else self._mutated_buffers
             before = {key: live[key].clone() for key in watched}
             runs = [0]
+            self.engine.activations.hold_inputs(self.index, _tensors((args, kwargs)))
             output = checkpoint(self._checkpointed, runs, live, before, *args, use_reentrant=False, **kwargs)
             # The first checkpointed call shows which buffers the forward mutates; later calls copy only those.
             # Values are compared too: kernels such as batch norm's update running statistics in place without
@@ -181,7 +182,8 @@ class BlockStreamingHook:
         if profiler is not None:
             profiler.enter("recompute", self.index)
         try:
-            return self._on_buffer_copies(live, before, *args, **kwargs)
+            with RecomputedActivations(self.engine.activations, self.index):
+                return self._on_buffer_copies(live, before, *args, **kwargs)
         finally:
             if profiler is not None:
                 profiler.enter("backward", self.index)
@@ -202,7 +204,7 @@ class BlockStreamingHook:
         held, under an :class:`ActivationCensus`, with the buffers as they were before the first run and the RNG put
         back afterwards; its result is dropped."""
         profiler = self.engine.profiler
-        profiler.block_inputs(self.index, [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)])
+        profiler.block_inputs(self.index, _tensors((args, kwargs)))
         # Cut from the real graph, but needing gradients where the inputs do: autograd then saves the same tensors.
         detach = partial(
             tree_map, lambda value: value.detach().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
@@ -351,6 +353,10 @@ class CallerDeviceHook:
     @staticmethod
     def _move_to(device: torch.device) -> Callable[[Any], Any]:
         return lambda value: value.to(device) if isinstance(value, Tensor) else value
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [value for value in tree_flatten(tree)[0] if isinstance(value, Tensor)]
 
 
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:
