@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import os
 from typing import Any
 
@@ -110,3 +111,31 @@ def test_auto_does_not_overlap_where_compute_already_uses_every_host_core(caplog
     assert forced.memory_report()["overlapped_block_steps"] == 2 * 4
     with pytest.raises(MisconfigurationException, match=r"overlap_optimizer='yes'\) must be True, False or 'auto'"):
         models.fit("sequential", SuperpipeStrategy(overlap_optimizer="yes"), max_steps=1)
+
+
+def test_each_stepped_block_takes_its_new_weights_into_its_transfer_copy_during_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With bf16-mixed the blocks travel in bf16: the overlapped step converts each block right after stepping it,
+    on the optimizer thread, and the refresh after backward only copies; the weights are bitwise the serial run's."""
+    from lightning_superpipe.memory.host import BlockHome
+
+    synced_on: list[tuple[str, int]] = []
+    sync = BlockHome.sync
+
+    def recording_sync(self: BlockHome, pieces: Any) -> None:
+        if pieces:
+            synced_on.append((threading.current_thread().name, len(pieces)))
+        sync(self, pieces)
+
+    monkeypatch.setattr(BlockHome, "sync", recording_sync)
+    options = dict(NO_CLIPPING, precision="bf16-mixed", max_steps=3)
+    serial = models.fit("llama", SuperpipeStrategy(resident_blocks=1, overlap_optimizer=False), **options)
+    assert synced_on and all(not name.startswith("superpipe-optimizer") for name, _ in synced_on)
+    synced_on.clear()
+    strategy = SuperpipeStrategy(resident_blocks=1)
+    overlapped = models.fit("llama", strategy, **options)
+    assert strategy.memory_report()["overlapped_block_steps"] == 3 * 3
+    assert [name.startswith("superpipe-optimizer") for name, _ in synced_on] == [True] * 9
+    assert overlapped.losses == serial.losses
+    assert _bitwise_equal(overlapped, serial)

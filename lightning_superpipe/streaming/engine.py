@@ -125,6 +125,8 @@ class StreamingEngine:
             self.profiler: Any = None
             self.overlap = OverlappedStep(block_params)
             self.gradients.on_block_complete = self.overlap.block_done
+            self.overlap.on_stepped = self._sync_stepped_block
+            self._synced_in_backward: set[int] = set()  # blocks whose homes the overlapped step already synced
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
             allocated = self.copier.mark_compute()
@@ -257,10 +259,11 @@ class StreamingEngine:
             changed: Parameters to count as changed whatever their version counters say: torch's fused CPU
                 optimizers (``AdamW(fused=True)``) write parameters without bumping the counter.
         """
+        synced = {id(self.homes[index]) for index in self._synced_in_backward}
         for param in changed:
             if param in self._trunk_seen:
                 self._trunk_seen[param] = (-1, -1)
-            elif param in self._home_of:
+            elif param in self._home_of and id(self._home_of[param]) not in synced:
                 self._home_of[param].mark_changed(param)
         # Not a new pass: the events keep the stream the last pass ran on, whose tail may still read the copies.
         self._prepare(training=True)
@@ -273,7 +276,8 @@ class StreamingEngine:
         Checking costs a look at each parameter, not at its data.
         """
         changed = [(index, home, home.changed()) for index, home in enumerate(self.homes) if home is not None]
-        changed = [(index, home, pieces) for index, home, pieces in changed if pieces]
+        synced, self._synced_in_backward = self._synced_in_backward, set()
+        changed = [(index, home, pieces) for index, home, pieces in changed if pieces or index in synced]
         trunk = [param for param in self._trunk if master_state(param) != self._trunk_seen[param]]
         if not changed and not trunk:
             return
@@ -300,6 +304,17 @@ class StreamingEngine:
                 what = f"resident block {index}"
                 buffer = self._resident[index]
                 self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, computed, what)
+
+    def _sync_stepped_block(self, index: int, params: list[nn.Parameter]) -> None:
+        """On the optimizer thread, right after the overlapped step of block ``index``: its new masters go into its
+        transfer copy while backward goes on with the blocks before it. No copy reads this block's home again
+        before backward ends (its weights came in for its own backward, which is over)."""
+        home = self.homes[index]
+        assert home is not None
+        for param in params:
+            home.mark_changed(param)  # CPU fused optimizers write without bumping the version counter
+        home.sync(home.changed())
+        self._synced_in_backward.add(index)
 
     # ------------------------------------------------------------------ weights
 

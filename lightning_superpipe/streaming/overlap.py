@@ -5,7 +5,9 @@ gradients are complete as soon as its backward has delivered them (the last bloc
 stepped then, on a host thread, while backward goes on with the blocks before it. :class:`OverlappedStep` does that
 with the user's own optimizer, stepping it over one block's parameters at a time (its ``param_groups`` restricted
 to them, so hyperparameters, state, schedules and checkpoints are those of the optimizer as configured), and
-afterwards lets the optimizer's own step update only what is left (the trunk, blocks not stepped).
+afterwards lets the optimizer's own step update only what is left (the trunk, blocks not stepped). Each block's
+transfer copy is brought up to date on the same thread right after its step, so that after backward only the copies
+to the device remain.
 
 It is exact only where nothing needs all gradients before any parameter moves, so :func:`overlap_refusal` says why
 not for: manual optimization, clipping (the global norm), gradient scaling, hooks between backward and the step,
@@ -17,7 +19,7 @@ the last of an accumulation.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -79,6 +81,8 @@ class OverlappedStep:
         self._refusals_said: set[str] = set()
         #: Blocks stepped during backward, over the whole run.
         self.blocks_stepped = 0
+        #: Called on the optimizer thread with a block's index and parameters as soon as they are stepped.
+        self.on_stepped: Optional[Callable[[int, list[nn.Parameter]], None]] = None
 
     def arm_if_exact(self, trainer: Any, optimizer: Optimizer, only_where_it_pays: bool) -> None:
         """Arms the step for ``optimizer`` unless :func:`overlap_refusal` objects; says why once per reason."""
@@ -103,7 +107,7 @@ class OverlappedStep:
         params = [p for p in self.block_params[index] if p in self._owned and p.grad is not None]
         if params:
             self._stepped.update(params)
-            self._futures.append(self._executor.submit(self._step, params))
+            self._futures.append(self._executor.submit(self._step, index, params))
 
     def finish(self) -> None:
         """After backward: waits for the block steps, and leaves the optimizer's own step only what is left."""
@@ -127,11 +131,13 @@ class OverlappedStep:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def _step(self, params: list[nn.Parameter]) -> None:
+    def _step(self, index: int, params: list[nn.Parameter]) -> None:
         assert self._optimizer is not None
         with _restricted(self._optimizer, set(params)):
             self._optimizer.step()
         self.blocks_stepped += 1
+        if self.on_stepped is not None:
+            self.on_stepped(index, params)
 
 
 def _restrict(optimizer: Optimizer, keep: set[nn.Parameter]) -> list[list[nn.Parameter]]:
