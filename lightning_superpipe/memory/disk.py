@@ -1,0 +1,1493 @@
+"""The disk tier: block masters, optimizer state and spilled gradients in files, streamed through a bounded pool.
+
+With Adam a full fine-tune keeps about 16 bytes per parameter on the host (fp32 master, gradient, two moments). The
+disk tier keeps each streamed block's fp32 masters and its whole optimizer state (every tensor ``optimizer.state[p]``
+holds, e.g. Adam's ``step``, ``exp_avg``, ``exp_avg_sq``, and any non-tensor values) in files under ``offload_path``,
+and optionally its fp32 gradients, so host memory holds only a bounded pool of block buffers.
+
+Files (all under one folder):
+
+* ``block{i:05d}.{slot}.bin``, two slots per block: a block's record, its masters first (in the block's parameter
+  order, each on a 256-byte boundary) and then its state tensors; the file is rounded up to 4 KiB for direct I/O.
+* ``grad{i:05d}.bin``: a block's spilled fp32 gradients (same offsets as the masters); scratch, never committed.
+* ``manifest.json``: the committed step: for every block, which slot holds it, the record's layout and the
+  non-tensor state values. A step writes every stepped block to its *other* slot and ``fsync``s it, then writes the
+  manifest to a temporary name, ``fsync``s it, renames it over the old one and ``fsync``s the folder. A kill at any
+  moment leaves the folder at the previous step or the new one, never a mix: the old slots are not touched until
+  the manifest that stops naming them is durable.
+
+I/O: files are read and written with ``os.preadv``/``os.pwritev`` on worker threads, in chunks, into page-aligned
+buffers from a :class:`BufferPool` (page-locked on CUDA), with ``O_DIRECT`` where the file system accepts it
+(``ext4``, ``xfs``) and otherwise buffered, with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after each chunk so the
+page cache does not grow by the files' size (``tmpfs`` refused ``O_DIRECT`` before Linux 6.6; file systems over
+the network may). Nothing is memory-mapped: mapping grows the process's resident memory to the size of the file.
+
+How the engine is meant to use it (``offload_device="disk"``)::
+
+    limit_heap_retention()                       # else glibc keeps freed block-sized tensors resident
+    store = DiskStore.create(offload_path, [dict(block.named_parameters(prefix)) for ...], optimizer,
+                             spill_grads=needs_spill, host_buffer_bytes=host_buffer_bytes)   # or DiskStore.open
+    # The block parameters now hold placeholders (right shape and dtype, no memory); their values are in files.
+    # Forward/backward: lease = store.prefetch_masters(i); views = lease.wait(); derive the device copy (cast to the
+    #   compute dtype on the fly: no bf16 copy on disk, which would cost 2 bytes/parameter of writes per step);
+    #   lease.release() once the copy is made.
+    # Gradients: either leave them in ``p.grad`` (exact per-block stepping during backward) or, with clipping or
+    #   accumulation, ``store.spill_grads(i, grads, accumulate=micro_batch > 0, wait=False, norms=last_micro)``
+    #   and drop them from memory. Clipping by global norm: stack store.grad_norms(i) with the trunk's norms in
+    #   parameter order, take clip_grad_norm_'s clamped coefficient and pass it as step(..., grad_scale=coef).
+    store.step(optimizer, grads="param" or "disk")   # block by block: read, step the user's optimizer restricted
+                                                     # to the block, write to the other slot; then commit
+    # (or, stepping during backward where that is exact: store.step(optimizer, blocks=[i], commit=False) as each
+    #  block's gradients complete, and store.commit() after the last; on an error the store is back at the last
+    #  commit and the whole optimizer step must be redone)
+    with _restricted(optimizer, trunk_params): optimizer.step()   # the rest (the trunk) stays in memory
+    scheduler.step()                                  # param groups and LR live in the optimizer, in memory
+    # Checkpoint: manifest = store.snapshot(checkpoint_folder(ckpt_path)) (hard links, no RAM), put it in the .ckpt.
+    # Resume: DiskStore.restore(checkpoint_folder(ckpt_path), offload_path, blocks, optimizer).
+    # Inference export: store.export_safetensors("model.safetensors", extra=trunk_state_dict).
+
+Between steps ``optimizer.state`` holds nothing for block parameters: their state is in the files, and
+``optimizer.state_dict()`` covers the trunk only (the store's manifest and files cover the rest).
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import errno
+import inspect
+import json
+import os
+import pickle
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.pinned import PAGE, HostArena, page_rounded
+from lightning_superpipe.streaming.overlap import _restricted
+from lightning_superpipe.units import format_bytes
+
+FORMAT = "superpipe-disk-tier"
+VERSION = 1
+MANIFEST = "manifest.json"
+#: Every tensor of a record starts on this many bytes (64 fp32 elements, the host tier's alignment), so kernels take
+#: the same vectorized paths as for separately allocated tensors.
+ENTRY_ALIGNMENT = 256
+#: Default size of one read or write request; a block's I/O is split into chunks spread over the worker threads.
+CHUNK_BYTES = 16 << 20
+#: A wait for a free buffer longer than this means a caller holds too many (I/O itself takes far less).
+ACQUIRE_TIMEOUT_S = 300.0
+#: Room kept free beyond the tier's files for manifests and file-system overhead.
+_MARGIN_BYTES = 16 << 20
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class DiskTierError(RuntimeError):
+    """A disk tier file is missing, truncated, unreadable or unwritable; the message names the file."""
+
+
+class DiskSpaceError(DiskTierError):
+    """``offload_path`` lacks the space the tier needs (before training or during a write)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preflight
+
+
+def free_bytes(path: PathLike) -> int:
+    """Bytes an unprivileged writer may still allocate on the file system holding ``path``."""
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def preflight(path: PathLike, needed_bytes: int, what: str = "two slots of every block's record") -> None:
+    """Checks before training that ``path`` exists, is a writable folder and has ``needed_bytes`` free.
+
+    Raises:
+        DiskTierError: The folder is missing or not writable.
+        DiskSpaceError: It has less than ``needed_bytes`` (plus a small margin) free.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise DiskTierError(
+            f"The disk tier's offload_path {str(folder)!r} {problem}. Create it (e.g. `mkdir -p {folder}`) on a fast"
+            f" local disk with at least {format_bytes(needed_bytes)} free, or pass another offload_path."
+        )
+    probe = folder / ".superpipe-write-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"superpipe")
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise DiskTierError(
+            f"The disk tier's offload_path {str(folder)!r} is not writable ({error.strerror or error}). Give this"
+            " process write access to it or pass another offload_path."
+        ) from error
+    available = free_bytes(folder)
+    if needed_bytes + _MARGIN_BYTES > available:
+        raise DiskSpaceError(
+            f"The disk tier needs {format_bytes(needed_bytes)} ({needed_bytes} bytes: {what}) and"
+            f" {format_bytes(_MARGIN_BYTES)} of room in offload_path {str(folder)!r}, but only"
+            f" {format_bytes(available)} ({available} bytes) are free there. Free space, or point offload_path at a"
+            " larger disk."
+        )
+
+
+def supports_direct_io(path: PathLike) -> bool:
+    """Whether files in the folder ``path`` accept ``O_DIRECT`` reads and writes of page-aligned buffers."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = Path(path) / ".superpipe-direct-probe"
+    buffer = _aligned_buffer(PAGE)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return False  # e.g. tmpfs before Linux 6.6: EINVAL at open
+    try:
+        view = _byte_view(buffer, PAGE)
+        os.pwritev(fd, [view], 0)
+        os.preadv(fd, [view], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+def limit_heap_retention(threshold_bytes: int = 1 << 20) -> bool:
+    """Makes glibc return freed allocations of ``threshold_bytes`` or more to the system at once.
+
+    glibc raises its ``mmap`` threshold dynamically up to 32 MiB, after which freed tensors below that size stay in
+    the heap: measured here, streaming blocks of 32 MiB tensors through the tier kept 250-800 MB resident beyond the
+    pool (the optimizer's first-step state, gradients the caller made and dropped). A fixed threshold keeps RSS at
+    the pool's size; it costs a page fault per page of each large allocation made afterwards. Process-wide: the
+    strategy calls it when it builds a disk tier. Returns whether it applied (``False`` off glibc).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # M_MMAP_THRESHOLD in malloc.h
+    return bool(mallopt(m_mmap_threshold, int(threshold_bytes)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Optimizer state sizes
+
+
+@dataclass(frozen=True)
+class StateSize:
+    """The optimizer state one parameter takes: ``per_element`` bytes per element of the parameter, plus
+    ``fixed_tensors`` small tensors (e.g. Adam's ``step``), each padded to :data:`ENTRY_ALIGNMENT` in a record."""
+
+    per_element: float
+    fixed_tensors: int
+
+    def record_bytes(self, numel: int) -> int:
+        return _aligned(int(self.per_element * numel)) + self.fixed_tensors * ENTRY_ALIGNMENT
+
+
+def probe_state_size(optimizer: Optional[Optimizer]) -> StateSize:
+    """How much state ``optimizer`` keeps per parameter, measured by stepping a fresh optimizer of the same class and
+    defaults over a small probe parameter (state is created lazily, so the real one has none before its first step).
+    Falls back to Adam's size (two fp32 moments and a step) for an optimizer that cannot be probed so."""
+    if optimizer is None:
+        return StateSize(0.0, 0)
+    numel = 4096
+    try:
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        probe = nn.Parameter(torch.zeros(numel))
+        probe.grad = torch.full((numel,), 1e-3)
+        fresh = type(optimizer)([probe], **defaults)
+        fresh.step()
+        per_element, fixed = 0.0, 0
+        for value in fresh.state[probe].values():
+            if isinstance(value, Tensor):
+                if value.numel() == numel:
+                    per_element += value.element_size()
+                else:
+                    fixed += 1
+        return StateSize(per_element, fixed)
+    except Exception:  # an optimizer that needs a closure or other constructor arguments: assume Adam-like
+        return StateSize(8.0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass
+class Entry:
+    """One tensor of a block's record: a master (``key`` is ``None``) or a state tensor of parameter ``param``."""
+
+    param: int
+    key: Optional[str]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+    def view_of(self, buffer: Tensor) -> Tensor:
+        """This entry's tensor inside a record held in the uint8 ``buffer``."""
+        return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"param": self.param, "key": self.key, "dtype": _dtype_name(self.dtype), "shape": list(self.shape),
+                "offset": self.offset}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Entry:
+        return cls(int(data["param"]), data["key"], _DTYPES[data["dtype"]], tuple(data["shape"]), int(data["offset"]))
+
+
+@dataclass
+class Record:
+    """Where a block's committed record lives (its slot) and how it is laid out."""
+
+    slot: int
+    entries: list[Entry]
+    #: Non-tensor state per parameter index, encoded for JSON (see :func:`_encode_value`).
+    values: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return max((e.offset + e.nbytes for e in self.entries), default=0)
+
+    @property
+    def file_bytes(self) -> int:
+        return page_rounded(max(self.nbytes, 1))
+
+    def masters(self) -> list[Entry]:
+        return [e for e in self.entries if e.key is None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "file_bytes": self.file_bytes, "entries": [e.to_json() for e in self.entries],
+                "values": {str(k): v for k, v in self.values.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Record:
+        return cls(int(data["slot"]), [Entry.from_json(e) for e in data["entries"]],
+                   {int(k): dict(v) for k, v in data["values"].items()})
+
+
+def _layout(params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> tuple[list[Entry], dict[int, dict]]:
+    """The record of a block: masters first (so a forward reads a prefix), then each parameter's state tensors."""
+    entries: list[Entry] = []
+    offset = 0
+    for index, param in enumerate(params):
+        entries.append(Entry(index, None, param.dtype, tuple(param.shape), offset))
+        offset += _aligned(entries[-1].nbytes)
+    values: dict[int, dict[str, Any]] = {}
+    for index, state in enumerate(states):
+        for key, value in state.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"The disk tier stores optimizer state under string keys; this optimizer uses the key {key!r}"
+                    f" ({type(key).__name__}). Use offload_device='cpu' with this optimizer."
+                )
+            if isinstance(value, Tensor):
+                if value.device.type != "cpu":
+                    raise TypeError(
+                        f"Optimizer state {key!r} is on {value.device}; the disk tier keeps host optimizer state only."
+                    )
+                entries.append(Entry(index, key, value.dtype, tuple(value.shape), offset))
+                offset += _aligned(entries[-1].nbytes)
+            else:
+                values.setdefault(index, {})[key] = _encode_value(value)
+    return entries, values
+
+
+def _master_bytes(params: Sequence[Tensor]) -> int:
+    return sum(_aligned(p.numel() * p.element_size()) for p in params)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ENTRY_ALIGNMENT) * ENTRY_ALIGNMENT
+
+
+def _encode_value(value: Any) -> dict[str, Any]:
+    """A non-tensor state value for the manifest: as JSON when it survives the round trip, else pickled."""
+    try:
+        decoded = json.loads(json.dumps(value))
+        if decoded == value and type(decoded) is type(value):  # a tuple would come back as a list
+            return {"json": value}
+    except (TypeError, ValueError):
+        pass
+    return {"pickle": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+
+
+def _decode_value(data: Mapping[str, Any]) -> Any:
+    if "json" in data:
+        return data["json"]
+    return pickle.loads(base64.b64decode(data["pickle"]))
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64)
+}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                       torch.bool: "BOOL"}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"The disk tier cannot store tensors of dtype {dtype}.")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Buffers
+
+
+def _aligned_buffer(nbytes: int) -> Tensor:
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE
+    return raw[start : start + nbytes]
+
+
+def _byte_view(buffer: Tensor, nbytes: int, start: int = 0) -> memoryview:
+    """A writable memoryview of ``nbytes`` of the uint8 CPU ``buffer`` from ``start`` (what ``preadv`` fills)."""
+    if start + nbytes > buffer.numel():
+        raise ValueError(f"A view of {nbytes} bytes at {start} exceeds a buffer of {buffer.numel()} bytes.")
+    array = (ctypes.c_char * nbytes).from_address(buffer.data_ptr() + start)
+    return memoryview(array).cast("B")
+
+
+class BufferPool:
+    """A bounded set of equal page-aligned host buffers (page-locked with CUDA), handed out and returned.
+
+    Args:
+        buffer_bytes: Size of each buffer (rounded up to pages).
+        count: How many buffers the pool holds at most.
+        pin: Page-lock the buffers with ``cudaHostRegister`` (a CUDA compute device).
+        bounded: Whether ``count * buffer_bytes`` is a user's bound: then a record larger than a buffer is an error,
+            otherwise buffers grow to fit it.
+    """
+
+    def __init__(self, buffer_bytes: int, count: int, pin: bool, bounded: bool) -> None:
+        if count < 1:
+            raise ValueError("A buffer pool needs at least one buffer.")
+        self.buffer_bytes = page_rounded(max(buffer_bytes, 1))
+        self.count = count
+        self.pin = pin
+        self.bounded = bounded
+        self._free: list[tuple[Tensor, HostArena]] = []
+        self._allocated = 0
+        #: The most host bytes the pool's buffers held at once.
+        self.peak_bytes = 0
+        self._owners: dict[int, HostArena] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host bytes the pool's buffers hold now."""
+        with self._cond:
+            return self._allocated * self.buffer_bytes
+
+    def acquire(self, nbytes: int) -> Tensor:
+        """A free buffer of at least ``nbytes`` (uint8), waiting for one to be released if all are in use."""
+        with self._cond:
+            if nbytes > self.buffer_bytes:
+                if self.bounded:
+                    raise DiskTierError(
+                        f"A block's record needs {format_bytes(nbytes)} but host_buffer_bytes allows buffers of"
+                        f" {format_bytes(self.buffer_bytes)} ({self.count} of them); raise host_buffer_bytes to at"
+                        f" least {page_rounded(nbytes) * self.count} bytes."
+                    )
+                self._grow(nbytes)
+            while not self._free and self._allocated >= self.count:
+                if not self._cond.wait(timeout=ACQUIRE_TIMEOUT_S):
+                    raise DiskTierError(
+                        f"All {self.count} disk tier buffers have been in use for {ACQUIRE_TIMEOUT_S:.0f} s: a caller"
+                        " holds more leases (prefetch_masters) than the pool has buffers without releasing one."
+                        " Release each lease once its block is copied, or raise host_buffer_bytes."
+                    )
+            if self._free:
+                buffer, arena = self._free.pop()
+            else:
+                arena = HostArena(pin=self.pin)
+                buffer = arena.empty(self.buffer_bytes, torch.uint8)
+                self._allocated += 1
+                self.peak_bytes = max(self.peak_bytes, self._allocated * self.buffer_bytes)
+            self._owners[buffer.data_ptr()] = arena
+            return buffer
+
+    def grow(self, nbytes: int) -> None:
+        """Makes every buffer handed out from now on hold at least ``nbytes`` (an unbounded pool only)."""
+        with self._cond:
+            if nbytes > self.buffer_bytes:
+                self._grow(nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        self.buffer_bytes = page_rounded(nbytes)  # smaller buffers are dropped as they come back
+        for buffer, arena in self._free:
+            self._drop(buffer, arena)
+        self._free = []
+
+    def release(self, buffer: Tensor) -> None:
+        """Returns ``buffer`` to the pool (from any thread)."""
+        with self._cond:
+            arena = self._owners.pop(buffer.data_ptr())
+            if buffer.numel() < self.buffer_bytes or self._closed:
+                self._drop(buffer, arena)
+            else:
+                self._free.append((buffer, arena))
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Frees the free buffers (and unpins them); buffers still out are freed when released."""
+        with self._cond:
+            self._closed = True
+            for buffer, arena in self._free:
+                self._drop(buffer, arena)
+            self._free = []
+
+    def _drop(self, buffer: Tensor, arena: HostArena) -> None:
+        arena.close()
+        self._allocated -= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# File I/O (module-level functions, so tests can interpose on single writes)
+
+
+def _open(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError as error:
+        raise DiskTierError(
+            f"The disk tier's file {str(path)!r} is missing (deleted while in use?). The tier cannot continue from"
+            " this folder; restore it from a checkpoint's copy (DiskStore.restore)."
+        ) from error
+    except OSError as error:
+        raise _io_error("opening", path, error) from error
+
+
+def _io_error(doing: str, path: Path, error: OSError) -> DiskTierError:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            left = f" ({format_bytes(free_bytes(path.parent))} free)"
+        except OSError:
+            left = ""
+        return DiskSpaceError(
+            f"The disk is full while {doing} the disk tier's file {str(path)!r}{left}. The last committed step in"
+            f" {str(path.parent)!r} is intact: free space (or move offload_path to a larger disk) and resume from it."
+        )
+    return DiskTierError(f"{doing.capitalize()} the disk tier's file {str(path)!r} failed: {error}.")
+
+
+def _read_chunk(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            count = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as error:
+            raise _io_error("reading", path, error) from error
+        if count == 0:
+            raise DiskTierError(
+                f"The disk tier's file {str(path)!r} ended at byte {offset + done} while {offset + len(view)} were"
+                " expected (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
+            )
+        done += count
+
+
+def _write_chunk(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            done += os.pwritev(fd, [view[done:]], offset + done)
+        except OSError as error:
+            raise _io_error("writing", path, error) from error
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Files:
+    """Reads and writes whole files between page-aligned buffers and disk, split into chunks on worker threads."""
+
+    def __init__(self, direct: bool, workers: int, chunk_bytes: int) -> None:
+        self.direct = direct
+        self.chunk_bytes = page_rounded(chunk_bytes)
+        self._chunks = ThreadPoolExecutor(workers, thread_name_prefix="superpipe-disk-io")
+        # Whole-file jobs wait on their chunks; a separate pool so that a job never waits behind another job.
+        self._jobs = ThreadPoolExecutor(max(2, workers), thread_name_prefix="superpipe-disk-job")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        #: ``(kind, start, end, bytes)`` of every whole-file read and write, for benchmarks (``None``: not kept).
+        self.intervals: Optional[list[tuple[str, float, float, int]]] = None
+
+    def close(self) -> None:
+        self._jobs.shutdown(wait=True)
+        self._chunks.shutdown(wait=True)
+
+    def read(self, path: Path, buffer: Tensor, nbytes: int, start: int = 0) -> Future[None]:
+        """Reads the first ``nbytes`` (a multiple of the page size) of ``path`` into ``buffer[start:]``."""
+        return self._jobs.submit(self._read, path, buffer, nbytes, start)
+
+    def write(self, path: Path, buffer: Tensor, nbytes: int, durable: bool) -> Future[None]:
+        """Writes ``buffer[:nbytes]`` as the whole file ``path`` (``fsync``ed when ``durable``)."""
+        return self._jobs.submit(self._write, path, buffer, nbytes, durable)
+
+    def _read(self, path: Path, buffer: Tensor, nbytes: int, start: int) -> None:
+        began = time.perf_counter()
+        fd = _open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise DiskTierError(
+                    f"The disk tier's file {str(path)!r} has {size} bytes but {nbytes} were expected (truncated?)."
+                    " Restore the folder from a checkpoint's copy (DiskStore.restore)."
+                )
+            self._chunked(_read_chunk, fd, path, buffer, nbytes, start)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.bytes_read += nbytes
+            if self.intervals is not None:
+                self.intervals.append(("read", began, time.perf_counter(), nbytes))
+
+    def _write(self, path: Path, buffer: Tensor, nbytes: int, durable: bool) -> None:
+        began = time.perf_counter()
+        try:
+            if os.stat(path).st_nlink > 1:
+                # Hard-linked into a checkpoint's folder: write a new file rather than into the checkpoint's copy.
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        fd = _open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if self.direct else 0))
+        try:
+            try:
+                if os.fstat(fd).st_size != nbytes:
+                    os.ftruncate(fd, nbytes)
+                # Reserve the blocks first: a full disk fails here, before any byte of the record is written.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as error:
+                raise _io_error("writing", path, error) from error
+            self._chunked(_write_chunk, fd, path, buffer, nbytes, 0)
+            if durable:
+                try:
+                    os.fsync(fd)
+                except OSError as error:
+                    raise _io_error("writing", path, error) from error
+            if not self.direct:
+                os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # written back: drop it from the cache
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.bytes_written += nbytes
+            if self.intervals is not None:
+                self.intervals.append(("write", began, time.perf_counter(), nbytes))
+
+    def _chunked(self, function: Any, fd: int, path: Path, buffer: Tensor, nbytes: int, start: int) -> None:
+        def run(offset: int) -> None:
+            length = min(self.chunk_bytes, nbytes - offset)
+            function(fd, _byte_view(buffer, length, start + offset), offset, path)
+            if not self.direct and function is _read_chunk:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+        futures = [self._chunks.submit(run, offset) for offset in range(0, nbytes, self.chunk_bytes)]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The store
+
+
+@dataclass
+class BlockState:
+    """A copy of one block's masters and optimizer state, keyed by parameter name."""
+
+    masters: dict[str, Tensor]
+    state: dict[str, dict[str, Any]]
+
+
+class MasterLease:
+    """A block's fp32 masters being read into a pool buffer; :meth:`wait` gives views, :meth:`release` returns it."""
+
+    def __init__(self, pool: BufferPool, buffer: Tensor, future: Future[None], entries: list[Entry]) -> None:
+        self._pool, self._buffer, self._future, self._entries = pool, buffer, future, entries
+        self._released = False
+
+    def wait(self) -> list[Tensor]:
+        """The block's masters, in its parameter order (views into the pool buffer: copy before :meth:`release`)."""
+        self._future.result()
+        return [entry.view_of(self._buffer) for entry in self._entries]
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._future.exception()  # never hand a buffer back while a read still fills it
+            self._pool.release(self._buffer)
+
+
+def checkpoint_folder(ckpt_path: PathLike) -> Path:
+    """The folder beside a ``.ckpt`` that holds the disk tier's files of that checkpoint."""
+    return Path(f"{os.fspath(ckpt_path)}.disk-tier")
+
+
+class DiskStore:
+    """The disk tier of a set of blocks: their masters and optimizer state in files under one folder.
+
+    Build it with :meth:`create` (writes the blocks' current values as step 0), :meth:`open` (continues the
+    committed step of a folder) or :meth:`restore` (continues from a checkpoint's copy). Afterwards the block
+    parameters hold placeholders of their shape and dtype with no memory; values are read with
+    :meth:`prefetch_masters` and :meth:`read_block`, and changed only by :meth:`step`.
+
+    Args:
+        path: The folder.
+        blocks: Each block's parameters by name (names unique across blocks).
+        manifest: The committed manifest.
+        optimizer: The optimizer that will step the blocks (sizes the buffers); may be ``None`` for inference.
+        spill_grads: Reserve gradient files and buffer room for :meth:`spill_grads`.
+        host_buffer_bytes: Bound on the pool's host bytes; default ``(read_ahead + 2)`` buffers of the largest block.
+        read_ahead: Blocks read ahead of the one being stepped.
+        io_workers: Threads issuing reads and writes.
+        chunk_bytes: Size of one read or write request.
+        direct_io: Use ``O_DIRECT``; ``None`` probes the folder's file system.
+        pin: Page-lock the buffers; ``None`` when CUDA is available.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        blocks: Sequence[Mapping[str, nn.Parameter]],
+        manifest: Mapping[str, Any],
+        optimizer: Optional[Optimizer],
+        spill_grads: bool,
+        host_buffer_bytes: Optional[int],
+        read_ahead: int,
+        io_workers: int,
+        chunk_bytes: int,
+        direct_io: Optional[bool],
+        pin: Optional[bool],
+    ) -> None:
+        self.path = path
+        self.names = [list(block) for block in blocks]
+        self.params = [list(block.values()) for block in blocks]
+        self.records = [Record.from_json(data) for data in manifest["blocks"]]
+        self.step_count = int(manifest["step"])
+        self.spills = spill_grads
+        self.read_ahead = max(0, read_ahead)
+        self.direct_io = supports_direct_io(path) if direct_io is None else direct_io
+        self._grads_present: list[set[int]] = [set() for _ in blocks]
+        #: Blocks stepped since the last commit: their new record, its write, whether it consumed spilled gradients.
+        self._pending: dict[int, tuple[Record, Future[None], bool]] = {}
+        #: Gradient writes that may still be in flight, by block.
+        self._spill_writes: dict[int, Future[None]] = {}
+        #: Per-parameter gradient norms of each block's last spill (``None``: not kept).
+        self._grad_norms: dict[int, Optional[list[Optional[Tensor]]]] = {}
+        self._state_size = probe_state_size(optimizer)
+        largest = max((self._buffer_need(i) for i in range(len(blocks))), default=PAGE)
+        if host_buffer_bytes is None:
+            count = self.read_ahead + 2
+        else:
+            count = int(host_buffer_bytes) // page_rounded(largest)
+            if count < 1:
+                one, overlapping = page_rounded(largest), page_rounded(largest) * (self.read_ahead + 2)
+                raise DiskTierError(
+                    f"host_buffer_bytes={int(host_buffer_bytes)} ({format_bytes(int(host_buffer_bytes))}) cannot hold"
+                    f" one block's buffer of {one} bytes ({format_bytes(one)}). Give at least {one}; {overlapping}"
+                    f" ({self.read_ahead + 2} buffers) lets reads ahead and writes behind overlap the step."
+                )
+        self.pool = BufferPool(largest, count, pin=torch.cuda.is_available() if pin is None else pin,
+                               bounded=host_buffer_bytes is not None)
+        self.files = _Files(self.direct_io, io_workers, chunk_bytes)
+        for block in self.params:
+            for param in block:
+                _park(param)
+
+    # -- construction ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        path: PathLike,
+        blocks: Sequence[Mapping[str, nn.Parameter]],
+        optimizer: Optional[Optimizer] = None,
+        *,
+        spill_grads: bool = False,
+        host_buffer_bytes: Optional[int] = None,
+        read_ahead: int = 2,
+        io_workers: int = 4,
+        chunk_bytes: int = CHUNK_BYTES,
+        direct_io: Optional[bool] = None,
+        pin: Optional[bool] = None,
+        overwrite: bool = False,
+        initial: Optional[Callable[[int], Mapping[str, Tensor]]] = None,
+    ) -> DiskStore:
+        """Checks the folder, writes every block's current masters (and any optimizer state it already has) as
+        step 0, commits, and moves the values out of memory. See the class for the other arguments.
+
+        Args:
+            initial: Block ``i``'s initial values by name, called once per block and dropped once written, for a
+                model that does not fit in host memory (e.g. read from a checkpoint's shards): its parameters may
+                then be placeholders of the right shape and dtype (``torch.zeros(()).expand(shape)``).
+
+        Raises:
+            DiskTierError: The folder is missing or unwritable, or already holds a tier (without ``overwrite``).
+            DiskSpaceError: It lacks the space two slots of every block (and gradients) need.
+        """
+        folder = Path(path)
+        _check_blocks(blocks)
+        size = probe_state_size(optimizer)
+        needed = sum(
+            2 * page_rounded(_master_bytes(list(b.values())) + sum(size.record_bytes(p.numel()) for p in b.values()))
+            + (page_rounded(_master_bytes(list(b.values()))) if spill_grads else 0)
+            for b in blocks
+        )
+        what = "two slots of every block's masters and optimizer state" + (", and its gradients" if spill_grads else "")
+        preflight(folder, needed, what)
+        if (folder / MANIFEST).exists():
+            if not overwrite:
+                raise DiskTierError(
+                    f"{str(folder)!r} already holds a disk tier (committed step"
+                    f" {_read_manifest(folder)['step']}). Continue it with DiskStore.open, or pass overwrite=True"
+                    " to start over."
+                )
+            (folder / MANIFEST).unlink()
+            _fsync_dir(folder)
+        manifest = {"format": FORMAT, "version": VERSION, "step": 0,
+                    "names": [list(b) for b in blocks], "blocks": []}
+        states = [[_own_state(optimizer, p) for p in b.values()] for b in blocks]
+        manifest["blocks"] = [Record(1, *_layout(list(b.values()), s)).to_json() for b, s in zip(blocks, states)]
+        # The parameters still hold the values: write them with a writer of its own before the store parks them.
+        files = _Files(supports_direct_io(folder) if direct_io is None else direct_io, io_workers, chunk_bytes)
+        try:
+            for index, (block, state) in enumerate(zip(blocks, states)):
+                record = Record.from_json(manifest["blocks"][index])
+                buffer = _aligned_buffer(record.file_bytes)
+                buffer.zero_()
+                params = list(block.values())
+                if initial is not None:
+                    params = _initial_values(index, block, initial(index))
+                _fill(record, buffer, params, state)
+                del params
+                files.write(folder / _slot_name(index, record.slot), buffer, record.file_bytes, durable=True).result()
+                if optimizer is not None:
+                    for param in block.values():
+                        optimizer.state.pop(param, None)
+            _commit(folder, manifest)
+        finally:
+            files.close()
+        return cls(folder, blocks, manifest, optimizer, spill_grads, host_buffer_bytes, read_ahead, io_workers,
+                   chunk_bytes, direct_io, pin)
+
+    @classmethod
+    def open(
+        cls,
+        path: PathLike,
+        blocks: Sequence[Mapping[str, nn.Parameter]],
+        optimizer: Optional[Optimizer] = None,
+        *,
+        spill_grads: bool = False,
+        host_buffer_bytes: Optional[int] = None,
+        read_ahead: int = 2,
+        io_workers: int = 4,
+        chunk_bytes: int = CHUNK_BYTES,
+        direct_io: Optional[bool] = None,
+        pin: Optional[bool] = None,
+    ) -> DiskStore:
+        """Continues the committed step of ``path``: checks that its manifest matches ``blocks`` (names, shapes,
+        dtypes) and that every committed file is there at its full size. See the class for the arguments.
+
+        Raises:
+            DiskTierError: No committed manifest, a mismatch with ``blocks``, or a missing or truncated file.
+        """
+        folder = Path(path)
+        _check_blocks(blocks)
+        manifest = _read_manifest(folder)
+        _check_manifest(folder, manifest, blocks)
+        size = probe_state_size(optimizer)
+        # The other slots are written by the next step: check that they fit beside the committed ones.
+        needed = 0
+        for index, (block, data) in enumerate(zip(blocks, manifest["blocks"])):
+            record = Record.from_json(data)
+            estimate = page_rounded(
+                _master_bytes(list(block.values())) + sum(size.record_bytes(p.numel()) for p in block.values())
+            )
+            other = folder / _slot_name(index, 1 - record.slot)
+            needed += max(0, max(estimate, record.file_bytes) - (other.stat().st_size if other.exists() else 0))
+            if spill_grads and not (folder / _grad_name(index)).exists():
+                needed += page_rounded(_master_bytes(list(block.values())))
+        preflight(folder, needed, "the slots the next step writes")
+        return cls(folder, blocks, manifest, optimizer, spill_grads, host_buffer_bytes, read_ahead, io_workers,
+                   chunk_bytes, direct_io, pin)
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: PathLike,
+        path: PathLike,
+        blocks: Sequence[Mapping[str, nn.Parameter]],
+        optimizer: Optional[Optimizer] = None,
+        **options: Any,
+    ) -> DiskStore:
+        """Continues from a checkpoint's copy (:meth:`snapshot`): hard-links (or, across file systems, copies) its
+        files into ``path``, replacing the tier there, commits its manifest and opens it. The copy is never written:
+        later steps write new files in ``path``. ``options`` are those of :meth:`open`."""
+        source, folder = Path(snapshot), Path(path)
+        manifest = _read_manifest(source)
+        _check_manifest(source, manifest, blocks)
+        preflight(folder, 0)
+        if source.resolve() != folder.resolve():
+            if (folder / MANIFEST).exists():
+                (folder / MANIFEST).unlink()  # uncommit first: a kill mid-restore must not leave a mix
+                _fsync_dir(folder)
+            for index, data in enumerate(manifest["blocks"]):
+                for slot in (0, 1):
+                    (folder / _slot_name(index, slot)).unlink(missing_ok=True)
+                name = _slot_name(index, int(data["slot"]))
+                _link_or_copy(source / name, folder / name)
+            _commit(folder, manifest)
+        return cls.open(folder, blocks, optimizer, **options)
+
+    def close(self) -> None:
+        """Waits for I/O in flight and frees the buffers. The files stay at the committed step (blocks stepped and not
+        committed are discarded): :meth:`open` continues them."""
+        self.abort()
+        for future in self._spill_writes.values():
+            future.exception()
+        self._spill_writes = {}
+        self.files.close()
+        self.pool.close()
+
+    # -- reading --------------------------------------------------------------------------------------------------
+
+    def prefetch_masters(self, index: int) -> MasterLease:
+        """Starts reading block ``index``'s masters into a pool buffer (what a forward streams to the device)."""
+        record = self._current(index)
+        entries = record.masters()
+        nbytes = page_rounded(max(max((e.offset + e.nbytes for e in entries), default=0), 1))
+        buffer = self.pool.acquire(nbytes)
+        future = self.files.read(self._slot_path(index, record.slot), buffer, nbytes)
+        return MasterLease(self.pool, buffer, future, entries)
+
+    def read_block(self, index: int) -> BlockState:
+        """A copy of block ``index``'s masters and optimizer state (stepped since the last commit, or committed)."""
+        record = self._current(index)
+        buffer = self.pool.acquire(record.file_bytes)
+        try:
+            self.files.read(self._slot_path(index, record.slot), buffer, record.file_bytes).result()
+            names = self.names[index]
+            masters = {names[e.param]: e.view_of(buffer).clone() for e in record.masters()}
+            state: dict[str, dict[str, Any]] = {}
+            for entry in record.entries:
+                if entry.key is not None:
+                    state.setdefault(names[entry.param], {})[entry.key] = entry.view_of(buffer).clone()
+            for param, values in record.values.items():
+                for key, value in values.items():
+                    state.setdefault(names[param], {})[key] = _decode_value(value)
+            return BlockState(masters, state)
+        finally:
+            self.pool.release(buffer)
+
+    # -- gradients ------------------------------------------------------------------------------------------------
+
+    def spill_grads(
+        self,
+        index: int,
+        grads: Sequence[Optional[Tensor]],
+        accumulate: bool = False,
+        wait: bool = True,
+        norms: bool = False,
+    ) -> Future[None]:
+        """Writes block ``index``'s gradients (one per parameter, ``None`` for none) to its gradient file, adding them
+        to those spilled before when ``accumulate`` (as autograd accumulates into ``.grad``). The file is scratch:
+        it is not ``fsync``ed, and a crash loses only the step in progress.
+
+        The gradients are copied into a pool buffer at once (the caller may free them on return); with ``wait=False``
+        the write goes on in the background (the returned future; a failure is raised by it, or by the next spill or
+        step of the block, which wait for it). With ``norms`` (the last micro-batch, when clipping by global norm)
+        the 2-norm of each spilled (accumulated) gradient is kept for :meth:`grad_norms`.
+        """
+        if not self.spills:
+            raise DiskTierError("This DiskStore was built without spill_grads=True; it has no gradient files.")
+        if index in self._pending:
+            raise DiskTierError(
+                f"Block {index} was stepped and not committed yet; commit() before spilling new gradients."
+            )
+        params = self.params[index]
+        if len(grads) != len(params):
+            raise ValueError(f"Block {index} has {len(params)} parameters but {len(grads)} gradients were given.")
+        previous = self._spill_writes.pop(index, None)
+        if previous is not None:
+            previous.result()  # the file must be whole before it is read back or written again
+        entries = self.records[index].masters()
+        nbytes = self._grad_bytes(index)
+        path = self.path / _grad_name(index)
+        present = self._grads_present[index]
+        buffer = self.pool.acquire(nbytes)
+        try:
+            if accumulate and present:
+                self.files.read(path, buffer, nbytes).result()
+            for entry, grad in zip(entries, grads):
+                view = entry.view_of(buffer)
+                if grad is None:
+                    if not (accumulate and entry.param in present):
+                        view.zero_()
+                    continue
+                if grad.shape != view.shape or grad.dtype != view.dtype:
+                    raise ValueError(
+                        f"The gradient of {self.names[index][entry.param]} has shape {tuple(grad.shape)} and dtype"
+                        f" {grad.dtype}; its parameter has {tuple(view.shape)} and {view.dtype}."
+                    )
+                if accumulate and entry.param in present:
+                    view.add_(grad.detach().to("cpu"))
+                else:
+                    view.copy_(grad.detach())
+            if not accumulate:
+                present.clear()
+            present.update(i for i, g in enumerate(grads) if g is not None)
+            # What torch.nn.utils.clip_grad_norm_ computes per gradient, from the same fp32 values.
+            self._grad_norms[index] = (
+                [torch.linalg.vector_norm(e.view_of(buffer), 2.0) if e.param in present else None for e in entries]
+                if norms else None
+            )
+        except BaseException:
+            self.pool.release(buffer)
+            raise
+        future = self.files.write(path, buffer, nbytes, durable=False)
+        future.add_done_callback(lambda _: self.pool.release(buffer))
+        self._spill_writes[index] = future
+        if wait:
+            future.result()
+        return future
+
+    def grad_norms(self, index: int) -> list[Optional[Tensor]]:
+        """The 2-norm of each of block ``index``'s spilled gradients (``None`` for a parameter without one), as the
+        last :meth:`spill_grads` with ``norms=True`` computed them. Stack them with the other parameters' norms, in
+        the order ``clip_grad_norm_`` would see them, for the global norm, and pass the clipping coefficient to
+        :meth:`step` as ``grad_scale``.
+
+        Raises:
+            DiskTierError: The block's last spill did not keep norms.
+        """
+        kept = self._grad_norms.get(index)
+        if kept is None:
+            raise DiskTierError(f"Block {index}'s last spill_grads did not keep norms; pass norms=True to it.")
+        return kept
+
+    # -- the step -------------------------------------------------------------------------------------------------
+
+    def step(
+        self,
+        optimizer: Optimizer,
+        grads: Literal["param", "disk"] = "param",
+        blocks: Optional[Sequence[int]] = None,
+        commit: bool = True,
+        grad_scale: Optional[Tensor] = None,
+    ) -> None:
+        """Steps ``optimizer`` over the blocks with gradients, block by block, and commits the new step.
+
+        Each block's record (and, with ``grads="disk"``, its spilled gradients) is read into a pool buffer, the
+        block's parameters and their ``optimizer.state`` are pointed at it, the optimizer steps restricted to the
+        block's parameters (its groups, hyperparameters and LR as configured), and the record is written to the
+        block's other slot. Reads of the next blocks and the write of the previous one overlap the step. Once every
+        written block is durable the manifest is committed. On any error nothing is committed: the folder stays at
+        the previous step (blocks stepped since the last commit are discarded too), and the error names the file.
+
+        Args:
+            optimizer: The user's optimizer (its param groups hold the blocks' parameters).
+            grads: ``"param"``: the gradients are in ``p.grad``; ``"disk"``: read those :meth:`spill_grads` wrote
+                (consumed by the step).
+            blocks: Step only these blocks, in this order (default: all with gradients), e.g. one block as soon as
+                backward has completed its gradients.
+            commit: Commit at once; with ``False`` the writes go on in the background and :meth:`commit` (after
+                the last block of the optimizer step) makes them the new step.
+            grad_scale: Multiplies every gradient before the step (``clip_grad_norm_``'s clamped coefficient, a
+                0-dim tensor, for clipping by global norm with spilled gradients; see :meth:`grad_norms`).
+        """
+        if grads not in ("param", "disk"):
+            raise ValueError(f"grads must be 'param' or 'disk', not {grads!r}.")
+        if grads == "disk" and not self.spills:
+            raise DiskTierError("step(grads='disk') needs a DiskStore built with spill_grads=True.")
+        owned = {p for group in optimizer.param_groups for p in group["params"]}
+        candidates = range(len(self.params)) if blocks is None else blocks
+        if grads == "disk":
+            todo = [i for i in candidates if self._grads_present[i]]
+        else:
+            todo = [i for i in candidates if any(p.grad is not None and p in owned for p in self.params[i])]
+        again = [i for i in todo if i in self._pending]
+        if again:
+            raise DiskTierError(
+                f"Block {again[0]} was already stepped in this optimizer step; commit() the step before stepping it"
+                " again."
+            )
+        target = min(1 + self.read_ahead, self.pool.count)
+        reads: deque[tuple[int, Tensor, Future[None], Optional[Future[None]]]] = deque()
+        upcoming = iter(todo)
+        try:
+            for index in todo:
+                while len(reads) < target:
+                    following = next(upcoming, None)
+                    if following is None:
+                        break
+                    reads.append(self._start_read(following, grads == "disk"))
+                read_index, buffer, record_read, grad_read = reads.popleft()
+                assert read_index == index
+                try:
+                    record_read.result()
+                    if grad_read is not None:
+                        grad_read.result()
+                    record, holder = self._step_block(optimizer, index, buffer, grads == "disk", owned, grad_scale)
+                except BaseException:
+                    self.pool.release(buffer)
+                    raise
+                future = self.files.write(self._slot_path(index, record.slot), holder, record.file_bytes,
+                                          durable=True)
+                if holder is buffer:
+                    future.add_done_callback(lambda _, buffer=buffer: self.pool.release(buffer))
+                else:
+                    self.pool.release(buffer)
+                self._pending[index] = (record, future, grads == "disk")
+        except BaseException:
+            for _, buffer, record_read, grad_read in reads:
+                for job in (record_read, grad_read):
+                    if job is not None:
+                        job.exception()
+                self.pool.release(buffer)
+            self.abort()
+            raise
+        if commit:
+            self.commit()
+
+    def commit(self) -> None:
+        """Makes the blocks stepped since the last commit the folder's new step, once each is durable.
+
+        Raises:
+            DiskTierError: A write failed (the error names the file); the folder stays at the previous step.
+        """
+        try:
+            for _, future, _ in self._pending.values():
+                future.result()
+            records = list(self.records)
+            for index, (record, _, _) in self._pending.items():
+                records[index] = record
+            _commit(self.path, self._manifest(self.step_count + 1, records))
+        except BaseException:
+            self.abort()
+            raise
+        self.records = records
+        self.step_count += 1
+        for index, (_, _, consumed_grads) in self._pending.items():
+            if consumed_grads:
+                self._grads_present[index].clear()
+        self._pending = {}
+
+    def abort(self) -> None:
+        """Discards the blocks stepped since the last commit (waiting for their writes): the store is back at the
+        committed step, as after a crash. The caller's optimizer step has failed and must be repeated whole."""
+        for _, future, _ in self._pending.values():
+            future.exception()
+        self._pending = {}
+
+    def _current(self, index: int) -> Record:
+        """Block ``index``'s newest record: stepped but not committed yet (once written), else committed."""
+        pending = self._pending.get(index)
+        if pending is None:
+            return self.records[index]
+        pending[1].result()
+        return pending[0]
+
+    def _start_read(self, index: int, with_grads: bool) -> tuple[int, Tensor, Future[None], Optional[Future[None]]]:
+        record = self.records[index]
+        buffer = self.pool.acquire(self._buffer_need(index))
+        record_read = self.files.read(self._slot_path(index, record.slot), buffer, record.file_bytes)
+        grad_read = None
+        if with_grads:
+            spilled = self._spill_writes.pop(index, None)
+            if spilled is not None:
+                spilled.result()
+            grad_read = self.files.read(self.path / _grad_name(index), buffer, self._grad_bytes(index),
+                                        start=self._grad_offset(index))
+        return index, buffer, record_read, grad_read
+
+    def _step_block(
+        self,
+        optimizer: Optimizer,
+        index: int,
+        buffer: Tensor,
+        grads_on_disk: bool,
+        owned: set[nn.Parameter],
+        grad_scale: Optional[Tensor],
+    ) -> tuple[Record, Tensor]:
+        """Steps block ``index`` in ``buffer`` (its committed record) and lays the new record out in it (or, if it
+        outgrew the buffer, in a new one). Returns the record and the buffer that holds it."""
+        record, params = self.records[index], self.params[index]
+        masters = record.masters()
+        for entry, param in zip(masters, params):
+            param.data = entry.view_of(buffer)
+        if grads_on_disk:
+            grad_base = buffer[self._grad_offset(index) :]
+            present = self._grads_present[index]
+            for entry, param in zip(masters, params):
+                param.grad = entry.view_of(grad_base) if entry.param in present else None
+        for param in params:
+            optimizer.state.pop(param, None)
+        for entry in record.entries:
+            if entry.key is not None:
+                optimizer.state[params[entry.param]][entry.key] = entry.view_of(buffer)
+        for param_index, values in record.values.items():
+            for key, value in values.items():
+                optimizer.state[params[param_index]][key] = _decode_value(value)
+        try:
+            stepped = {p for p in params if p.grad is not None and p in owned}
+            if grad_scale is not None:
+                for param in params:
+                    if param in stepped:
+                        param.grad.mul_(grad_scale)  # type: ignore[union-attr]
+            with _restricted(optimizer, stepped):
+                optimizer.step()
+            states = [_own_state(optimizer, p) for p in params]
+            entries, values = _layout(params, states)
+            new = Record(1 - record.slot, entries, values)
+            # The spilled gradients are consumed by now: the new record may take the whole buffer.
+            if new.file_bytes > buffer.numel():
+                # More state than the probe foretold: an unbounded pool grows for the blocks to come, and this
+                # record is written from a buffer of its own.
+                if self.pool.bounded:
+                    raise DiskTierError(
+                        f"Block {index}'s record grew to {format_bytes(new.file_bytes)} (its optimizer state), more"
+                        f" than a buffer of host_buffer_bytes={self.pool.count * self.pool.buffer_bytes} holds"
+                        f" ({self.pool.count} x {format_bytes(self.pool.buffer_bytes)}). Raise host_buffer_bytes to"
+                        f" at least {self.pool.count * (new.file_bytes + self._grad_bytes(index))}, or leave it unset."
+                    )
+                self.pool.grow(new.file_bytes + (self._grad_bytes(index) if self.spills else 0))
+                grown = _aligned_buffer(new.file_bytes)
+                for entry in entries:
+                    entry.view_of(grown).copy_(_tensor_of(entry, params, states))
+                grown[new.nbytes :].zero_()
+                return new, grown
+            if [_signature(e) for e in entries] == [_signature(e) for e in record.entries]:
+                for entry in entries:  # the optimizer may have replaced a tensor instead of updating it in place
+                    tensor = _tensor_of(entry, params, states)
+                    if tensor.data_ptr() != entry.view_of(buffer).data_ptr():
+                        entry.view_of(buffer).copy_(tensor)
+            else:
+                # The layout changed (the first step creates the state): place every tensor anew. Tensors of the
+                # buffer that move are cloned first so that no copy overwrites one yet to be read; the masters lead
+                # both layouts and stay where they are.
+                tensors = [_tensor_of(e, params, states) for e in entries]
+                moving = [_inside(t, buffer) and t.data_ptr() != e.view_of(buffer).data_ptr()
+                          for e, t in zip(entries, tensors)]
+                tensors = [t.clone() if move else t for t, move in zip(tensors, moving)]
+                for entry, tensor in zip(entries, tensors):
+                    if tensor.data_ptr() != entry.view_of(buffer).data_ptr():
+                        entry.view_of(buffer).copy_(tensor)
+                buffer[new.nbytes : new.file_bytes].zero_()  # the file's padding: keep it defined
+            return new, buffer
+        finally:
+            for param in params:
+                optimizer.state.pop(param, None)
+                _park(param)
+                if grads_on_disk:
+                    param.grad = None
+        return new
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def snapshot(self, folder: PathLike) -> dict[str, Any]:
+        """Copies the committed step into ``folder`` (created; e.g. :func:`checkpoint_folder` of a ``.ckpt``) by
+        hard links where it shares the file system, else by copies, and commits a manifest there last. Holds no
+        state in memory. Returns the manifest, small enough for the ``.ckpt``.
+
+        Raises:
+            DiskTierError: A committed file is missing.
+            DiskSpaceError: Copying ran out of space (the tier itself is untouched).
+        """
+        if self._pending:
+            raise DiskTierError("snapshot() between step(commit=False) and commit(): commit the step first.")
+        target = Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        (target / MANIFEST).unlink(missing_ok=True)
+        manifest = self._manifest(self.step_count, self.records)
+        for index, record in enumerate(self.records):
+            for slot in (0, 1):
+                (target / _slot_name(index, slot)).unlink(missing_ok=True)
+            name = _slot_name(index, record.slot)
+            _link_or_copy(self.path / name, target / name)
+        _commit(target, manifest)
+        return manifest
+
+    def export_safetensors(
+        self, path: PathLike, extra: Optional[Mapping[str, Tensor]] = None, dtype: Optional[torch.dtype] = None
+    ) -> None:
+        """Writes the committed masters (and ``extra`` tensors, e.g. the trunk's) as one plain safetensors file,
+        block by block (memory: one block), for inference. ``dtype`` casts floating-point tensors (e.g. bf16)."""
+        extra = dict(extra or {})
+        names = [n for block in self.names for n in block]
+        clash = set(names) & set(extra)
+        if clash:
+            raise ValueError(f"extra repeats names the blocks already hold: {sorted(clash)[:5]}.")
+
+        def out_dtype(d: torch.dtype) -> torch.dtype:
+            return dtype if dtype is not None and d.is_floating_point else d
+
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", "superpipe_step": str(self.step_count)}}
+        offset = 0
+        shapes = [(self.names[i][e.param], e.dtype, e.shape) for i, r in enumerate(self.records) for e in r.masters()]
+        shapes += [(name, t.dtype, tuple(t.shape)) for name, t in extra.items()]
+        for name, d, shape in shapes:
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * out_dtype(d).itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[out_dtype(d)], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        target = Path(path)
+        temporary = target.with_name(target.name + ".tmp")
+        try:
+            with open(temporary, "wb") as out:
+                out.write(len(text).to_bytes(8, "little"))
+                out.write(text)
+                for index in range(len(self.records)):
+                    lease = self.prefetch_masters(index)
+                    try:
+                        for view in lease.wait():
+                            _write_tensor(out, view.to(out_dtype(view.dtype)))
+                    finally:
+                        lease.release()
+                for tensor in extra.values():
+                    _write_tensor(out, tensor.detach().to("cpu", out_dtype(tensor.dtype)))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, target)
+        except OSError as error:
+            temporary.unlink(missing_ok=True)
+            raise _io_error("writing", target, error) from error
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    @property
+    def bytes_read(self) -> int:
+        return self.files.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.files.bytes_written
+
+    def _slot_path(self, index: int, slot: int) -> Path:
+        return self.path / _slot_name(index, slot)
+
+    def _grad_bytes(self, index: int) -> int:
+        return page_rounded(max(_master_bytes(self.params[index]), 1))
+
+    def _grad_offset(self, index: int) -> int:
+        """Where spilled gradients go in a step's buffer: after the largest record the block may have."""
+        return page_rounded(max(self._record_estimate(index), self.records[index].file_bytes))
+
+    def _record_estimate(self, index: int) -> int:
+        params = self.params[index]
+        return page_rounded(_master_bytes(params) + sum(self._state_size.record_bytes(p.numel()) for p in params))
+
+    def _buffer_need(self, index: int) -> int:
+        need = max(self._record_estimate(index), self.records[index].file_bytes)
+        return need + (self._grad_bytes(index) if self.spills else 0)
+
+    def _manifest(self, step: int, records: Sequence[Record]) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "step": step, "names": self.names,
+                "blocks": [r.to_json() for r in records]}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Module helpers
+
+
+def _slot_name(index: int, slot: int) -> str:
+    return f"block{index:05d}.{slot}.bin"
+
+
+def _grad_name(index: int) -> str:
+    return f"grad{index:05d}.bin"
+
+
+def _park(param: nn.Parameter) -> None:
+    """Points ``param`` at a placeholder of its shape and dtype that holds no memory (its value is on disk)."""
+    param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
+
+
+def _own_state(optimizer: Optional[Optimizer], param: nn.Parameter) -> dict[str, Any]:
+    if optimizer is None or param not in optimizer.state:
+        return {}
+    return dict(optimizer.state[param])
+
+
+def _tensor_of(entry: Entry, params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> Tensor:
+    return params[entry.param].detach() if entry.key is None else states[entry.param][entry.key]
+
+
+def _signature(entry: Entry) -> tuple[Any, ...]:
+    return entry.param, entry.key, entry.dtype, entry.shape, entry.offset
+
+
+def _inside(tensor: Tensor, buffer: Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= tensor.data_ptr() < start + buffer.numel()
+
+
+def _fill(record: Record, buffer: Tensor, params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> None:
+    for entry in record.entries:
+        entry.view_of(buffer).copy_(_tensor_of(entry, params, states))
+
+
+def _write_tensor(out: Any, tensor: Tensor) -> None:
+    flat = tensor.contiguous().view(-1).view(torch.uint8)
+    if flat.numel():
+        out.write(_byte_view(flat, flat.numel()))
+
+
+def _initial_values(index: int, block: Mapping[str, nn.Parameter], values: Mapping[str, Tensor]) -> list[Tensor]:
+    if set(values) != set(block):
+        raise ValueError(
+            f"initial({index}) gave the tensors {sorted(values)[:4]}, but block {index} has {sorted(block)[:4]}."
+        )
+    for name, param in block.items():
+        if values[name].shape != param.shape or values[name].dtype != param.dtype:
+            raise ValueError(
+                f"initial({index})[{name!r}] is {tuple(values[name].shape)} {values[name].dtype}; the parameter is"
+                f" {tuple(param.shape)} {param.dtype}."
+            )
+    return [values[name].detach() for name in block]
+
+
+def _check_blocks(blocks: Sequence[Mapping[str, nn.Parameter]]) -> None:
+    seen: set[str] = set()
+    for block in blocks:
+        for name, param in block.items():
+            if name in seen:
+                raise ValueError(f"The parameter name {name!r} appears in two blocks; names must be unique.")
+            seen.add(name)
+            if param.device.type != "cpu":
+                raise ValueError(f"{name} is on {param.device}; the disk tier takes host (CPU) parameters.")
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise DiskTierError(
+            f"{str(folder)!r} holds no committed disk tier ({MANIFEST} is missing): nothing to open. Create one with"
+            " DiskStore.create, or restore a checkpoint's copy with DiskStore.restore."
+        ) from error
+    except (OSError, ValueError) as error:
+        raise DiskTierError(f"The disk tier's manifest {str(path)!r} cannot be read: {error}.") from error
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DiskTierError(f"{str(path)!r} is not a version-{VERSION} superpipe disk tier manifest.")
+    return manifest
+
+
+def _check_manifest(folder: Path, manifest: Mapping[str, Any], blocks: Sequence[Mapping[str, nn.Parameter]]) -> None:
+    """Raises :class:`DiskTierError` unless the manifest describes ``blocks`` and its committed files are whole."""
+    names = [list(b) for b in blocks]
+    if manifest["names"] != names:
+        raise DiskTierError(
+            f"The disk tier in {str(folder)!r} was written for other blocks ({len(manifest['names'])} blocks, first"
+            f" names {manifest['names'][0][:2] if manifest['names'] else []}) than the model's ({len(names)} blocks,"
+            f" {names[0][:2] if names else []}). Open it with the model it was written for."
+        )
+    for index, (block, data) in enumerate(zip(blocks, manifest["blocks"])):
+        record = Record.from_json(data)
+        params = list(block.values())
+        for entry in record.masters():
+            param = params[entry.param]
+            if tuple(param.shape) != entry.shape or param.dtype != entry.dtype:
+                raise DiskTierError(
+                    f"{names[index][entry.param]} is {tuple(param.shape)} {param.dtype} in the model but"
+                    f" {entry.shape} {entry.dtype} in the disk tier in {str(folder)!r}."
+                )
+        path = folder / _slot_name(index, record.slot)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as error:
+            raise DiskTierError(
+                f"The disk tier's file {str(path)!r} (block {index} of committed step {manifest['step']}) is missing."
+                " Restore the folder from a checkpoint's copy (DiskStore.restore)."
+            ) from error
+        if size < record.file_bytes:
+            raise DiskTierError(
+                f"The disk tier's file {str(path)!r} has {size} bytes but {record.file_bytes} were committed"
+                f" (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
+            )
+
+
+def _replace(source: Path, target: Path) -> None:
+    os.replace(source, target)
+
+
+def _commit(folder: Path, manifest: Mapping[str, Any]) -> None:
+    """Makes ``manifest`` the folder's committed step, atomically and durably."""
+    _fsync_dir(folder)  # the directory entries of files created by this step first
+    temporary = folder / (MANIFEST + ".tmp")
+    path = folder / MANIFEST
+    try:
+        with open(temporary, "w") as out:
+            json.dump(manifest, out)
+            out.flush()
+            os.fsync(out.fileno())
+        _replace(temporary, path)
+        _fsync_dir(folder)
+    except OSError as error:
+        raise _io_error("committing", path, error) from error
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+        return
+    except FileNotFoundError as error:
+        raise DiskTierError(f"The disk tier's file {str(source)!r} is missing; it cannot be copied.") from error
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise _io_error("linking", target, error) from error
+    try:  # another file system: copy, durably
+        with open(source, "rb") as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK_BYTES)
+            dst.flush()
+            os.fsync(dst.fileno())
+            os.posix_fadvise(dst.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as error:
+        target.unlink(missing_ok=True)
+        raise _io_error("copying", target, error) from error
