@@ -70,14 +70,17 @@ from summing these.
 
 Device bytes at the worst moment, ``peak = static + weights + activations``:
 
-* ``static = trunk_bytes + trunk_gradient_bytes + block_gradient_bytes + margin_bytes``.
+* ``static = trunk_bytes + trunk_gradient_bytes + margin_bytes``.
 * ``weights = sum_i r_i weight_bytes_i + slots``, ``slots = min(p + 1, n_s) * max_{i streamed} weight_bytes_i``
   with ``n_s`` the number of streamed blocks (0 when none is): ``p + 1`` slots, of which only as many are allocated
   as there are blocks to stream.
 * ``activations = max_i A_i`` over backward positions ``i``, ``A_i = sum_{j <= i} (k_j kept_j + o_j small_j + c_j
   input_j) + c_i kept_i + o_i offloaded_i + o_{i-1} offloaded_{i-1}``: what blocks not yet through backward hold, plus
   block ``i``'s recomputed or returned activations, plus block ``i - 1``'s, brought back while ``i`` computes (that
-  term is absent for ``i = 0``).
+  term is absent for ``i = 0``), plus the block gradients on the device then, ``G_i = min(block_gradient_bytes,
+  gradient_bytes_i + a gradient_bytes_{i+1})``: block ``i``'s as its backward delivers them and, on an asynchronous
+  link, block ``i + 1``'s still on their way out (none for the last block, whose backward runs first: the moment
+  all activations are held meets one block's gradients, not two).
 """
 
 from __future__ import annotations
@@ -206,12 +209,21 @@ def in_use_bytes(block: BlockCosts, mode: str) -> int:
     return {"keep": 0, "offload": block.offloaded_bytes, "recompute": block.kept_bytes}[mode]
 
 
+def gradient_bytes_at(profile: Profile) -> list[int]:
+    """``G_i`` for each backward position: the block gradients on the device while block ``i``'s backward ends."""
+    blocks = profile.blocks
+    leaving = [
+        block.gradient_bytes + (blocks[i + 1].gradient_bytes if profile.asynchronous and i + 1 < len(blocks) else 0)
+        for i, block in enumerate(blocks)
+    ]
+    return [min(profile.block_gradient_bytes, nbytes) for nbytes in leaving]
+
+
 def static_bytes(profile: Profile) -> dict[str, int]:
     """The peak's parts that no placement changes."""
     return {
         "trunk": profile.trunk_bytes,
         "trunk_gradients": profile.trunk_gradient_bytes,
-        "block_gradients": profile.block_gradient_bytes,
         "margin": profile.margin_bytes,
     }
 
@@ -265,11 +277,12 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     held = [held_bytes(block, mode) for block, mode in zip(blocks, modes)]
     in_use = [in_use_bytes(block, mode) for block, mode in zip(blocks, modes)]
     returned = [block.offloaded_bytes if mode == "offload" else 0 for block, mode in zip(blocks, modes)]
+    gradients = gradient_bytes_at(profile)
     at_position = []
     prefix = 0
     for i in range(count):
         prefix += held[i]
-        at_position.append(prefix + in_use[i] + (returned[i - 1] if i >= 1 else 0))
+        at_position.append(prefix + in_use[i] + (returned[i - 1] if i >= 1 else 0) + gradients[i])
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
     peak_at = max(range(count - 1, -1, -1), key=at_position.__getitem__)
 
@@ -277,7 +290,8 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     breakdown = static_bytes(profile)
     breakdown["resident_weights"] = sum(blocks[i].weight_bytes for i in resident)
     breakdown["slots"] = slots * slot_bytes
-    breakdown["activations"] = at_position[peak_at]
+    breakdown["block_gradients"] = gradients[peak_at]
+    breakdown["activations"] = at_position[peak_at] - gradients[peak_at]
 
     per_block: list[dict[str, Union[float, int]]] = []
     for i, (block, (forward, backward)) in enumerate(zip(blocks, times)):
