@@ -64,8 +64,9 @@ def test_full_budget_gives_unpaged_outputs_and_restore_gives_exact_weights(model
 
 
 def handle_max(model: torch.nn.Module) -> int:
-    """Bytes of the original expert weights in the model's dtype (fp32 here: twice the 16-bit size)."""
-    return sum(p.nbytes for p in _expert_params(model).values())
+    """Bytes of the original expert weights (routed and shared) in the model's dtype: fp32 here, twice the
+    16-bit size."""
+    return 2 * full_expert_bytes(model)
 
 
 def test_device_bytes_never_exceed_the_budget_as_it_is_lowered_and_raised(tokens):
@@ -123,10 +124,12 @@ def test_a_failing_calibration_leaves_the_model_as_it_was():
     assert model.config._experts_implementation == "eager"
 
 
-def test_unsupported_models_are_refused_with_the_supported_types():
+def test_models_without_fused_experts_are_refused_with_what_is_supported():
     model = tiny_moe("llama")
-    with pytest.raises(UnsupportedMoEModelError, match="'llama'.*'mixtral', 'qwen2_moe', 'qwen3_moe', 'olmoe'"):
+    with pytest.raises(UnsupportedMoEModelError, match=r"LlamaForCausalLM \(model type 'llama'\) has no fused experts"):
         page_experts(model)
+    with pytest.raises(UnsupportedMoEModelError, match="use_experts_implementation.*Mixtral"):
+        full_expert_bytes(model)
 
 
 def test_invalid_page_settings_are_refused():
@@ -138,17 +141,36 @@ def test_invalid_page_settings_are_refused():
         page_experts(tiny_moe("mixtral"), group_size=48)
 
 
-def test_qwen2_moe_dense_layers_and_shared_expert_stay_unpaged(tokens):
+def test_qwen2_moe_dense_layers_stay_and_shared_experts_are_paged(tokens):
     model = tiny_moe("qwen2_moe", num_layers=3, mlp_only_layers=[1])
     input_ids = _inputs(tokens)
     expected = _logits(model, input_ids)
-    shared = {name: p for name, p in model.named_parameters() if "shared_expert" in name or ".mlp." in name}
+    names = {name for name, _ in model.named_parameters()}
+    shared = {name for name in names if ".shared_expert." in name}
+    dense = {name for name in names if name.startswith("model.layers.1.mlp.")}
+    assert len(shared) == 6 and len(dense) == 3
+
     handle = page_experts(model, budget_bytes=None)
-    assert {key.layer for key in handle.bits()} == {0, 1}  # two MoE blocks, the dense one skipped
-    paged_names = {name for name, _ in model.named_parameters()}
-    assert {name for name in shared if ".experts." not in name} <= paged_names
+    # Two MoE blocks (the dense one skipped), each as routed experts + its shared expert.
+    assert [layer.name for layer in handle.layers] == [
+        "model.layers.0.mlp.experts", "model.layers.0.mlp.shared_expert",
+        "model.layers.2.mlp.experts", "model.layers.2.mlp.shared_expert",
+    ]
+    left = {name for name, _ in model.named_parameters()}
+    assert not shared & left  # the shared experts' linears are paged (their sigmoid gate is not)
+    assert dense <= left
     assert torch.equal(_logits(model, input_ids), expected)
+    handle.set_budget(handle.min_bytes())
+    assert {b for k, b in handle.bits().items() if handle.layers[k.layer].shared} == {2}
+    assert not torch.equal(_logits(model, input_ids), expected)
     handle.restore()
+    assert {name for name, _ in model.named_parameters()} == names
+    assert torch.equal(_logits(model, input_ids), expected)
+
+    kept = page_experts(model, shared_experts=False)
+    assert [layer.name for layer in kept.layers] == ["model.layers.0.mlp.experts", "model.layers.2.mlp.experts"]
+    assert shared <= {name for name, _ in model.named_parameters()}
+    kept.restore()
 
 
 def test_reference_mode_is_exact_at_any_budget(tokens):

@@ -1,6 +1,7 @@
 """Paged MoE precision: expert weights paged as bit planes between device and host under a budget.
 
-``page_experts(model, budget_bytes=...)`` converts a supported ``transformers`` MoE model in place
+``page_experts(model, budget_bytes=...)`` converts any ``transformers`` model whose experts go through its
+experts interface (found structurally; shared experts included) in place
 and returns a :class:`PagedExperts` handle; :class:`PagedMoECallback` does the same around
 Lightning's validation, test and predict loops.
 """

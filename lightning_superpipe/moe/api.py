@@ -11,8 +11,13 @@ import torch
 from torch import nn
 
 from lightning_superpipe.moe.damage import ActivationStats, DamageModel, RoutingStats
-from lightning_superpipe.moe.experts import BINDING_ATTR, PAGED_EXPERTS_IMPLEMENTATION, ExpertsRuntime
-from lightning_superpipe.moe.layouts import EXPERT_PROJECTIONS, MoELayer, find_moe_layers
+from lightning_superpipe.moe.experts import (
+    BINDING_ATTR,
+    PAGED_EXPERTS_IMPLEMENTATION,
+    ExpertsRuntime,
+    SharedExpertHooks,
+)
+from lightning_superpipe.moe.layouts import MoELayer, find_moe_layers
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
 
@@ -36,8 +41,9 @@ def page_experts(
     rebalance_every: int | None = 64,
     routing_half_life_tokens: float | None = 8192.0,
     async_moves: bool = True,
+    shared_experts: bool = True,
 ) -> PagedExperts:
-    """Page the routed experts' weights of ``model`` in place under a device byte budget.
+    """Page the experts' weights of ``model`` (routed and dense shared) in place under a device byte budget.
 
     The experts' parameters are taken out of the model (their original values kept in host
     memory) and replaced by pages: group-wise 8-bit codes stored as bit planes whose lower planes
@@ -45,13 +51,15 @@ def page_experts(
     working as before through a registered ``transformers`` experts implementation; call
     :meth:`PagedExperts.restore` to put the original parameters back, bit for bit.
 
-    The budget covers the stored pages (and uploads in flight). The experts being computed are
-    rebuilt in the model's dtype, a chunk of up to 8 experts at a time; that working memory is
-    transient, like activations, and not part of the budget. For evaluation and inference: the
-    paged experts have no gradients.
+    The budget covers the stored pages (and uploads in flight). Below a full budget the weights of
+    a projection being computed are rebuilt in the model's dtype, one layer at a time; that working
+    memory is transient, like activations, and not part of the budget. At a full budget nothing is
+    rebuilt: the experts implementation that was active before paging runs on the original tensors.
+    For evaluation and inference: the paged experts have no gradients.
 
     Args:
-        model: A Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE model from ``transformers``.
+        model: A ``transformers`` model whose experts go through its experts interface (any
+            fused-experts family: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss, ...).
         budget_bytes: Device bytes allowed for the experts (``None``: unlimited, every page at its
             original weights). Changeable later with :meth:`PagedExperts.set_budget`.
         calibration: Model inputs (dicts of keyword arguments, or ``input_ids`` tensors) used to
@@ -63,7 +71,7 @@ def page_experts(
             and projection, the fewest pages). Finer pages let the planner spend bytes more
             selectively but multiply the pages to plan, move and rebuild; on the benchmark's model
             32-row blocks (5x the pages) lowered the KL at equal bytes by 4-32%.
-        device: Device computing the experts (default: where the routers are).
+        device: Device computing the experts (default: where the experts' parameters are).
         total_budget_bytes: Pressure mode: a device budget for the experts *and* the KV cache; the
             expert budget shrinks as the cache grows during generation.
         hysteresis: Dead band of the planner, as a fraction of the budget.
@@ -73,17 +81,20 @@ def page_experts(
         routing_half_life_tokens: Half-life of the running routing shares (``None``: cumulative).
         async_moves: On CUDA, upload on a side stream and keep computing at the old precision
             until a promotion lands.
+        shared_experts: Also page the blocks' dense shared experts (with their own damage: every
+            token uses them, so the planner keeps them precise first).
 
     Returns:
         The handle controlling the paged experts.
 
     Raises:
-        UnsupportedMoEModelError: The model is not of a supported family.
+        UnsupportedMoEModelError: The model holds no fused experts of ``transformers``' experts interface
+            (e.g. DBRX, Llama 4), or their weights are laid out in a way paging does not know.
         ValueError: The budget is below the minimum (every page at the lowest level).
     """
-    layers = find_moe_layers(model)
+    layers = find_moe_layers(model, shared_experts=shared_experts)
     if device is None:
-        device = layers[0].router.weight.device
+        device = layers[0].weight(0).device
     device = torch.device(device)
     with _eager_autograd_mode():
         store = PageStore(
@@ -146,10 +157,10 @@ class PagedExperts:
             store.levels, store.bytes_table(), hysteresis=hysteresis, exchange_ratio=exchange_ratio
         )
         self.routing = RoutingStats(layers, half_life_tokens=routing_half_life_tokens)
-        _, two_inter, hidden = store.host_weight(layers[0].index, 0).shape
-        self.activations = ActivationStats(layers, hidden, two_inter // 2)
+        self.activations = ActivationStats(layers)
         self.damage_model = DamageModel(store)
-        self.runtime = ExpertsRuntime(store, self.activations)
+        previous = {layer.index: layer.experts.config._experts_implementation for layer in layers if not layer.shared}
+        self.runtime = ExpertsRuntime(store, layers, self.activations, self.routing, previous)
         self.moves = MoveCounts()
         self.rebalance_every = rebalance_every
         self._budget: int | None = None
@@ -164,11 +175,16 @@ class PagedExperts:
         self._previous_implementation = self._pretrained.get_experts_implementation()
         self._params: dict[tuple[int, int], nn.Parameter] = {}
         self._param_devices: dict[tuple[int, int], torch.device] = {}
+        self._shared_hooks: list[SharedExpertHooks] = []
         self._take_parameters()
         self._pretrained.set_experts_implementation(PAGED_EXPERTS_IMPLEMENTATION)
         for layer in layers:
-            if layer.experts.config._experts_implementation != PAGED_EXPERTS_IMPLEMENTATION:
-                raise RuntimeError(f"could not select the paged experts implementation for {layer.name}")
+            if not layer.shared and layer.experts.config._experts_implementation != PAGED_EXPERTS_IMPLEMENTATION:
+                self.restore()
+                raise RuntimeError(
+                    f"could not select the paged experts implementation for {layer.name}: its config is not "
+                    f"the one `{type(self._pretrained).__name__}.set_experts_implementation` sets"
+                )
         self.routing.attach()
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
 
@@ -176,13 +192,20 @@ class PagedExperts:
     def _take_parameters(self) -> None:
         """Move the expert parameters out of the model; their data is the store's host copy."""
         for layer in self.layers:
-            setattr(layer.experts, BINDING_ATTR, (self.runtime, layer.index))
-            for proj, name in enumerate(EXPERT_PROJECTIONS):
-                param = layer.experts._parameters.pop(name)
+            if layer.shared:
+                self._shared_hooks.append(SharedExpertHooks(self.runtime, layer.index))
+            else:
+                setattr(layer.experts, BINDING_ATTR, (self.runtime, layer.index))
+            for proj, (module, name) in enumerate(layer.slots):
+                param = module._parameters.pop(name)
                 self._params[(layer.index, proj)] = param
                 self._param_devices[(layer.index, proj)] = param.device
                 # Frees the device copy; the Parameter object itself survives for restore().
-                param.data = self.store.host_weight(layer.index, proj)
+                param.data = self._host_param(layer, proj)
+
+    def _host_param(self, layer: MoELayer, proj: int) -> torch.Tensor:
+        host = self.store.host_weight(layer.index, proj)
+        return host.squeeze(0) if layer.shared else host
 
     def _place(self, budget: int | None, total_budget: int | None) -> None:
         """First placement: every page at the lowest level, then promotions up to the budget."""
@@ -211,6 +234,13 @@ class PagedExperts:
         """
         return 2 * sum(page.host_weight.numel() for page in self.store.pages)
 
+    def unit_bytes(self) -> dict[str, int]:
+        """Device bytes now per paged unit, keyed by module name (routed experts and shared experts)."""
+        totals = {layer.name: 0 for layer in self.layers}
+        for page in self.store.pages:
+            totals[self.layers[page.key.layer].name] += page.device_nbytes()
+        return totals
+
     def device_bytes(self) -> int:
         """Expert bytes on the device now (pages, their metadata and uploads in flight)."""
         return self.store.device_bytes()
@@ -234,7 +264,12 @@ class PagedExperts:
         """
         self._check_budget(nbytes)
         self._budget = nbytes
+        if self.routing.updates != self._routing_seen:  # routing seen since the last plan counts now
+            self._refresh_damage()
         return self._incremental(self._effective_budget())
+
+    def _everything_fits(self, budget: int | None) -> bool:
+        return (budget is None or budget >= self.max_bytes()) and self.device_bytes() == self.max_bytes()
 
     def set_total_budget(self, nbytes: int | None) -> None:
         """Pressure mode: device bytes for experts plus KV cache (``None``: off).
@@ -365,6 +400,7 @@ class PagedExperts:
             self.rebalance_every is not None
             and self._forwards % self.rebalance_every == 0
             and self.routing.updates != self._routing_seen
+            and not self._everything_fits(budget)  # at a full budget there is nothing to exchange
         ):
             self._refresh_damage()
             self._incremental(budget, exchange=True)
@@ -394,17 +430,24 @@ class PagedExperts:
         if self._restored:
             return
         with _eager_autograd_mode():
-            self._hook.remove()
+            if hasattr(self, "_hook"):
+                self._hook.remove()
             self.routing.detach()
+            for hooks in self._shared_hooks:
+                hooks.remove()
             self.store.synchronize()
             self.store.release()
             for layer in self.layers:
-                for proj, name in enumerate(EXPERT_PROJECTIONS):
-                    param = self._params[(layer.index, proj)]
-                    host = self.store.host_weight(layer.index, proj)
+                for proj, (module, name) in enumerate(layer.slots):
+                    param = self._params.get((layer.index, proj))
+                    if param is None:
+                        continue
+                    host = self._host_param(layer, proj)
                     param.data = host.to(self._param_devices[(layer.index, proj)], copy=False)
-                    layer.experts._parameters[name] = param
-                delattr(layer.experts, BINDING_ATTR)
+                    vars(module).pop(name, None)
+                    module._parameters[name] = param
+                if hasattr(layer.experts, BINDING_ATTR):
+                    delattr(layer.experts, BINDING_ATTR)
             self._pretrained.set_experts_implementation(self._previous_implementation)
         self._restored = True
 
@@ -418,10 +461,15 @@ def _check_budget(nbytes: int | None, minimum: int, min_level: int) -> None:
         )
 
 
-def full_expert_bytes(model: nn.Module) -> int:
-    """Size of a supported model's routed experts at 16 bits per weight (before paging)."""
-    layers = find_moe_layers(model)
-    return 2 * sum(getattr(layer.experts, name).numel() for layer in layers for name in EXPERT_PROJECTIONS)
+def full_expert_bytes(model: nn.Module, *, shared_experts: bool = True) -> int:
+    """Size of a model's pageable expert weights at 16 bits per weight (before paging).
+
+    Args:
+        model: A model :func:`page_experts` accepts.
+        shared_experts: Count the dense shared experts too (as :func:`page_experts` pages them).
+    """
+    layers = find_moe_layers(model, shared_experts=shared_experts, caller="full_expert_bytes")
+    return 2 * sum(layer.weight(proj).numel() for layer in layers for proj in range(len(layer.projections)))
 
 
 def kv_cache_bytes(cache: Any) -> int:

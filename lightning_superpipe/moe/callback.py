@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 
 from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, page_experts
-from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
+from lightning_superpipe.moe.layouts import UnsupportedMoEModelError, is_fused_experts
 from lightning_superpipe.moe.metrics import IGNORE_INDEX, QualityMeter
 
 __all__ = ["PagedMoECallback"]
@@ -57,7 +57,7 @@ class PagedMoECallback(Callback):
         stages: Stages to page, among ``"validate"``, ``"test"`` and ``"predict"``.
         page_sanity_check: Also page during Lightning's sanity-check validation.
         model_getter: Returns the ``transformers`` model from the LightningModule (default: the
-            first submodule of a supported MoE type).
+            outermost ``transformers`` model holding fused experts).
         batch_to_inputs: Maps a batch to model keyword arguments (default: see
             :func:`default_batch_to_inputs`).
         **page_kwargs: Further arguments of :func:`page_experts` (``group_size``, ``levels``,
@@ -140,7 +140,8 @@ class PagedMoECallback(Callback):
         model = self.model_getter(pl_module) if self.model_getter else _find_moe_model(pl_module)
         budget = self.budget_bytes
         if self.budget_fraction is not None:
-            budget = int(self.budget_fraction * full_expert_bytes(model))
+            shared = self.page_kwargs.get("shared_experts", True)
+            budget = int(self.budget_fraction * full_expert_bytes(model, shared_experts=shared))
         device = pl_module.device
         calibration = [
             move_data_to_device(dict(self.batch_to_inputs(batch)), device)
@@ -243,13 +244,11 @@ class PagedMoECallback(Callback):
 
 def _find_moe_model(pl_module: LightningModule) -> nn.Module:
     for module in pl_module.modules():
-        config = getattr(module, "config", None)
-        supported = getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
-        if supported and hasattr(module, "set_experts_implementation"):
+        if hasattr(module, "set_experts_implementation") and any(is_fused_experts(m) for m in module.modules()):
             return module
     raise UnsupportedMoEModelError(
-        f"{type(pl_module).__name__} contains no transformers model of a supported type "
-        f"({', '.join(SUPPORTED_MODEL_TYPES)}); pass model_getter= to point at the model."
+        f"{type(pl_module).__name__} contains no transformers model whose experts go through the experts "
+        "interface (fused `@use_experts_implementation` experts); pass model_getter= to point at the model."
     )
 
 

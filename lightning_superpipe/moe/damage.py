@@ -8,12 +8,17 @@ weights, weighted by how often ``e`` is used::
 ``E_e[.]`` is the mean over the calibration tokens routed to ``e``, ``x`` the projection's input
 (the ``gate_up_proj`` input, or the ``down_proj`` input ``act(gate) * up``), ``w`` the token's
 routing weight for ``e`` (the expert's output is scaled by it), and ``share_e`` the running share of
-tokens routed to ``e``, counted by hooks on the routers. ``r_i`` puts both projections in the same
-units, the error of the MoE block's output: 1 for ``down_proj`` rows; for ``gate_up_proj`` rows, the
-mean square of ``d h_i / d z_i`` (``act'(gate_i) * up_i`` for a gate row, ``act(gate_i)`` for an up
-row) times the squared norm of ``down_proj``'s column ``i``. Without calibration data ``r = 1``,
-``E[w^2 x^2] = 1`` and shares are uniform until routing is observed: the damage is then the plain
-weight error.
+tokens routed to ``e``, counted in the experts forward from the routed indices it receives. ``r_i``
+puts both projections in the same units, the error of the MoE block's output: 1 for ``down_proj``
+rows; for rows of the input projection, the mean square of ``d h / d z_i`` (``h`` the ``down_proj``
+input; ``act'(gate_i) * up_i`` for a gate row and ``act(gate_i)`` for an up row with the default
+gate) times the squared norm of the ``down_proj`` column that ``z_i`` feeds. The derivative is taken
+by autograd through the family's own gating (``_apply_gate``: gpt-oss clamps and offsets, others
+interleave gate and up rows, gate-less experts apply ``act_fn`` alone), so it is right for each.
+
+A dense shared expert is one expert with routing weight 1 and share 1: every token uses it, so its
+pages are the hottest. Without calibration data ``r = 1``, ``E[w^2 x^2] = 1`` and shares are
+uniform until routing is observed: the damage is then the plain weight error.
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ __all__ = ["ActivationStats", "DamageModel", "RoutingStats"]
 
 
 class RoutingStats:
-    """Running share of tokens routed to each expert, counted by forward hooks on the routers.
+    """Running share of tokens routed to each expert, counted from the experts' routed indices.
 
-    Counts decay with a half-life in tokens so that the shares follow the current workload.
+    Counts decay with a half-life in tokens so that the shares follow the current workload. The
+    paged experts forward reports each call's ``top_k_index`` (:meth:`observe`), so no hook on the
+    router is needed and any router (returning indices, weights or logits) works.
 
     Args:
-        layers: The model's MoE layers.
+        layers: The model's paged units (shared experts have a fixed share of 1).
         half_life_tokens: Tokens after which old counts weigh half (``None``: never decay).
         prior_tokens: Pseudo-tokens spread evenly over the experts, so that an expert never seen
             yet still has a small share.
@@ -48,91 +55,112 @@ class RoutingStats:
         self.prior_tokens = prior_tokens
         self.counts = [torch.zeros(layer.num_experts, dtype=torch.float64) for layer in layers]
         self.tokens = [0.0 for _ in layers]
+        self.top_k = [layer.top_k if layer.shared or layer.top_k_hint else None for layer in layers]
         self._pending: list[list[torch.Tensor]] = [[] for _ in layers]
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._pending_elements = 0
+        self.attached = False
         self.updates = 0
 
     def attach(self) -> None:
-        """Start counting (hooks on every router)."""
-        if not self._handles:
-            self._handles = [
-                layer.router.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)
-            ]
+        """Start counting."""
+        self.attached = True
 
     def detach(self) -> None:
         """Stop counting."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.attached = False
 
     _MAX_PENDING = 256
-    """Counts kept on the device before they are folded in (bounds memory when nobody reads)."""
+    """Calls whose routing is kept before it is folded in (bounds memory when nobody reads)."""
+    _MAX_PENDING_ELEMENTS = 1 << 20
+    """Routed indices kept before they are folded in."""
 
-    def _hook(self, index: int) -> Callable[[torch.nn.Module, tuple, tuple], None]:
-        num_experts = self.layers[index].num_experts
-
-        def hook(module: torch.nn.Module, args: tuple, output: tuple) -> None:
-            top_k_index = output[2]
-            # Kept on the device and folded in lazily: no host sync per forward. Indices past the
-            # last expert (expert-parallel sentinels) are not tokens of this rank's experts.
-            counts = torch.bincount(top_k_index.reshape(-1), minlength=num_experts)[:num_experts]
-            self._pending[index].append(counts)
-            self.updates += 1
-            if len(self._pending[index]) >= self._MAX_PENDING:
-                self._fold()
-
-        return hook
+    def observe(self, index: int, top_k_index: torch.Tensor) -> None:
+        """Count one call's routing of unit ``index`` (``[tokens, top_k]`` expert indices)."""
+        if not self.attached or self.layers[index].shared:
+            return
+        self.top_k[index] = int(top_k_index.shape[-1])
+        # Only a reference is kept (no kernel, no host sync per forward: this runs per layer per
+        # token step); the counting happens in one batched bincount when the shares are read.
+        self._pending[index].append(top_k_index.reshape(-1))
+        self._pending_elements += top_k_index.numel()
+        self.updates += 1
+        if len(self._pending[index]) >= self._MAX_PENDING or self._pending_elements >= self._MAX_PENDING_ELEMENTS:
+            self._fold()
 
     def _fold(self) -> None:
         for i, pending in enumerate(self._pending):
-            for counts in pending:
-                counts = counts.double().cpu()
-                new_tokens = counts.sum().item() / self.layers[i].top_k
-                if self.half_life_tokens is not None:
-                    decay = 0.5 ** (new_tokens / self.half_life_tokens)
-                    self.counts[i] *= decay
-                    self.tokens[i] *= decay
-                self.counts[i] += counts
-                self.tokens[i] += new_tokens
+            if not pending:
+                continue
+            num_experts, top_k = self.layers[i].num_experts, self.top_k[i]
+            new_tokens = [p.numel() / top_k for p in pending]
+            total = sum(new_tokens)
+            if self.half_life_tokens is None:
+                weights = [1.0] * len(pending)
+                decay = 1.0
+            else:
+                # The decay of call j applies to everything before it: call i weighs prod_{j>i} d_j.
+                after = 0.0
+                weights = []
+                for tokens in reversed(new_tokens):
+                    weights.append(0.5 ** (after / self.half_life_tokens))
+                    after += tokens
+                weights.reverse()
+                decay = 0.5 ** (total / self.half_life_tokens)
+            indices = torch.cat(pending)
+            per_index = torch.repeat_interleave(
+                torch.tensor(weights, dtype=torch.float64, device=indices.device),
+                torch.tensor([p.numel() for p in pending], device=indices.device),
+            )
+            # Indices past the last expert (expert-parallel sentinels) are not tokens of this rank.
+            counts = torch.bincount(indices, weights=per_index, minlength=num_experts)[:num_experts]
+            self.counts[i] = self.counts[i] * decay + counts.double().cpu()
+            self.tokens[i] = self.tokens[i] * decay + sum(w * t for w, t in zip(weights, new_tokens))
             pending.clear()
+        self._pending_elements = 0
 
     def shares(self) -> list[torch.Tensor]:
-        """Per layer, ``float64 [E]``: share of tokens routed to each expert (sums to ``top_k``)."""
+        """Per unit, ``float64 [E]``: share of tokens routed to each expert (sums to ``top_k``; 1 for
+        a shared expert)."""
         self._fold()
         result = []
-        for layer, counts, tokens in zip(self.layers, self.counts, self.tokens):
-            prior = self.prior_tokens * layer.top_k / layer.num_experts
+        for i, (layer, counts, tokens) in enumerate(zip(self.layers, self.counts, self.tokens)):
+            if layer.shared:
+                result.append(torch.ones(1, dtype=torch.float64))
+                continue
+            top_k = self.top_k[i] or 1
+            prior = self.prior_tokens * top_k / layer.num_experts
             result.append((counts + prior) / (tokens + self.prior_tokens))
         return result
 
     def tokens_seen(self) -> float:
-        """Tokens counted so far (after decay), averaged over layers."""
+        """Tokens counted so far (after decay), averaged over routed units."""
         self._fold()
-        return sum(self.tokens) / max(1, len(self.tokens))
+        routed = [t for layer, t in zip(self.layers, self.tokens) if not layer.shared]
+        return sum(routed) / max(1, len(routed))
 
 
 class ActivationStats:
-    """Routing-weighted second moments of expert inputs, recorded by the paged experts forward.
+    """Routing-weighted second moments of expert inputs, recorded while calibrating.
 
-    Per layer and expert: ``sum w^2 x_j^2`` of the ``gate_up_proj`` input, ``sum w^2 h_j^2`` of the
-    ``down_proj`` input, ``sum w^2 (dh_i/dz_i)^2`` of the ``gate_up_proj`` outputs, ``sum w^2`` and
+    Per unit and expert: ``sum w^2 x_j^2`` of the input projection's input, ``sum w^2 h_j^2`` of the
+    ``down_proj`` input, ``sum w^2 (dh/dz_i)^2`` of the input projection's outputs, ``sum w^2`` and
     the number of tokens.
 
     Args:
-        layers: The model's MoE layers.
-        hidden_size: Model width.
-        intermediate_size: Width of one expert.
+        layers: The model's paged units.
     """
 
-    def __init__(self, layers: list[MoELayer], hidden_size: int, intermediate_size: int) -> None:
-        def zeros(*shape: int) -> list[torch.Tensor]:
-            return [torch.zeros(layer.num_experts, *shape, dtype=torch.float64) for layer in layers]
+    def __init__(self, layers: list[MoELayer]) -> None:
+        self.layers = layers
 
-        self.input_sq = zeros(hidden_size)
-        self.hidden_sq = zeros(intermediate_size)
-        self.slope_sq = zeros(2 * intermediate_size)
-        self.weight_sq = zeros()
-        self.tokens = zeros()
+        def zeros(size: Callable[[MoELayer], tuple[int, ...]]) -> list[torch.Tensor]:
+            return [torch.zeros(layer.num_experts, *size(layer), dtype=torch.float64) for layer in layers]
+
+        self.input_sq = zeros(lambda layer: (layer.hidden_size,))
+        self.hidden_sq = zeros(lambda layer: (layer.intermediate_size,))
+        self.slope_sq = zeros(lambda layer: (len(layer.row_to_hidden()),))
+        self.weight_sq = zeros(lambda layer: ())
+        self.tokens = zeros(lambda layer: ())
         self.recording = False
 
     def record(
@@ -140,30 +168,29 @@ class ActivationStats:
         layer: int,
         expert: int,
         inputs: torch.Tensor,
-        gate_up: torch.Tensor,
-        act_fn: torch.nn.Module,
+        pre_activation: torch.Tensor,
+        gate_fn: Callable[[torch.Tensor], torch.Tensor],
         routing_weights: torch.Tensor,
     ) -> None:
         """Add one expert's tokens.
 
         Args:
-            layer: MoE layer index.
+            layer: Unit index.
             expert: Expert index.
             inputs: ``[tokens, hidden]`` inputs of the expert.
-            gate_up: ``[tokens, 2 * intermediate]`` output of its ``gate_up_proj``.
-            act_fn: The experts' activation.
+            pre_activation: ``[tokens, rows]`` output of its input projection (bias included).
+            gate_fn: The family's map from that output to the ``down_proj`` input.
             routing_weights: ``[tokens]`` routing weights of the expert for those tokens.
         """
         if not self.recording:
             return
         w_sq = routing_weights.detach().float().square().unsqueeze(-1)
-        gate, up = gate_up.detach().float().chunk(2, dim=-1)
-        # Central difference: works for any elementwise activation, also under inference mode.
-        step = 1e-3
-        slope = (act_fn(gate + step) - act_fn(gate - step)) / (2 * step)
-        activated = act_fn(gate)
-        sensitivity = torch.cat([slope * up, activated], dim=-1)
-        hidden = activated * up
+        # Each z_i feeds one h_j, so d(sum h)/dz_i is dh_j/dz_i: exact for any elementwise gating.
+        with torch.inference_mode(False), torch.enable_grad():
+            z = pre_activation.detach().float().clone().requires_grad_(True)
+            hidden = gate_fn(z)
+            (sensitivity,) = torch.autograd.grad(hidden.sum(), z)
+        hidden = hidden.detach()
         for stat, values in (
             (self.input_sq, inputs.detach().float()),
             (self.hidden_sq, hidden),
@@ -186,27 +213,31 @@ class ActivationStats:
 
     def projection_weights(
         self, layer: int, down_proj: torch.Tensor, prior_tokens: float = 1.0
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[None, torch.Tensor]]:
-        """Row and column weights of both projections of a layer, per routed token.
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Row and column weights of every projection of a unit, per routed token.
 
         Args:
-            layer: MoE layer index.
-            down_proj: ``[E, hidden, intermediate]`` original ``down_proj`` weights of the layer.
+            layer: Unit index.
+            down_proj: ``[E, hidden, intermediate]`` original ``down_proj`` weights (canonical view).
             prior_tokens: Pseudo-tokens of the layer mean added to every expert.
 
         Returns:
-            ``((rows, cols) of gate_up_proj, (None, cols) of down_proj)``.
+            ``(rows, cols)`` per projection, in the unit's projection order (``rows`` ``None``: 1).
         """
+        unit = self.layers[layer]
         tokens = self.tokens[layer]
         weight_sq = self._per_token(self.weight_sq[layer], tokens, prior_tokens)
         slope_sq = self._per_token(self.slope_sq[layer], tokens, prior_tokens)
         # E[w^2 s^2] / E[w^2]: the routing weight is counted once, in the column weights.
         slope_sq = slope_sq / weight_sq.clamp_min(1e-30).unsqueeze(-1)
-        column_norm_sq = down_proj.double().square().sum(dim=1).repeat(1, 2)  # [E, 2I]
-        gate_up_rows = slope_sq * column_norm_sq
-        gate_up_cols = self._per_token(self.input_sq[layer], tokens, prior_tokens)
+        column_norm_sq = down_proj.double().square().sum(dim=1)  # [E, I]
+        rows = slope_sq * column_norm_sq[:, unit.row_to_hidden()]
+        input_cols = self._per_token(self.input_sq[layer], tokens, prior_tokens)
         down_cols = self._per_token(self.hidden_sq[layer], tokens, prior_tokens)
-        return (gate_up_rows, gate_up_cols), (None, down_cols)
+        if len(unit.projections) == 3:  # a dense expert: separate gate and up linears
+            inter = unit.intermediate_size
+            return [(rows[:, :inter], input_cols), (rows[:, inter:], input_cols), (None, down_cols)]
+        return [(rows, input_cols), (None, down_cols)]
 
 
 class DamageModel:
@@ -233,7 +264,8 @@ class DamageModel:
         calibrated = activations is not None and activations.recorded
         for layer, proj in self.store.projections():
             if calibrated:
-                down_proj = self.store.host_weight(layer, 1)
+                last = len(activations.layers[layer].projections) - 1
+                down_proj = self.store.canonical_host_weight(layer, last)
                 rows, cols = activations.projection_weights(layer, down_proj)[proj]
             else:
                 rows, cols = None, None

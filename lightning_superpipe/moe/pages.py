@@ -1,8 +1,11 @@
 """Page store: expert weights cut into pages whose precision moves between device and host.
 
-Every page (a block of rows of one expert's ``gate_up_proj`` or ``down_proj``) has a complete
-master copy in host memory (pinned on CUDA): its original weights, its 8 bit planes and its
-group metadata. The device holds a *subset* chosen by the planner:
+Every page (a block of output rows of one expert's projection: ``gate_up_proj``/``up_proj`` or
+``down_proj`` of routed experts, or a linear of a dense shared expert) has a complete master copy in
+host memory (pinned on CUDA): its original weights, its 8 bit planes and its group metadata. Pages
+are cut from each weight's canonical ``[E, out, in]`` view, so that quantization groups run along the
+input dimension whatever the family's layout (gpt-oss stores ``[E, in, out]``). The device holds a
+*subset* chosen by the planner:
 
 * level ``TOP_LEVEL`` (reported as 16 bits): the original weights, nothing else;
 * level ``b <= 8``: bit planes ``0 .. b-1`` plus the group scale and minimum.
@@ -17,6 +20,10 @@ its old precision) until its copy has finished; a demotion from the original wei
 planes takes effect at once and the compute stream waits for the planes on their first use. On
 the CPU the same code runs with synchronous copies (device and host are then the same memory, so
 the "uploads" are views and cost nothing, but the byte accounting is the same as on CUDA).
+
+For computing, :meth:`PageStore.projection_weight` hands out a whole projection in the model's own
+layout: when all its pages hold their original weights it is one tensor kept by the store (the
+host copy itself on the CPU), otherwise a tensor rebuilt with one batched dequantization per level.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_superpipe.moe.layouts import EXPERT_PROJECTIONS, MoELayer
+from lightning_superpipe.moe.layouts import MoELayer
 from lightning_superpipe.moe.quant import CODE_BITS, dequantize, metadata_dtype, pack_bit_planes, quantize_groupwise
 
 __all__ = ["TOP_LEVEL", "CopyEngine", "CudaCopyEngine", "Page", "PageStore", "SyncCopyEngine"]
@@ -144,8 +151,9 @@ class PageKey:
     """Where a page's weights live in the model.
 
     Args:
-        layer: Index of the MoE layer.
-        proj: Index in ``EXPERT_PROJECTIONS`` (0: ``gate_up_proj``, 1: ``down_proj``).
+        layer: Index of the paged unit (a layer's routed experts, or its shared expert).
+        proj: Index in the unit's ``projections`` (routed: 0 ``gate_up_proj``/``up_proj``, 1
+            ``down_proj``; shared: 0 ``gate_proj``, 1 ``up_proj``, 2 ``down_proj``).
         expert: Expert index within the layer.
         block: Row block index within the projection.
     """
@@ -212,15 +220,15 @@ class Page:
 
 
 class PageStore:
-    """All pages of a model's routed experts, with the moves between levels.
+    """All pages of a model's paged experts, with the moves between levels.
 
     Args:
-        layers: The model's MoE layers; their expert parameters are read, not modified.
+        layers: The model's paged units; their weights are read, not modified.
         device: Device that computes with the experts.
-        group_size: Columns per quantization group.
+        group_size: Columns (input features) per quantization group.
         levels: Allowed levels, ``TOP_LEVEL`` and bit counts in ``1 .. 8`` (8 is always included).
-        rows_per_page: Rows of a projection per page (``None``: one page per expert and
-            projection). Must divide both ``2 * intermediate`` and ``hidden``.
+        rows_per_page: Rows (output features) of a projection per page (``None``: one page per
+            expert and projection). Must divide the output size of every projection.
         copy_engine: How host data reaches the device (default: asynchronous on CUDA).
     """
 
@@ -245,62 +253,82 @@ class PageStore:
         self._bounds = sorted({0, *(b for b in self.levels if b != TOP_LEVEL)})
         self.pages: list[Page] = []
         self._index: dict[tuple[int, int, int], list[Page]] = {}
+        self._page_ids: dict[tuple[int, int], list[int]] = {}
+        self._transposed: dict[tuple[int, int], bool] = {}
         self._host_weights: dict[tuple[int, int], torch.Tensor] = {}
         self._host_planes: dict[tuple[int, int], torch.Tensor] = {}
         self._host_meta: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Projections whose pages all hold their original weights, as one tensor in the model's
+        # layout: what the experts implementation reads at a full budget, with no copy.
+        self._full: dict[tuple[int, int], torch.Tensor] = {}
         self._device_bytes = 0
         self.commits = 0
         """Promotions committed after their upload landed (the planner may then use freed bytes)."""
         for layer in layers:
-            for proj, name in enumerate(EXPERT_PROJECTIONS):
-                self._add_projection(layer.index, proj, getattr(layer.experts, name))
+            for proj in range(len(layer.projections)):
+                self._add_projection(layer, proj)
 
     # ------------------------------------------------------------------ building
-    def _add_projection(self, layer: int, proj: int, param: torch.Tensor) -> None:
-        num_experts, rows, cols = param.shape
+    def _add_projection(self, layer: MoELayer, proj: int) -> None:
+        key = (layer.index, proj)
+        param = layer.weight(proj).detach()
+        transposed = layer.transposed
+        canonical = param.mT if transposed else param  # [E, rows (out), cols (in)]
+        num_experts, rows, cols = canonical.shape
         rows_per_page = self.rows_per_page or rows
         if rows % rows_per_page:
             raise ValueError(
-                f"rows_per_page={rows_per_page} must divide the rows of every expert projection; "
-                f"{EXPERT_PROJECTIONS[proj]} of layer {layer} has {rows}. Use a common divisor "
+                f"rows_per_page={rows_per_page} must divide the output size of every expert projection; "
+                f"{layer.projections[proj]} of {layer.name} has {rows}. Use a common divisor "
                 f"(e.g. {math.gcd(rows, rows_per_page)}) or None for one page per expert and projection."
             )
         blocks = rows // rows_per_page
         pin = self.device.type == "cuda"
         meta_dtype = metadata_dtype(param)
-        host_weight = _to_host(param.detach(), pin)
+        host_weight = _to_host(param, pin)  # the model's own layout, so that restore is exact
+        host_canonical = host_weight.mT if transposed else host_weight
         page_numel = rows_per_page * cols
         host_planes = _host_empty((num_experts, blocks, CODE_BITS, page_numel // 8), torch.uint8, pin)
-        groups = cols // self.group_size
+        first = quantize_groupwise(canonical[0], self.group_size, meta_dtype)  # checks group_size first
+        groups = first.scale.shape[-1]
         host_scale = _host_empty((num_experts, rows, groups), meta_dtype, pin)
         host_minimum = _host_empty((num_experts, rows, groups), meta_dtype, pin)
-        # One expert at a time bounds the float32 working memory of quantization.
+        # One expert at a time bounds the float32 working memory of quantization; groups run along
+        # the input dimension of the canonical view, whichever way the family stores the weight.
         for expert in range(num_experts):
-            codes = quantize_groupwise(param.detach()[expert], self.group_size, meta_dtype)
+            codes = first if expert == 0 else quantize_groupwise(canonical[expert], self.group_size, meta_dtype)
             host_planes[expert].copy_(pack_bit_planes(codes.codes.reshape(blocks, page_numel)))
             host_scale[expert].copy_(codes.scale)
             host_minimum[expert].copy_(codes.minimum)
-        self._host_weights[(layer, proj)] = host_weight
-        self._host_planes[(layer, proj)] = host_planes
-        self._host_meta[(layer, proj)] = (host_scale, host_minimum)
+        self._host_weights[key] = host_weight
+        self._host_planes[key] = host_planes
+        self._host_meta[key] = (host_scale, host_minimum)
+        self._transposed[key] = transposed
+        self._page_ids[key] = []
         for expert in range(num_experts):
             pages = []
             for block in range(blocks):
                 rows_slice = slice(block * rows_per_page, (block + 1) * rows_per_page)
                 page = Page(
-                    PageKey(layer, proj, expert, block),
-                    host_weight[expert, rows_slice],
+                    PageKey(layer.index, proj, expert, block),
+                    host_canonical[expert, rows_slice],
                     host_planes[expert, block],
                     host_scale[expert, rows_slice],
                     host_minimum[expert, rows_slice],
                 )
                 pages.append(page)
+                self._page_ids[key].append(len(self.pages))
                 self.pages.append(page)
-            self._index[(layer, proj, expert)] = pages
+            self._index[(layer.index, proj, expert)] = pages
 
     def host_weight(self, layer: int, proj: int) -> torch.Tensor:
-        """Host master copy of one fused projection ``[E, rows, cols]`` (the original weights)."""
+        """Host master copy of one fused projection in the model's layout (the original weights)."""
         return self._host_weights[(layer, proj)]
+
+    def canonical_host_weight(self, layer: int, proj: int) -> torch.Tensor:
+        """:meth:`host_weight` seen as ``[E, out, in]`` (a transpose for transposed layouts)."""
+        weight = self._host_weights[(layer, proj)]
+        return weight.mT if self._transposed[(layer, proj)] else weight
 
     def projections(self) -> list[tuple[int, int]]:
         """``(layer, proj)`` of every paged projection."""
@@ -311,9 +339,9 @@ class PageStore:
     ) -> torch.Tensor:
         """Weighted squared quantization error of every page of a projection at every bit level.
 
-        ``sum_ij row_weight[i] * col_weight[j] * (W_ij - W^_ij)^2`` over each page's rows, with
-        ``W^`` rebuilt exactly as the experts forward rebuilds it. Computed one expert at a time
-        on the store's device.
+        ``sum_ij row_weight[i] * col_weight[j] * (W_ij - W^_ij)^2`` over each page's rows (output
+        features ``i``, input features ``j`` of the canonical view), with ``W^`` rebuilt exactly as
+        the experts forward rebuilds it. Computed one expert at a time on the store's device.
 
         Args:
             layer: MoE layer index.
@@ -325,7 +353,7 @@ class PageStore:
             ``float64 [E, blocks, bit levels]``, bit levels in the order of :attr:`levels` without
             ``TOP_LEVEL``.
         """
-        host_weight = self._host_weights[(layer, proj)]
+        host_weight = self.canonical_host_weight(layer, proj)
         host_planes = self._host_planes[(layer, proj)]
         host_scale, host_minimum = self._host_meta[(layer, proj)]
         num_experts, rows, cols = host_weight.shape
@@ -387,6 +415,8 @@ class PageStore:
         if level not in self.levels:
             raise ValueError(f"level {level} is not one of the store's levels {self.levels}")
         page = self.pages[page_id]
+        if level != page.target_level:
+            self._split((page.key.layer, page.key.proj))
         before = page.device_nbytes()
         if level > page.target_level:
             self._promote(page, level)
@@ -468,59 +498,119 @@ class PageStore:
 
     def release(self) -> None:
         """Drop every device copy (the host master copies stay)."""
+        self._full.clear()
         for page in self.pages:
             page.current = page.pending = None
         self._device_bytes = 0
 
-    # ------------------------------------------------------------------ compute
-    def weights(self, layer: int, proj: int, experts: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Device weights ``[rows, cols]`` of some experts' projection at the pages' current levels.
+    def _split(self, key: tuple[int, int]) -> None:
+        """Before a page of a consolidated projection moves: give its other pages their own copies,
+        so that freeing one page really frees its bytes (a no-op when they alias host memory)."""
+        full = self._full.pop(key, None)
+        if full is None or _aliases(full, self._host_weights[key]):
+            return
+        for page_id in self._page_ids[key]:
+            current = self.pages[page_id].current
+            if current is not None and current.weight is not None:
+                current.weight = current.weight.clone()
 
-        Pages at the same bit level are dequantized together, in one batched rebuild, which keeps
-        the number of small kernels per forward low.
+    # ------------------------------------------------------------------ compute
+    def full_weight(self, layer: int, proj: int) -> torch.Tensor | None:
+        """The projection's original weights as one device tensor in the model's layout, if every page
+        of it holds them now (``None`` otherwise). No copy once gathered: the full-budget fast path."""
+        key = (layer, proj)
+        full = self._full.get(key)
+        if full is not None:
+            return full
+        page_ids = self._page_ids[key]
+        if any(self.pages[i].target_level != TOP_LEVEL for i in page_ids):
+            return None
+        if any(self._usable(self.pages[i]).level != TOP_LEVEL for i in page_ids):
+            return None  # promotions still in flight
+        return self._consolidate(key)
+
+    def projection_weight(self, layer: int, proj: int, experts: list[int] | None = None) -> torch.Tensor:
+        """Device weights of one fused projection, in the model's layout and dtype, for computing now.
+
+        With every page of the projection at its original weights this is one tensor held by the
+        store (no copy, no kernel): the experts implementation then runs exactly as unpaged. Otherwise a
+        fresh tensor is filled: original weights copied, and the pages of each bit level dequantized
+        together in one batched rebuild over all the experts and row blocks at that level.
 
         Args:
-            layer: MoE layer index.
-            proj: Projection index in ``EXPERT_PROJECTIONS``.
-            experts: Expert indices.
-            dtype: dtype of the results (the model's compute dtype).
+            layer: Index of the paged unit.
+            proj: Projection index.
+            experts: The experts whose weights are needed (``None``: all). The others are left as
+                zeros: implementations only read the weights of experts that tokens were routed to.
 
         Returns:
-            One tensor per expert: the original weights where pages are at ``TOP_LEVEL`` (no copy),
-            dequantized ones otherwise.
+            ``[E, ...]`` weights shaped like the model's parameter.
         """
-        pages = [page for expert in experts for page in self._index[(layer, proj, expert)]]
-        blocks: list[torch.Tensor | None] = [None] * len(pages)
+        key = (layer, proj)
+        page_ids = self._page_ids[key]
+        if experts is None:
+            wanted = page_ids
+        else:
+            per_expert = len(page_ids) // self._host_weights[key].shape[0]
+            wanted = [page_ids[e * per_expert + b] for e in experts for b in range(per_expert)]
+        full = self.full_weight(layer, proj)
+        if full is not None:
+            return full
+        copies = [self._usable(self.pages[i]) for i in wanted]
+        host = self._host_weights[key]
+        out = (torch.empty if len(wanted) == len(page_ids) else torch.zeros)(
+            host.shape, dtype=host.dtype, device=self.device
+        )
+        num_experts, rows, cols = self.canonical_host_weight(layer, proj).shape
+        blocks = len(page_ids) // num_experts
+        # [E, blocks, rows per page, cols]: a view of `out` in both layouts (no copy on writes).
+        view = (out.mT if self._transposed[key] else out).unflatten(1, (blocks, rows // blocks))
         by_level: dict[int, list[int]] = {}
-        for i, page in enumerate(pages):
-            current = self._usable(page)
-            if current.level == TOP_LEVEL:
-                blocks[i] = current.weight if current.weight.dtype == dtype else current.weight.to(dtype)
+        for n, current in enumerate(copies):
+            by_level.setdefault(current.level, []).append(n)
+        for level, members in by_level.items():
+            keys = [self.pages[wanted[n]].key for n in members]
+            index = (
+                torch.tensor([k.expert for k in keys], device=self.device),
+                torch.tensor([k.block for k in keys], device=self.device),
+            )
+            if level == TOP_LEVEL:
+                values = torch.stack([copies[n].weight for n in members])
             else:
-                by_level.setdefault(current.level, []).append(i)
-        for members in by_level.values():
-            copies = [pages[i].current for i in members]
-            planes = torch.stack([_joined(c.segments) for c in copies])
-            scale = torch.stack([c.scale for c in copies])
-            minimum = torch.stack([c.minimum for c in copies])
-            rebuilt = dequantize(planes, scale, minimum, (len(members), *pages[members[0]].shape), dtype)
-            for i, block in zip(members, rebuilt.unbind(0)):
-                blocks[i] = block
-        per_expert = len(pages) // len(experts) if experts else 0
-        return [
-            _joined(blocks[i * per_expert : (i + 1) * per_expert]) for i in range(len(experts))
-        ]
+                planes = torch.stack([_joined(copies[n].segments) for n in members])
+                scale = torch.stack([copies[n].scale for n in members])
+                minimum = torch.stack([copies[n].minimum for n in members])
+                values = dequantize(planes, scale, minimum, (len(members), rows // blocks, cols), host.dtype)
+            view.index_put_(index, values)
+        return out
 
-    def reference_weights(
-        self, layer: int, proj: int, experts: list[int], dtype: torch.dtype
-    ) -> list[torch.Tensor]:
-        """The original weights of some experts' projection, streamed from host memory.
+    def _consolidate(self, key: tuple[int, int]) -> torch.Tensor:
+        """One tensor in the model's layout for a projection whose pages all hold original weights."""
+        host = self._host_weights[key]
+        page_ids = self._page_ids[key]
+        weights = [self.pages[i].current.weight for i in page_ids]
+        if host.device == self.device and all(_aliases(w, host) for w in weights):
+            full = host  # the pages are views of the host copy (a CPU store): nothing to gather
+        else:
+            full = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            canonical = full.mT if self._transposed[key] else full
+            blocks = len(page_ids) // host.shape[0]
+            view = canonical.unflatten(1, (blocks, canonical.shape[1] // blocks))
+            for page_id, weight in zip(page_ids, weights):
+                page = self.pages[page_id]
+                target = view[page.key.expert, page.key.block]
+                target.copy_(weight)
+                page.current.weight = target  # the separate copy is freed; the bytes stay the same
+        self._full[key] = full
+        return full
 
-        Used to compute full-precision references within a device budget: only the experts in use
-        are on the device, transiently.
+    def reference_weight(self, layer: int, proj: int) -> torch.Tensor:
+        """The original weights of one projection on the device, streamed from host memory.
+
+        Used to compute full-precision references within a device budget: the projection is on
+        the device only transiently (no copy when the store is on the CPU).
         """
-        host = self._host_weights[(layer, proj)]
-        return [host[expert].to(self.device, dtype=dtype, non_blocking=True) for expert in experts]
+        return self._host_weights[(layer, proj)].to(self.device, non_blocking=True)
 
     def _usable(self, page: Page) -> DeviceCopy:
         """The page's device copy, after committing a landed upload."""
@@ -533,6 +623,11 @@ class PageStore:
         if page.current is None:
             raise RuntimeError(f"page {page.key} has no device copy; the store was released")
         return page.current
+
+
+def _aliases(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view into the memory of ``base``."""
+    return tensor.device == base.device and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:

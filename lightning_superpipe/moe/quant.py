@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CODE_BITS", "GroupCodes", "dequantize", "pack_bit_planes", "quantize_groupwise", "unpack_codes"]
+__all__ = [
+    "CODE_BITS",
+    "GroupCodes",
+    "dequantize",
+    "dequantize_nibbles",
+    "pack_bit_planes",
+    "pack_nibbles",
+    "quantize_groupwise",
+    "unpack_codes",
+    "unpack_nibbles",
+]
 
 CODE_BITS = 8
 """Bits of the full code; ``dequantize`` with all planes rebuilds exactly this precision."""
@@ -70,7 +80,7 @@ def metadata_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 def quantize_groupwise(
-    weight: torch.Tensor, group_size: int, meta_dtype: torch.dtype = torch.float16
+    weight: torch.Tensor, group_size: int, meta_dtype: torch.dtype = torch.float16, bits: int = CODE_BITS
 ) -> GroupCodes:
     """Quantize ``weight`` group-wise to asymmetric 8-bit codes.
 
@@ -81,22 +91,25 @@ def quantize_groupwise(
         weight: ``[..., cols]`` floating-point weights; groups run along the last dimension.
         group_size: Columns per group; must divide ``cols``.
         meta_dtype: dtype in which scale and minimum are stored.
+        bits: Bits per code, 1 to 8 (8: the bit-plane codes; 4: FlexGen's scheme, see :func:`pack_nibbles`).
 
     Returns:
         The codes and per-group metadata.
     """
+    if not 1 <= bits <= CODE_BITS:
+        raise ValueError(f"quantize_groupwise(bits={bits}) must be 1 to {CODE_BITS}.")
     cols = weight.shape[-1]
     _check_group_size(cols, group_size)
     grouped = weight.detach().float().reshape(*weight.shape[:-1], cols // group_size, group_size)
     low = grouped.amin(dim=-1)
     high = grouped.amax(dim=-1)
-    scale = ((high - low) / (2**CODE_BITS - 1)).to(meta_dtype)
+    scale = ((high - low) / (2**bits - 1)).to(meta_dtype)
     minimum = low.to(meta_dtype)
     # A constant group (or one whose range underflows the metadata dtype) gets scale 0 and codes 0:
     # every level then rebuilds it as its minimum, with no midpoint offset.
     step = scale.float().unsqueeze(-1)
     codes = torch.round((grouped - minimum.float().unsqueeze(-1)) / torch.where(step > 0, step, 1.0))
-    codes = codes.clamp_(0, 2**CODE_BITS - 1).to(torch.uint8).reshape(weight.shape)
+    codes = codes.clamp_(0, 2**bits - 1).to(torch.uint8).reshape(weight.shape)
     return GroupCodes(codes=codes, scale=scale, minimum=minimum)
 
 
@@ -121,6 +134,19 @@ def pack_bit_planes(codes: torch.Tensor) -> torch.Tensor:
     return (bits << lane_shift).sum(dim=-1, dtype=torch.uint8)
 
 
+_SPREAD: dict[torch.device, torch.Tensor] = {}
+
+
+def _spread_table(device: torch.device) -> torch.Tensor:
+    """``int64 [256]``: byte ``v`` spread over the 8 bytes of a word, byte ``m`` holding bit ``m`` of ``v``."""
+    table = _SPREAD.get(device)
+    if table is None:
+        lanes = torch.arange(8)
+        bits = (torch.arange(256).view(-1, 1) >> lanes) & 1
+        table = _SPREAD[device] = (bits << (8 * lanes)).sum(dim=-1).to(device)
+    return table
+
+
 def unpack_codes(planes: torch.Tensor) -> torch.Tensor:
     """Join the top ``b`` packed bit planes back into ``b``-bit codes.
 
@@ -131,12 +157,19 @@ def unpack_codes(planes: torch.Tensor) -> torch.Tensor:
         ``uint8`` tensor ``[*leading, n]`` of codes in ``[0, 2**b - 1]`` (the top ``b`` bits of the
         8-bit codes).
     """
-    lane_shift = torch.arange(8, dtype=torch.uint8, device=planes.device)
-    bits = ((planes.unsqueeze(-1) >> lane_shift) & 1).flatten(-2)  # [*leading, b, n]
-    code = bits.select(-2, 0)
+    # Each plane byte is looked up as one 64-bit word holding its 8 weights' bits, one per byte
+    # (little-endian: byte m is weight 8t + m), and the planes are joined with word-wide shifts:
+    # 8 weights per operation instead of one, and no code ever carries into its neighbour (< 256).
+    if planes.shape[-2] == 0:
+        raise ValueError("unpack_codes needs at least one bit plane")
+    table = _spread_table(planes.device)
+    code = table[planes.select(-2, 0).long()]
     for k in range(1, planes.shape[-2]):
-        code = (code << 1) | bits.select(-2, k)
-    return code
+        code = code.bitwise_left_shift_(1).bitwise_or_(table[planes.select(-2, k).long()])
+    if code.dtype != torch.int64 or not code.is_contiguous():
+        code = code.to(torch.int64).contiguous()
+    # Reinterpreting the words as bytes needs a little-endian host (x86, ARM as configured by torch).
+    return code.view(torch.uint8).view(*planes.shape[:-2], planes.shape[-1] * 8)
 
 
 def dequantize(
@@ -149,7 +182,9 @@ def dequantize(
     """Rebuild weights from their top ``b`` bit planes (``b = planes.shape[-2]``).
 
     With fewer than 8 planes each weight is rebuilt at the middle of its bucket of
-    ``2**(8-b)`` codes; with all 8 it is rebuilt exactly at its code.
+    ``2**(8-b)`` codes; with all 8 it is rebuilt exactly at its code. Works on any number of
+    leading (batch) dimensions at once: the paged experts rebuild all the pages of one level of a
+    layer in one call.
 
     Args:
         planes: ``uint8`` ``[*leading, b, n // 8]`` top bit planes.
@@ -163,11 +198,57 @@ def dequantize(
     """
     bits = planes.shape[-2]
     shift = CODE_BITS - bits
-    code = unpack_codes(planes).float()
+    code = unpack_codes(planes)
+    step = scale.float()
+    low = minimum.float()
     if shift:
-        # Middle of the bucket [hi << s, (hi << s) + 2**s - 1].
-        code = code * float(2**shift) + (2**shift - 1) / 2
+        # Middle of the bucket [hi << s, (hi << s) + 2**s - 1], folded into the per-group affine map
+        # (a per-group cost) so that the per-weight work is one multiply-add straight from uint8.
+        low = low + step * ((2**shift - 1) / 2)
+        step = step * float(2**shift)
     groups = scale.shape[-1]
-    grouped = code.reshape(*scale.shape, shape[-1] // groups)
-    weight = torch.addcmul(minimum.float().unsqueeze(-1), grouped, scale.float().unsqueeze(-1))
-    return weight.reshape(shape).to(dtype)
+    grouped = code.view(*scale.shape, shape[-1] // groups)
+    weight = torch.addcmul(low.unsqueeze(-1), grouped, step.unsqueeze(-1))
+    return weight.view(shape).to(dtype)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes two per byte (FlexGen's layout: the even element in the high nibble).
+
+    Args:
+        codes: ``uint8`` ``[..., n]`` codes in ``[0, 15]``, ``n`` even.
+
+    Returns:
+        ``uint8`` ``[..., n // 2]``.
+    """
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles packs 2 codes per byte; got {codes.shape[-1]} codes, not an even number")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] << 4) | pairs[..., 1]
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: ``uint8`` ``[..., n // 2]`` -> ``uint8`` ``[..., n]``."""
+    return torch.stack((packed >> 4, packed & 15), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def dequantize_nibbles(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rebuild ``minimum + scale * q`` from packed 4-bit codes (groups along the last dimension).
+
+    Args:
+        packed: ``uint8`` ``[..., cols // 2]`` from :func:`pack_nibbles`.
+        scale: ``[..., cols // group_size]`` per-group step.
+        minimum: Same shape as ``scale``.
+        dtype: dtype of the result.
+
+    Returns:
+        ``[..., cols]`` weights on ``packed``'s device.
+    """
+    code = unpack_nibbles(packed)
+    grouped = code.view(*scale.shape, code.shape[-1] // scale.shape[-1])
+    # In the metadata's precision: fp16 on a GPU keeps the rebuild one fused pass (FlexGen rebuilds in fp16).
+    work = scale.dtype if scale.device.type == "cuda" else torch.float32
+    rebuilt = torch.addcmul(minimum.to(work).unsqueeze(-1), grouped.to(work), scale.to(work).unsqueeze(-1))
+    return rebuilt.view(code.shape).to(dtype)

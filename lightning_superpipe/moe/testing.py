@@ -59,7 +59,7 @@ def tiny_moe(
     seed: int = 0,
     **overrides: object,
 ) -> nn.Module:
-    """Build a small randomly initialised MoE causal LM of one of the supported families.
+    """Build a small randomly initialised MoE causal LM (Mixtral-, Qwen-MoE- or OLMoE-shaped configs).
 
     Args:
         model_type: ``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"`` or ``"olmoe"`` (or any other
