@@ -6,10 +6,11 @@ and has no entry point for third-party ones.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_superpipe.generation import generate
 from lightning_superpipe.moe import PagedMoECallback
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy"]
+__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy", "generate"]

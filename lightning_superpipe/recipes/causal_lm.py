@@ -94,12 +94,24 @@ class GenerationSettings:
         do_sample: Sample from the model's distribution instead of taking the most likely token.
         temperature: Sampling temperature (only with ``do_sample``).
         top_p: Nucleus-sampling probability mass (only with ``do_sample``).
+        schedule: ``model``: ``model.generate`` per batch; ``flexgen``: :func:`lightning_superpipe.generate`, each
+            block on the device once per token for the whole batch split into micro-batches, the KV cache in host
+            memory (under ``SuperpipeStrategy`` the strategy streams the weights, this the cache).
+        micro_batch_size: Prompts per micro-batch with ``flexgen`` (``None``: the policy's or the whole batch).
+        memory_budget: Device bytes for ``flexgen``'s policy (e.g. ``2GiB``); ``None``: no policy.
+        compress_kv: ``flexgen``: the KV cache in FlexGen's 4-bit form in host memory and over the link.
+        compress_weights: ``flexgen`` without ``SuperpipeStrategy``: block weights in FlexGen's 4-bit form.
     """
 
     max_new_tokens: int = 64
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    schedule: Literal["model", "flexgen"] = "model"
+    micro_batch_size: int | None = None
+    memory_budget: str | None = None
+    compress_kv: bool = False
+    compress_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -483,6 +495,8 @@ class CausalLMModule(LightningModule):
         settings = self.generation
         sampling = {"temperature": settings.temperature, "top_p": settings.top_p} if settings.do_sample else {}
         input_ids = batch["input_ids"]
+        if settings.schedule == "flexgen":
+            return self._predict_flexgen(batch, tokenizer, sampling)
         output = self.model.generate(
             input_ids=input_ids,
             attention_mask=batch["attention_mask"],
@@ -492,6 +506,40 @@ class CausalLMModule(LightningModule):
             eos_token_id=tokenizer.eos_token_id,
             **sampling,
         )
+        completions = [tokenizer.decode(row.tolist()) for row in output[:, input_ids.shape[1] :]]
+        return [{"prompt": prompt, "completion": text} for prompt, text in zip(batch["prompts"], completions)]
+
+    def _predict_flexgen(
+        self, batch: dict[str, Any], tokenizer: TextTokenizer, sampling: dict[str, float]
+    ) -> list[dict[str, str]]:
+        """``predict_step`` with FlexGen's schedule (:func:`lightning_superpipe.generate`), tokens/s on the bar."""
+        from lightning_superpipe.generation import generate
+
+        settings = self.generation
+        strategy = self.trainer.strategy
+        # SuperpipeStrategy already streams every block once per forward and keeps its slot while the micro-batches
+        # call it again, so it moves the weights and generate the KV cache; without it generate moves both.
+        streamed = isinstance(strategy, SuperpipeStrategy)
+        input_ids = batch["input_ids"]
+        result = generate(
+            self.model,
+            input_ids.cpu(),
+            attention_mask=batch["attention_mask"].cpu(),
+            max_new_tokens=settings.max_new_tokens,
+            device=strategy.root_device,
+            memory_budget=settings.memory_budget,
+            micro_batch_size=settings.micro_batch_size,
+            compress_weights=settings.compress_weights,
+            compress_kv=settings.compress_kv,
+            do_sample=settings.do_sample,
+            stream_weights=not streamed,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            **sampling,
+        )
+        self.last_generation_stats = result.stats
+        _show_on_progress_bar(self.trainer, f"{result.stats['tokens_per_s']:.1f} tokens/s")
+        output = result.sequences
         completions = [tokenizer.decode(row.tolist()) for row in output[:, input_ids.shape[1] :]]
         return [{"prompt": prompt, "completion": text} for prompt, text in zip(batch["prompts"], completions)]
 
@@ -577,3 +625,20 @@ class CausalLMModule(LightningModule):
         trainer = getattr(self, "_trainer", None)
         if states is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             set_rng_states(states)
+
+
+def _show_on_progress_bar(trainer: Any, text: str) -> None:
+    """Shows ``text`` beside the predict progress bar (Rich's description or tqdm's postfix), if there is one."""
+    callback = getattr(trainer, "progress_bar_callback", None)
+    if callback is None:
+        return
+    progress, task = getattr(callback, "progress", None), getattr(callback, "predict_progress_bar_id", None)
+    if progress is not None and task is not None:  # RichProgressBar
+        progress.update(task, description=f"Predicting ({text})")
+        return
+    try:
+        bar = callback.predict_progress_bar  # TQDMProgressBar raises TypeError before the bar exists
+    except (AttributeError, TypeError):
+        return
+    if hasattr(bar, "set_postfix_str"):
+        bar.set_postfix_str(text)

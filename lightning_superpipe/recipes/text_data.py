@@ -372,6 +372,13 @@ class TextDataModule(LightningDataModule):
             within the epoch, so ``fit --ckpt_path`` continues with the batches the interrupted run had not reached.
         num_workers: Data-loader worker processes; the rows are already in memory, so 0 is usually fastest.
         prompts: Prompts that ``predict`` continues; ``None`` uses a few openings of the embedded corpus.
+        prompts_path: A JSONL file of prompts for ``predict`` (its ``prompt_field``); replaces ``prompts``.
+        prompt_field: The field holding the prompt in ``prompts_path``'s records.
+        num_prompts: Without ``prompts`` or ``prompts_path``: this many prompts cut from Python's documentation
+            (:func:`documentation_prompts`), e.g. a large batch for throughput-oriented generation.
+        prompt_chars: Characters per prompt cut from the documentation (at most; cut at a word boundary).
+        predict_batch_size: Prompts per ``predict`` batch (default ``batch_size``): the effective batch that
+            ``model.generation.schedule: flexgen`` splits into micro-batches.
     """
 
     def __init__(
@@ -386,6 +393,11 @@ class TextDataModule(LightningDataModule):
         shuffle_seed: int | None = None,
         num_workers: int = 0,
         prompts: list[str] | None = None,
+        prompts_path: str | None = None,
+        prompt_field: str = "prompt",
+        num_prompts: int | None = None,
+        prompt_chars: int = 64,
+        predict_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         if seq_len < 2:
@@ -409,6 +421,19 @@ class TextDataModule(LightningDataModule):
         self.shuffle_seed = shuffle_seed
         self.num_workers = num_workers
         self.prompts = list(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
+        if prompts_path is not None:
+            path = Path(prompts_path).expanduser()
+            if not path.exists():
+                raise RecipeError(f"data.prompts_path '{prompts_path}' does not exist")
+            self.prompts = read_jsonl(path, prompt_field)
+        elif num_prompts is not None and prompts is None:
+            if num_prompts < 1 or prompt_chars < 1:
+                raise RecipeError(f"data.num_prompts and data.prompt_chars must be at least 1, got {num_prompts}"
+                                  f" and {prompt_chars}")
+            self.prompts = documentation_prompts(num_prompts, prompt_chars)
+        if predict_batch_size is not None and predict_batch_size < 1:
+            raise RecipeError(f"data.predict_batch_size must be at least 1, got {predict_batch_size}")
+        self.predict_batch_size = predict_batch_size
         self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path)
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
@@ -508,7 +533,25 @@ class TextDataModule(LightningDataModule):
     def predict_dataloader(self) -> DataLoader[Any]:
         return DataLoader(
             self.prompts,  # type: ignore[arg-type]
-            batch_size=self.batch_size,
+            batch_size=getattr(self, "predict_batch_size", None) or self.batch_size,
             shuffle=False,
             collate_fn=PromptCollator(self.tokenizer),
         )
+
+
+def documentation_prompts(count: int, chars: int = 64) -> list[str]:
+    """``count`` prompts cut from Python's documentation: the opening of evenly spaced paragraphs, at most
+    ``chars`` characters each, cut at a word boundary (the same prompts every time)."""
+    paragraphs = [
+        " ".join(part.split())
+        for document in embedded_documents()
+        for part in document.split("\n\n")
+        if len(part.split()) >= 8 and not part.lstrip().startswith((">>>", "*", "-", "="))
+    ]
+    step = max(1, len(paragraphs) // count)
+    prompts = []
+    for index in range(count):
+        text = paragraphs[(index * step) % len(paragraphs)]
+        cut = text[:chars].rsplit(" ", 1)[0] if len(text) > chars else text
+        prompts.append(cut)
+    return prompts
