@@ -882,3 +882,29 @@ def test_export_is_a_plain_safetensors_state_dict(tmp_path: Path, trained: Any, 
     fresh = Model()
     fresh.load_state_dict({k: v.float() for k, v in exported.items()})
     assert torch.equal(fresh.blocks[1][0].weight, reference.blocks[1][0].weight.to(dtype or torch.float32).float())
+
+
+def test_a_lease_gives_a_blocks_masters_in_the_host_tiers_flat_layout(tmp_path: Path) -> None:
+    """What the engine streams from: the masters' region of a record, one flat fp32 tensor, each parameter where
+    the host tier's ``BlockHome`` puts it (every 64 elements), so device slots are laid out as on the host tier."""
+    from lightning_superpipe.memory.host import ALIGNMENT
+
+    model = Model()
+    expected = [[p.detach().clone() for p in block.values()] for block in model.block_params()]
+    store = DiskStore.create(tmp_path, model.block_params(), spill_grads=True)
+    try:
+        assert store.pending == [] and not store.spilled(0) and not store.has_norms(0)
+        for index, params in enumerate(store.params):
+            numel = sum(-(-p.numel() // ALIGNMENT) * ALIGNMENT for p in params)
+            lease = store.prefetch_masters(index)
+            flat = lease.flat(numel, torch.float32)
+            offset = 0
+            for param, entry, value in zip(params, store.master_entries(index), expected[index]):
+                assert entry.offset == 4 * offset
+                assert torch.equal(flat[offset : offset + param.numel()].view(param.shape), value)
+                offset += -(-param.numel() // ALIGNMENT) * ALIGNMENT
+            lease.release()
+        store.spill_grads(1, [torch.ones_like(v) for v in expected[1]], norms=True)
+        assert store.spilled(1) and store.has_norms(1) and not store.spilled(0)
+    finally:
+        store.close()

@@ -652,6 +652,12 @@ class MasterLease:
         self._future.result()
         return [entry.view_of(self._buffer) for entry in self._entries]
 
+    def flat(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """The block's masters as one flat tensor of ``numel`` elements of ``dtype`` (a view into the pool buffer):
+        every master starts on :data:`ENTRY_ALIGNMENT` bytes, so for fp32 this is the host tier's flat layout."""
+        self._future.result()
+        return self._buffer[: numel * dtype.itemsize].view(dtype)
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -991,6 +997,23 @@ class DiskStore:
         if wait:
             future.result()
         return future
+
+    def spilled(self, index: int) -> bool:
+        """Whether block ``index`` has spilled gradients that no committed step has consumed yet."""
+        return bool(self._grads_present[index])
+
+    def has_norms(self, index: int) -> bool:
+        """Whether block ``index``'s last spill kept norms (:meth:`grad_norms` answers)."""
+        return self._grad_norms.get(index) is not None
+
+    @property
+    def pending(self) -> list[int]:
+        """Blocks stepped since the last commit (``step(commit=False)``)."""
+        return list(self._pending)
+
+    def master_entries(self, index: int) -> list[Entry]:
+        """Where block ``index``'s masters sit in its record (and in a :class:`MasterLease`'s buffer)."""
+        return self.records[index].masters()
 
     def grad_norms(self, index: int) -> list[Optional[Tensor]]:
         """The 2-norm of each of block ``index``'s spilled gradients (``None`` for a parameter without one), as the

@@ -118,6 +118,11 @@ class BlockHome:
         return [piece for piece in self.slices if piece.param.requires_grad]
 
     @property
+    def transfer_dtype(self) -> torch.dtype:
+        """The dtype the block's weights travel and compute in."""
+        return self.transfer.dtype
+
+    @property
     def transfer_bytes(self) -> int:
         """Bytes that cross the link for one copy of this block."""
         return self.numel * self.transfer.element_size()

@@ -3,16 +3,18 @@
 The model's home is host memory. Its blocks (decoder layers, vision stages) stream through the device just in
 time, in forward and again in backward; gradients return to the host block by block; the optimizer steps the
 host parameters, so its state never occupies the device. This module is thin glue between Lightning's hooks and
-the streaming engine in :mod:`lightning_superpipe.streaming`.
+the streaming engine in :mod:`lightning_superpipe.streaming`. With ``offload_device="disk"`` the blocks' masters and
+optimizer state live in files instead (:mod:`lightning_superpipe.streaming.disk_tier`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from functools import partial
-from typing import Any, Callable, Optional, TypeVar, Union
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -20,7 +22,7 @@ from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -29,19 +31,19 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come, training_state_bytes
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
-from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
+from lightning_superpipe.planning.planner import BudgetPlanner
 from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
-from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
+from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.emulated import EmulatedLink
-from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
-from lightning_superpipe.streaming.hooks import Hook, attach_hooks
+from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.hooks import Hook
+from lightning_superpipe.streaming.setup import KNOBS, install_clipping, single_device, start_streaming, strategy_report
 
 _RNG_KEY = "superpipe_rng_states"
-T = TypeVar("T")
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -61,6 +63,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         blocks: Which modules stream: module classes or a predicate; by default every outermost stack.
         device: The compute device; by default the one the Trainer resolves.
         link: An :class:`~lightning_superpipe.EmulatedLink` (tests: the CUDA code paths on a CPU device).
+        offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default) or
+            ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
+        offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
+        host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's).
         accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
@@ -81,6 +87,9 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        offload_device: str = "cpu",
+        offload_path: Optional[Union[str, os.PathLike[str]]] = None,
+        host_buffer_bytes: Optional[int] = None,
     ) -> None:
         super().__init__(
             device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
@@ -92,6 +101,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.overlap_optimizer = overlap_optimizer
         self.block_policy = blocks
         self.link = link
+        self.offload_device = offload_device
+        self.offload_path = offload_path
+        self.host_buffer_bytes = host_buffer_bytes
+        self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
         # Empty until the accelerator connector fills it with the devices the Trainer resolved.
         self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
@@ -110,13 +123,10 @@ class SuperpipeStrategy(SingleDeviceStrategy):
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[Union[int, str, torch.device]]) -> None:
-        if len(devices) > 1:
-            raise MisconfigurationException(
-                f"`Trainer(strategy='superpipe')` streams through one device, but the Trainer resolved {len(devices)}"
-                f" ({', '.join(str(d) for d in devices)}). Use `Trainer(devices=1)`; several devices are not"
-                " supported yet."
-            )
-        self._parallel_devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+        try:
+            self._parallel_devices = single_device(devices)
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from error
         if self._parallel_devices:
             self._root_device = self._parallel_devices[0]
 
@@ -129,20 +139,16 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
+        if early:
+            self.setup_optimizers(trainer)
         self.model_to_device()
         self.model = self._setup_model(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if self._fitting and not early:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self._let_fused_optimizers_clip_without_a_scaler()
+        install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
-
-    def _let_fused_optimizers_clip_without_a_scaler(self) -> None:
-        """Lightning's mixed-precision plugin refuses to clip for optimizers that unscale inside ``step`` (fused
-        AdamW, the fastest host optimizer), which matters only with a gradient scaler; ``bf16-mixed`` has none."""
-        plugin = self.precision_plugin
-        if isinstance(plugin, MixedPrecision) and plugin.scaler is None:
-            plugin.clip_gradients = partial(Precision.clip_gradients, plugin)  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -150,37 +156,15 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         assert self.model is not None
         self._stop_streaming()
         model = self.model
-        blocks = find_blocks(model, self.block_policy)
-        # Checked here rather than in __init__: LightningCLI reports a constructor's error as a type mismatch.
-        try:
-            check_knobs(self.overlap_optimizer, self.resident_blocks, self.prefetch, self.activations, self.link, len(blocks))
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from error
-        self._streamed_stacks = describe_stacks(model, blocks)
-        transfer_dtype = _MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision))
-        block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
-        knobs = (self.resident_blocks, self.prefetch, self.activations)
-        placement = (_or(self.resident_blocks, 1), _or(self.prefetch, 1), _or(self.activations, "recompute"))
-        if self.memory_budget is not None:  # the plan starts from the placement that needs least memory
-            self._planner = BudgetPlanner(self.memory_budget, self.root_device, *knobs)
-            static = static_costs(block_params, trunk_params, transfer_dtype, self._fitting)
-            placement = self._planner.first_placement(static, self._fitting)
-        check_host_memory(
-            host_bytes_to_come(
-                block_params, trunk_params, transfer_dtype, self._fitting, pinned=self.root_device.type == "cuda"
-            ),
-            f"homes for {describe(blocks)}, gradients and optimizer state",
+        trainer = self.lightning_module.trainer if self._fitting and self.lightning_module is not None else None
+        streaming = start_streaming(
+            model, self.root_device, transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
+            fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers), resume=self._resume,
+            **{knob: getattr(self, knob) for knob in KNOBS},
         )
-        # Buffers (and torchmetrics states) go to the device; parameters and their gradients are returned
-        # unchanged, so they stay home.
-        at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
-        model._apply(lambda t: t if id(t) in at_home else t.to(self.root_device))
-        resident, prefetch, activations = placement
-        self._engine = StreamingEngine(
-            block_params, trunk_params, self.root_device, resident_blocks=resident, prefetch=prefetch,
-            transfer_dtype=transfer_dtype, link=self.link, activations=activations,
-        )
-        self._hooks = attach_hooks(self._engine, model, blocks)
+        self._resume = None
+        self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner
+        self._streamed_stacks = streaming.stacks
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
 
@@ -253,14 +237,16 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     ) -> Any:
         planner = self._planner
         # The closure's backward steps block by block where that is exact; not while the planner times the step.
-        if self.overlap_optimizer and (planner is None or planner.plan is not None):
-            assert self._lightning_module is not None
-            self.engine.overlap.arm_if_exact(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto")
+        assert self._lightning_module is not None
+        overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None)
+        self.engine.arm_overlap(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto", overlap)
         start = time.perf_counter()
         try:
             output = super().optimizer_step(optimizer, planner.timed_closure(closure) if planner else closure, model, **kwargs)
         finally:
-            self.engine.overlap.disarm()
+            self.engine.disarm_overlap()
+        if self.engine.tier is not None:  # the blocks: committed, or stepped from their spilled gradients
+            self.engine.tier.finish_step(optimizer)
         stepped = time.perf_counter()
         # The next forward must stream the weights this step produced.
         self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
@@ -300,17 +286,31 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     ) -> None:
         # Plain Lightning does not save the RNG state, so dropout after a resume differs from an uninterrupted run.
         checkpoint[_RNG_KEY] = rng_states()
+        if self._engine is not None and self._engine.tier is not None:  # the files first: a .ckpt implies them
+            self._engine.tier.add_to_checkpoint(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.offload_device == "disk":
+            disk_tier.remove_snapshot(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if _RNG_KEY in checkpoint:
             set_rng_states(checkpoint[_RNG_KEY])
+        if disk_tier.DISK_KEY in checkpoint:
+            self._resume = disk_tier.resume_folder(checkpoint_path, checkpoint[disk_tier.DISK_KEY], self.offload_device)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if disk_tier.DISK_KEY in checkpoint:  # the blocks come from the tier's files when streaming starts
+            assert self.lightning_module is not None
+            disk_tier.load_state_dict(self.lightning_module, checkpoint, strict, self._engine is not None)
+            return
         if self._engine is not None:
             self._engine.copier.synchronize()  # no copy may still be reading the masters about to change
         super().load_model_state_dict(checkpoint, strict=strict)
@@ -321,6 +321,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # The parent moves optimizer state to the device; here it stays with the host parameters.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self._engine is not None and self._engine.tier is not None and disk_tier.DISK_KEY not in checkpoint:
+                self._engine.tier.check_optimizer_state(optimizer, state)
             optimizer.load_state_dict(state)
 
     # ------------------------------------------------------------------ memory report
@@ -333,16 +335,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         if self._engine is None and self._last_report is not None:
             return dict(self._last_report)
         assert self.lightning_module is not None
-        report: dict[str, Any] = {
-            **self.engine.memory_report(),
-            **training_state_bytes(list(self.lightning_module.parameters()), self.optimizers),
-            "streamed_stacks": list(self._streamed_stacks),
-        }
-        if self.plan is not None:
-            report["plan"] = self.plan.as_dict()
-        if self.root_device.type == "cuda":
-            report["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.root_device)
-        return report
+        params = list(self.lightning_module.parameters())
+        return strategy_report(self.engine, params, self.optimizers, self._streamed_stacks, self.plan, self.root_device)
 
     @classmethod
     @override
@@ -350,6 +344,3 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         if cls.strategy_name not in strategy_registry:
             strategy_registry.register(cls.strategy_name, cls, description=cls.__name__)
 
-
-def _or(value: Optional[T], default: T) -> T:
-    return default if value is None else value

@@ -20,6 +20,11 @@ never leave the host.
 Whatever changes a host master (an optimizer step, ``load_state_dict``, a callback's edit, an EMA swap, each
 evaluation of an LBFGS closure) is noticed at the start of the next pass from the parameters' version counters and
 storages, and the device copies of what changed are made again (:meth:`StreamingEngine.sync_with_masters`).
+
+With a :class:`~.disk_tier.DiskTier` (``offload_device="disk"``) the homes hold no memory: each copy into a slot
+reads the block's masters from the tier's files (read ahead beyond the slots, cast on the fly), gradients go to the
+tier as each block completes (stepped through its store or spilled to disk), and only the store's steps change the
+masters.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class StreamingEngine:
         transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
         activations: Where each block's activations live between forward and backward (:mod:`.activations`).
+        tier: A :class:`~.disk_tier.DiskTier` whose store holds the blocks' masters (``offload_device="disk"``);
+            ``None``: the host tier, the blocks' homes in host memory.
     """
 
     def __init__(
@@ -77,11 +84,13 @@ class StreamingEngine:
         transfer_dtype: Optional[torch.dtype] = None,
         link: Any = None,
         activations: ActivationsPolicy = "recompute",
+        tier: Any = None,
     ) -> None:
         self.device = device
+        self.tier = tier
         self.activation_modes = per_block_modes(activations, len(block_params))
         self.copier = make_copier(device, link)
-        self.homes: list[Optional[BlockHome]] = []
+        self.homes: list[Optional[Any]] = []  # BlockHome, or the disk tier's DiskHome
         self._trunk: dict[nn.Parameter, Tensor] = {}
         try:
             num_blocks = len(block_params)
@@ -90,7 +99,7 @@ class StreamingEngine:
             self.prefetch = _clamp("prefetch", prefetch, num_blocks - len(resident), "the number of streamed blocks")
             pin = self.copier.pin_memory
             self.arena = HostArena(pin=pin)
-            self.homes = [
+            self.homes = tier.homes if tier is not None else [
                 BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None
                 for params in block_params
             ]
@@ -118,7 +127,7 @@ class StreamingEngine:
             self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
             self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
-            self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena)
+            self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=tier is None)
             self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
             self.activations = ActivationPlacement(self)
             #: A planner's ``StepProfiler`` while it measures a step, told by the hooks what compute is doing.
@@ -126,6 +135,9 @@ class StreamingEngine:
             self.overlap = OverlappedStep(block_params)
             self.gradients.on_block_complete = self.overlap.block_done
             self.overlap.on_stepped = self._sync_stepped_block
+            if tier is not None:  # gradients go to the store: stepped through it, or spilled to disk
+                tier.attach(self.copier, self.arena, self.overlap, len(self._slots))
+                self.gradients.on_block_complete = tier.block_done
             self._synced_in_backward: set[int] = set()  # blocks whose homes the overlapped step already synced
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
@@ -153,14 +165,14 @@ class StreamingEngine:
         for index in resident:
             home = self.homes[index]
             if home is not None:
-                self._resident[index] = torch.empty(home.numel, dtype=home.transfer.dtype, device=self.device)
+                self._resident[index] = torch.empty(home.numel, dtype=home.transfer_dtype, device=self.device)
                 self.ledger.add("block_weights", home.transfer_bytes)
         self.resident_indices = frozenset(self._resident)
         streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
         if not streamed:
             return
         slot_numel = max(self.homes[i].numel for i in streamed)  # type: ignore[union-attr]
-        dtypes = {self.homes[i].transfer.dtype for i in streamed}  # type: ignore[union-attr]
+        dtypes = {self.homes[i].transfer_dtype for i in streamed}  # type: ignore[union-attr]
         if len(dtypes) > 1:
             raise TypeError(
                 f"SuperpipeStrategy streams blocks through slots of one dtype, but the blocks' weights have"
@@ -179,8 +191,7 @@ class StreamingEngine:
         for slot in self._slots:
             slot.free = allocated
         for index, buffer in self._resident.items():
-            what = f"resident block {index}"
-            self._resident_ready[index] = self.copier.to_device(buffer, self.homes[index].transfer, allocated, what)
+            self._resident_ready[index] = self._copy_in(buffer, index, allocated, f"resident block {index}")
 
     def replan(self, resident: Sequence[int], prefetch: int, activations: ActivationsPolicy) -> None:
         """Places the blocks anew between steps (a planner's decision): which are resident, how many stream
@@ -231,8 +242,12 @@ class StreamingEngine:
         optimizer is about to write it)."""
         self._release_busy()
         self.gradients.finish()
+        if self.tier is not None:
+            self.tier.finish_backward()
         self.overlap.finish()
         self.copier.synchronize()
+        if self.tier is not None:  # the step reads and writes through the pool
+            self.tier.release_all()
 
     def close(self) -> None:
         """Waits for outstanding work, stops the gradient worker and gives the parameters their class back."""
@@ -242,9 +257,13 @@ class StreamingEngine:
             if hasattr(self, "overlap"):
                 self.overlap.close()
         finally:
-            self.copier.close()
-            if hasattr(self, "arena"):
-                self.arena.close()
+            try:
+                self.copier.close()
+                if self.tier is not None:  # the parameters get their committed values back
+                    self.tier.close()
+            finally:
+                if hasattr(self, "arena"):
+                    self.arena.close()
         for home in self.homes:
             if home is not None:
                 home.release()
@@ -301,9 +320,8 @@ class StreamingEngine:
             home.sync(pieces)
             self._block_version[index] += 1
             if index in self._resident:
-                what = f"resident block {index}"
                 buffer = self._resident[index]
-                self._resident_ready[index] = self.copier.to_device(buffer, home.transfer, computed, what)
+                self._resident_ready[index] = self._copy_in(buffer, index, computed, f"resident block {index}")
 
     def _sync_stepped_block(self, index: int, params: list[nn.Parameter]) -> None:
         """On the optimizer thread, right after the overlapped step of block ``index``: its new masters go into its
@@ -437,6 +455,8 @@ class StreamingEngine:
         for index in window:
             if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
                 break
+        if self.tier is not None:  # the disk reads start further ahead than the slots, as far as its pool allows
+            self.tier.read_ahead(i for i in self._upcoming() if self._slot_holding(i) is None)
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:
@@ -452,9 +472,36 @@ class StreamingEngine:
             home = self.homes[index]
             slot.block, slot.version = index, self._block_version[index]
             what = f"slot {slot.number} (block {index})"
-            slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, slot.free, what)
+            if self.tier is None:
+                slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, slot.free, what)
+            else:  # read from the disk tier, cast on the fly
+                slot.ready = self.tier.copy_in(slot.flat[: home.numel], index, slot.free, what)
             return slot
         return None
+
+    def _copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
+        """Copies block ``index``'s weights into the device buffer ``dst``: from its host home, or read from the
+        disk tier (cast on the fly)."""
+        if self.tier is None:
+            return self.copier.to_device(dst, self.homes[index].transfer, after, what)  # type: ignore[union-attr]
+        return self.tier.copy_in(dst, index, after, what)
+
+    def arm_overlap(self, trainer: Any, optimizer: Any, only_where_it_pays: bool, overlap: bool = True) -> None:
+        """Before the backward inside the optimizer step (the last micro-batch of an accumulation): arms the
+        overlapped step, if ``overlap``, where it is exact. With the disk tier it always pays where exact (the
+        alternative spills the gradients to disk and reads them back), and the tier learns the micro-batch is the
+        last."""
+        if self.tier is not None:
+            self.tier.last_micro_batch = True
+            only_where_it_pays = False
+        if overlap:
+            self.overlap.arm_if_exact(trainer, optimizer, only_where_it_pays)
+
+    def disarm_overlap(self) -> None:
+        """After the optimizer step: the groups are whole again; the next micro-batch is not the last yet."""
+        if self.tier is not None:
+            self.tier.last_micro_batch = False
+        self.overlap.disarm()
 
     def _holds_current(self, slot: _Slot) -> bool:
         return slot.block is not None and slot.version == self._block_version[slot.block]
@@ -475,7 +522,7 @@ class StreamingEngine:
         """Page-locked host bytes (0 unless the compute device is CUDA)."""
         return self.arena.pinned_bytes
 
-    def memory_report(self) -> dict[str, int]:
+    def memory_report(self) -> dict[str, Any]:
         """The engine's part of the strategy's memory report, from its ledger and its arena.
 
         Returns:
@@ -487,8 +534,9 @@ class StreamingEngine:
             the host: homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
             ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
             ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
-            ``peak_activation_bytes_per_block``, and ``overlapped_block_steps`` (blocks the optimizer stepped during
-            backward, over the run).
+            ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
+            backward, over the run) and, with the disk tier, its figures (:meth:`.DiskTier.memory_report`: bytes on
+            disk, the pool's host bytes, bytes read and written).
         """
         return {
             "peak_device_bytes": self.ledger.peak_bytes,
@@ -506,6 +554,7 @@ class StreamingEngine:
             "host_activation_bytes": self.activations.peak_host_bytes,
             "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
             "overlapped_block_steps": self.overlap.blocks_stepped,
+            **(self.tier.memory_report() if self.tier is not None else {}),
         }
 
     def is_persistent(self, address: int) -> bool:

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.host import BlockHome, ParamSlice
+from lightning_superpipe.memory.host import ParamSlice
 from lightning_superpipe.memory.pinned import HostArena
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.ledger import DeviceLedger
@@ -43,12 +43,20 @@ class GradientReturn:
         ledger: Counts gradients while they occupy the device.
         homes: The blocks' host homes (``None`` for a block with nothing to stream).
         arena: Where staging buffers come from (page-locked with a CUDA compute device).
+        keep_grad_homes: Keep each block's gradient buffer between steps (the host tier); ``False`` (the disk tier)
+            lets it go once the block's gradients are complete, when ``on_block_complete`` takes them away.
     """
 
     def __init__(
-        self, copier: Copier, ledger: DeviceLedger, homes: Sequence[Optional[BlockHome]], arena: HostArena
+        self,
+        copier: Copier,
+        ledger: DeviceLedger,
+        homes: Sequence[Optional[Any]],
+        arena: HostArena,
+        keep_grad_homes: bool = True,
     ) -> None:
         self.copier = copier
+        self.keep_grad_homes = keep_grad_homes
         self.arena = arena
         self.ledger = ledger
         self.homes = homes
@@ -81,6 +89,8 @@ class GradientReturn:
         present = [(piece, grad) for piece, grad in zip(pieces, grads) if grad is not None]
         self._block_pending[index] = pending = self._block_pending.get(index, 0) - 1
         complete = partial(self.on_block_complete, index) if pending == 0 and self.on_block_complete else None
+        if complete is not None and not self.keep_grad_homes:
+            complete = partial(self._let_go, index, complete)
         nbytes = sum(grad.numel() * grad.element_size() for _, grad in present)
         # This block's gradients exist on the device already, while the previous block's may still be on their way
         # to the host (the allocator keeps their memory until the copy ran): up to two blocks' gradients at once.
@@ -202,6 +212,11 @@ class GradientReturn:
             self.copier.wait_on_host(done)
             self.ledger.remove(category, nbytes)
         self._in_flight.clear()
+
+    def _let_go(self, index: int, then: Callable[[], None]) -> None:
+        """Forgets block ``index``'s gradient buffer (its ``.grad`` views keep it until ``then`` drops them)."""
+        self._block_grad_homes.pop(index, None)
+        then()
 
     def _grad_home(self, index: int) -> Tensor:
         """The block's persistent gradient buffer, laid out like its weights."""

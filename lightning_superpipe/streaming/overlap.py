@@ -83,6 +83,13 @@ class OverlappedStep:
         self.blocks_stepped = 0
         #: Called on the optimizer thread with a block's index and parameters as soon as they are stepped.
         self.on_stepped: Optional[Callable[[int, list[nn.Parameter]], None]] = None
+        #: Steps one block instead of the optimizer restricted to it (the disk tier steps through its store).
+        self.step_block: Optional[Callable[[Optimizer, int, list[nn.Parameter]], None]] = None
+
+    @property
+    def armed(self) -> bool:
+        """Whether blocks are stepped as their gradients complete (this micro-batch's backward)."""
+        return self._optimizer is not None
 
     def arm_if_exact(self, trainer: Any, optimizer: Optimizer, only_where_it_pays: bool) -> None:
         """Arms the step for ``optimizer`` unless :func:`overlap_refusal` objects; says why once per reason."""
@@ -133,8 +140,11 @@ class OverlappedStep:
 
     def _step(self, index: int, params: list[nn.Parameter]) -> None:
         assert self._optimizer is not None
-        with _restricted(self._optimizer, set(params)):
-            self._optimizer.step()
+        if self.step_block is not None:
+            self.step_block(self._optimizer, index, params)
+        else:
+            with _restricted(self._optimizer, set(params)):
+                self._optimizer.step()
         self.blocks_stepped += 1
         if self.on_stepped is not None:
             self.on_stepped(index, params)

@@ -1,0 +1,619 @@
+"""The disk tier inside the engine (``offload_device="disk"``): block masters stream from files, gradients are
+stepped or spilled block by block, and nothing of the blocks' training state stays in host memory between uses.
+
+Each streamed block's fp32 masters and optimizer state live in a :class:`~lightning_superpipe.memory.disk.DiskStore`
+under ``offload_path``; the block parameters hold placeholders. The engine's homes become :class:`DiskHome`\\ s, which
+know a block's layout but hold no memory, and :class:`DiskTier` does the rest:
+
+* **Streaming**: a block's masters are read into a pool buffer (:meth:`DiskStore.prefetch_masters`), a few blocks
+  beyond the device slots, and copied from there into the slot; with mixed precision they are cast on the fly into
+  a host staging buffer of the transfer dtype first (no bf16 copy on disk: it would add 2 bytes per parameter of
+  writes to every step). A read's buffer goes back to the pool once the copy no longer reads it (its event).
+* **Gradients**: when the overlapped step is armed (exact: no clipping, a per-parameter optimizer), each block is
+  stepped through the store as soon as its gradients are complete (``step(blocks=[i], commit=False)``; gradients of
+  earlier micro-batches spilled first are added on disk) and the step is committed after backward. Otherwise each
+  block's gradients are spilled to its gradient file as they complete and dropped, and the blocks are stepped from
+  disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
+  ``torch.nn.utils.clip_grad_norm_`` computes it. The trunk (embeddings, head) is stepped in memory, as today.
+* **Checkpoints**: the ``.ckpt`` holds the store's manifest; the committed files are hard-linked (or copied) into
+  :func:`~lightning_superpipe.memory.disk.checkpoint_folder` beside it, and a resume restores them from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.disk import (
+    ENTRY_ALIGNMENT,
+    DiskSpaceError,
+    DiskStore,
+    DiskTierError,
+    MasterLease,
+    checkpoint_folder,
+    limit_heap_retention,
+    preflight,
+    probe_state_size,
+)
+from lightning_superpipe.memory.host import ParamSlice
+from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS, OverlappedStep
+
+#: Where a checkpoint keeps the disk tier's manifest.
+DISK_KEY = "superpipe_disk_tier"
+OFFLOAD_DEVICES = ("cpu", "disk")
+#: Blocks whose masters are read ahead beyond the device slots.
+READ_AHEAD = 2
+
+
+def offload_call(offload_device: Any, offload_path: Any, host_buffer_bytes: Any) -> str:
+    """The user's call, as quoted in error messages."""
+    path = None if offload_path is None else os.fspath(offload_path)
+    return (
+        f"SuperpipeStrategy(offload_device={offload_device!r}, offload_path={path!r},"
+        f" host_buffer_bytes={host_buffer_bytes!r})"
+    )
+
+
+def check_offload(offload_device: Any, offload_path: Any, host_buffer_bytes: Any) -> None:
+    """Checks the disk tier's knobs as the user wrote them, before anything is allocated.
+
+    Raises:
+        ValueError: With the user's call: an unknown ``offload_device``, ``offload_path`` or ``host_buffer_bytes``
+            without ``offload_device="disk"``, a missing or unwritable ``offload_path``.
+    """
+    call = offload_call(offload_device, offload_path, host_buffer_bytes)
+    if offload_device not in OFFLOAD_DEVICES:
+        raise ValueError(
+            f"{call}: offload_device must be 'cpu' (the default: masters, gradients and optimizer state in host"
+            " memory) or 'disk' (block masters and optimizer state in files under offload_path)."
+        )
+    if offload_device == "cpu":
+        for name, value in (("offload_path", offload_path), ("host_buffer_bytes", host_buffer_bytes)):
+            if value is not None:
+                raise ValueError(
+                    f"{call}: {name} is used only by the disk tier. Pass offload_device='disk' to keep the training"
+                    f" state in files, or leave {name} out."
+                )
+        return
+    if offload_path is None:
+        raise ValueError(f"{call}: offload_device='disk' needs offload_path, a folder on a fast local disk.")
+    if host_buffer_bytes is not None and (
+        not isinstance(host_buffer_bytes, int) or isinstance(host_buffer_bytes, bool) or host_buffer_bytes <= 0
+    ):
+        raise ValueError(f"{call}: host_buffer_bytes must be a positive number of bytes, or None for the default.")
+    try:
+        preflight(offload_path, 0)
+    except DiskSpaceError:
+        pass  # the space is checked against the bytes the tier needs once the blocks and optimizer are known
+    except DiskTierError as error:
+        raise ValueError(f"{call}: {error}") from error
+
+
+def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> None:
+    """Refuses, before the tier is built, what it cannot train exactly.
+
+    Raises:
+        ValueError: With the user's call and what to do instead.
+    """
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    module = trainer.lightning_module
+    refusal = None
+    if not module.automatic_optimization:
+        refusal = "manual optimization is not supported (the blocks' gradients and state are in files)"
+    elif len(optimizers) != 1:
+        refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
+    elif type(optimizers[0]) not in PER_PARAMETER_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS)
+        refusal = (
+            f"{type(optimizers[0]).__name__} is not known to update each parameter on its own, and the tier steps"
+            f" block by block (supported: {names})"
+        )
+    elif optimizers[0]._optimizer_step_pre_hooks or optimizers[0]._optimizer_step_post_hooks:
+        refusal = "the optimizer has step hooks, which would run once per block"
+    elif getattr(trainer.precision_plugin, "scaler", None) is not None:
+        refusal = "a gradient scaler (16-mixed) needs every gradient in memory; use precision='bf16-mixed'"
+    elif trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        refusal = "gradient_clip_algorithm='value' is not supported; clip by norm (the default)"
+    if refusal is not None:
+        raise ValueError(f"{call}: {refusal}. Use offload_device='cpu' for this run.")
+
+
+class DiskHome:
+    """A block's home under the disk tier: the layout of :class:`~lightning_superpipe.memory.host.BlockHome` (one
+    flat buffer, each parameter at its record offset), with the values in the store's files.
+
+    Args:
+        index: The block's index.
+        params: Its streamed parameters (placeholders), in record order.
+        offsets: Each master's byte offset in the record.
+        end: The byte where the masters' region ends (aligned).
+        transfer_dtype: The dtype the weights travel and compute in.
+        tier: The tier that reads it.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        offsets: Sequence[int],
+        end: int,
+        transfer_dtype: torch.dtype,
+        tier: DiskTier,
+    ) -> None:
+        dtypes = {param.dtype for param in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
+        self.index = index
+        self.master_dtype = dtypes.pop()
+        itemsize = self.master_dtype.itemsize
+        self.slices = [ParamSlice(p, offset // itemsize, p.numel(), p.shape) for p, offset in zip(params, offsets)]
+        self.numel = end // itemsize
+        self.transfer_dtype = transfer_dtype
+        self._tier = tier
+        self._changed = False
+
+    @property
+    def trainable(self) -> list[ParamSlice]:
+        return [piece for piece in self.slices if piece.param.requires_grad]
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.numel * self.transfer_dtype.itemsize
+
+    def mark_changed(self, param: nn.Parameter) -> None:
+        """A step of the store changed the block (its slots and reads ahead are stale)."""
+        self._changed = True
+
+    def changed(self) -> list[ParamSlice]:
+        return list(self.slices) if self._changed else []
+
+    def sync(self, pieces: Sequence[ParamSlice]) -> None:
+        """Nothing to copy on the host: the next read of the block reads the new record; reads ahead of the old
+        one are dropped."""
+        self._changed = False
+        self._tier.forget(self.index)
+
+    def release(self) -> None:
+        """Nothing to give back: the parameters keep their class (the tier puts their values back on close)."""
+
+
+class DiskTier:
+    """The engine's side of a :class:`DiskStore`: reads ahead, copies in, steps or spills gradients, clips, commits.
+
+    Args:
+        store: The blocks' store (parameters parked).
+        block_params: Each block's streamed parameters, in block order (as the store holds them).
+        transfer_dtype: The dtype the weights travel in (``None``: the masters').
+        state_names: The state-dict keys of the block parameters (tied aliases included).
+    """
+
+    def __init__(
+        self,
+        store: DiskStore,
+        block_params: Sequence[Sequence[nn.Parameter]],
+        transfer_dtype: Optional[torch.dtype],
+        state_names: set[str],
+    ) -> None:
+        self.store = store
+        self.state_names = state_names
+        self.homes: list[Optional[DiskHome]] = []
+        for index, params in enumerate(block_params):
+            if not params:
+                self.homes.append(None)
+                continue
+            entries = store.master_entries(index)
+            end = max(e.offset + _entry_aligned(e.nbytes) for e in entries)
+            self.homes.append(DiskHome(index, params, [e.offset for e in entries], end,
+                                       transfer_dtype or params[0].dtype, self))
+        self._param_block = {p: i for i, params in enumerate(block_params) for p in params}
+        self._lock = threading.Lock()
+        self._ahead: dict[int, MasterLease] = {}
+        self._in_flight: deque[tuple[Event, MasterLease]] = deque()
+        self._staging: list[list[Any]] = []  # [buffer, event of the copy reading it]
+        self._next_staging = 0
+        self._cap = max(1, store.pool.count - 1)  # one buffer stays free for a spill or a step on another thread
+        self.copier: Optional[Copier] = None
+        self.arena: Optional[HostArena] = None
+        self.overlap: Optional[OverlappedStep] = None
+        #: The micro-batch running is the last of an accumulation (its backward runs inside the optimizer step).
+        self.last_micro_batch = False
+        self._grad_scale: Optional[Tensor] = None
+        self._completed: set[int] = set()  # blocks whose gradients of this backward were handed on
+        self._closed = False
+
+    @classmethod
+    def build(
+        cls,
+        path: Union[str, os.PathLike[str]],
+        block_params: Sequence[Sequence[nn.Parameter]],
+        names: Mapping[nn.Parameter, str],
+        state_names: set[str],
+        optimizer: Optional[Optimizer],
+        transfer_dtype: Optional[torch.dtype],
+        host_buffer_bytes: Optional[int],
+        slots: int,
+        resume: Optional[Path] = None,
+    ) -> DiskTier:
+        """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
+        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them).
+
+        Raises:
+            DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
+        """
+        limit_heap_retention()  # else glibc keeps freed block-sized buffers and gradients resident
+        blocks = [{names[p]: p for p in params} for params in block_params]
+        options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
+                       read_ahead=slots + READ_AHEAD)
+        if resume is not None:
+            store = DiskStore.restore(resume, path, blocks, optimizer, **options)
+        else:
+            store = DiskStore.create(path, blocks, optimizer, overwrite=True, **options)
+        try:
+            if store.pool.count < 2:
+                raise DiskTierError(
+                    f"host_buffer_bytes={host_buffer_bytes} holds {store.pool.count} buffer of"
+                    f" {store.pool.buffer_bytes} bytes; the tier needs at least two (one read ahead, one for a"
+                    f" spill or step): give at least {2 * store.pool.buffer_bytes}, or leave it unset."
+                )
+            return cls(store, block_params, transfer_dtype, state_names)
+        except BaseException:
+            _unpark(store)
+            store.close()
+            raise
+
+    def attach(self, copier: Copier, arena: HostArena, overlap: OverlappedStep, slots: int) -> None:
+        """Connects the tier to its engine's copier, arena and overlapped step."""
+        self.copier, self.arena, self.overlap = copier, arena, overlap
+        overlap.step_block = self._step_block
+        casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
+        if casts:
+            numel = max(h.numel for h in casts)
+            # Each copy out of a staging buffer is waited for before the buffer is written again: one per slot,
+            # and one more so that the cast of the next block never waits for the copy just issued.
+            self._staging = [[arena.empty(numel, casts[0].transfer_dtype), None] for _ in range(slots + 1)]
+
+    # ------------------------------------------------------------------ streaming
+
+    def copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
+        """Copies block ``index``'s masters (cast to the transfer dtype) into the device buffer ``dst``."""
+        assert self.copier is not None
+        home = self.homes[index]
+        assert home is not None
+        with self._lock:
+            lease = self._ahead.pop(index, None)
+        if lease is None:
+            self._make_room()
+            lease = self.store.prefetch_masters(index)
+        try:
+            source = lease.flat(home.numel, home.master_dtype)
+            if home.transfer_dtype == home.master_dtype:
+                event = self.copier.to_device(dst, source, after, what)
+                if event is None:
+                    lease.release()
+                else:  # the copy reads the pool buffer until its event
+                    self._in_flight.append((event, lease))
+                return event
+            staging = self._staging[self._next_staging]
+            self._next_staging = (self._next_staging + 1) % len(self._staging)
+            self.copier.wait_on_host(staging[1])  # the copy that last read this buffer is done
+            flat = staging[0][: home.numel]
+            flat.copy_(source)  # the cast on the fly
+            lease.release()
+            staging[1] = self.copier.to_device(dst, flat, after, what)
+            return staging[1]
+        except BaseException:
+            lease.release()
+            raise
+
+    def read_ahead(self, indices: Iterable[int]) -> None:
+        """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
+        # Buffers whose copies are known done go back without waiting (CUDA events answer ``query``).
+        while self._in_flight and getattr(self._in_flight[0][0], "query", lambda: False)():
+            self._in_flight.popleft()[1].release()
+        with self._lock:
+            for index in indices:
+                if index in self._ahead:
+                    continue
+                if len(self._ahead) + len(self._in_flight) >= self._cap:
+                    return
+                self._ahead[index] = self.store.prefetch_masters(index)
+
+    def forget(self, index: int) -> None:
+        """Drops a read ahead of block ``index`` (its record changed)."""
+        with self._lock:
+            lease = self._ahead.pop(index, None)
+        if lease is not None:
+            lease.release()
+
+    def release_all(self) -> None:
+        """Gives every buffer back to the pool (the copies are done: the caller synchronized)."""
+        while self._in_flight:
+            self._in_flight.popleft()[1].release()
+        with self._lock:
+            leases, self._ahead = list(self._ahead.values()), {}
+        for lease in leases:
+            lease.release()
+
+    def _make_room(self) -> None:
+        """Frees a buffer for a read the engine needs now: the oldest copy's, once done, else the furthest read
+        ahead."""
+        assert self.copier is not None
+        while len(self._ahead) + len(self._in_flight) >= self._cap:
+            if self._in_flight:
+                event, lease = self._in_flight.popleft()
+                self.copier.wait_on_host(event)
+                lease.release()
+                continue
+            with self._lock:
+                if not self._ahead:
+                    return
+                furthest = list(self._ahead)[-1]
+                lease = self._ahead.pop(furthest)
+            lease.release()
+
+    # ------------------------------------------------------------------ gradients
+
+    def block_done(self, index: int) -> None:
+        """Called once block ``index``'s gradients of this backward are all in ``.grad``: stepped through the store
+        when the overlapped step is armed, else spilled to disk; either way they leave host memory."""
+        assert self.overlap is not None
+        self._completed.add(index)
+        if self.overlap.armed:
+            self.overlap.block_done(index)
+        else:
+            self._spill(index, norms=self.last_micro_batch)
+
+    def finish_backward(self) -> None:
+        """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
+        completion never came (a call whose output did not reach the loss) is handled now."""
+        for index, params in enumerate(self.store.params):
+            if index not in self._completed and any(p.grad is not None for p in params):
+                self.block_done(index)
+        self._completed = set()
+
+    def _spill(self, index: int, norms: bool) -> None:
+        params = self.store.params[index]
+        grads = [p.grad for p in params]
+        if all(grad is None for grad in grads):
+            return
+        # Accumulation adds to what earlier micro-batches spilled, as autograd adds into ``.grad``.
+        self.store.spill_grads(index, grads, accumulate=self.store.spilled(index), wait=False, norms=norms)
+        for param in params:
+            param.grad = None
+
+    def _step_block(self, optimizer: Optimizer, index: int, params: list[nn.Parameter]) -> None:
+        """The overlapped step of one block, on the optimizer thread: through the store, written to the block's
+        other slot, committed after backward."""
+        if self.store.spilled(index):  # earlier micro-batches' gradients are on disk: add these there, step from it
+            self._spill(index, norms=False)
+            self.store.step(optimizer, grads="disk", blocks=[index], commit=False)
+        else:
+            try:
+                self.store.step(optimizer, grads="param", blocks=[index], commit=False)
+            finally:
+                for param in self.store.params[index]:
+                    param.grad = None
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float, None] = 0.0,
+                       gradient_clip_algorithm: Any = None) -> None:
+        """Lightning's ``clip_gradients`` over spilled block gradients and the trunk's in memory: the global norm,
+        as ``torch.nn.utils.clip_grad_norm_`` computes it in parameter order, scales the trunk's gradients now and
+        the blocks' in :meth:`finish_step` (``grad_scale``)."""
+        from lightning.pytorch.utilities.exceptions import MisconfigurationException
+        from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise MisconfigurationException(
+                "SuperpipeStrategy(offload_device='disk') clips by norm only; gradient_clip_algorithm='value' is not"
+                " supported. Clip by norm, or use offload_device='cpu'."
+            )
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index) and not self.store.has_norms(index):
+                # Spilled in an earlier micro-batch only: read back once for the norms.
+                self.store.spill_grads(index, [None] * len(params), accumulate=True, norms=True)
+        block_norms: dict[nn.Parameter, Optional[Tensor]] = {}
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index):
+                block_norms.update(zip(params, self.store.grad_norms(index)))
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        trunk_grads: list[Tensor] = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param in self._param_block:
+                    norm = block_norms.get(param)
+                    if norm is not None:
+                        groups.setdefault((torch.device("cpu"), param.dtype), []).append(norm)
+                elif param.grad is not None:
+                    trunk_grads.append(param.grad)
+                    groups.setdefault((param.grad.device, param.grad.dtype), []).append(
+                        torch.linalg.vector_norm(param.grad, 2.0)
+                    )
+        norms = [norm for group_norms in groups.values() for norm in group_norms]
+        if not norms:
+            return
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in norms]), 2.0)
+        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for grad in trunk_grads:
+            grad.mul_(scale.to(grad.device))
+        self._grad_scale = scale
+
+    def finish_step(self, optimizer: Optimizer) -> list[int]:
+        """After the optimizer's own step (the trunk): commits the blocks stepped during backward, and steps those
+        whose gradients are on disk. Returns the blocks stepped."""
+        stepped = self.store.pending
+        scale, self._grad_scale = self._grad_scale, None
+        if stepped:
+            self.store.commit()
+        spilled = [i for i in range(len(self.store.params)) if self.store.spilled(i)]
+        if spilled:
+            self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale)
+        return stepped + spilled
+
+    # ------------------------------------------------------------------ checkpoints and reports
+
+    def check_optimizer_state(self, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
+        """Refuses optimizer state for block parameters from a checkpoint of the host tier: loaded into the
+        optimizer it would be dropped at the first step, which reads the blocks' state from the files.
+
+        Raises:
+            MisconfigurationException: Saying how to resume such a checkpoint.
+        """
+        from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(int(i) < len(params) and params[int(i)] in self._param_block for i in state.get("state", {})):
+            raise MisconfigurationException(
+                "This checkpoint was written with offload_device='cpu': it holds the blocks' optimizer state, which the"
+                " disk tier keeps in its files and cannot take from a .ckpt yet. Resume it with offload_device='cpu',"
+                " or load only its weights (e.g. `model.load_state_dict(ckpt['state_dict'])`) and start a new run."
+            )
+
+    def add_to_checkpoint(self, checkpoint: dict[str, Any], ckpt_path: Union[str, os.PathLike[str]]) -> None:
+        """Hard-links (or copies) the committed files beside ``ckpt_path`` and puts the manifest in ``checkpoint``,
+        whose state dict loses the block parameters' placeholders (their values are in the files). Nothing of the
+        blocks is materialized in memory."""
+        checkpoint[DISK_KEY] = self.store.snapshot(checkpoint_folder(ckpt_path))
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            checkpoint["state_dict"] = type(state)((k, v) for k, v in state.items() if k not in self.state_names)
+
+    def memory_report(self) -> dict[str, Any]:
+        """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
+        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run)."""
+        folder = self.store.path
+        files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
+        return {
+            "offload_device": "disk",
+            "disk_bytes": sum(f.stat().st_size for f in files if f.exists()),
+            "disk_pool_host_bytes": self.store.pool.allocated_bytes,
+            "peak_disk_pool_host_bytes": self.store.pool.peak_bytes,
+            "disk_bytes_read": self.store.bytes_read,
+            "disk_bytes_written": self.store.bytes_written,
+        }
+
+    def close(self) -> None:
+        """Puts the committed masters back into the parameters (the model is whole in memory again, as after a run
+        on the host tier) and closes the store; the files stay at the committed step."""
+        if self._closed:
+            return
+        self._closed = True
+        self.release_all()
+        try:
+            _unpark(self.store)
+        finally:
+            self.store.close()
+
+
+def _entry_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the store's alignment of every tensor in a record."""
+    return -(-nbytes // ENTRY_ALIGNMENT) * ENTRY_ALIGNMENT
+
+
+def _unpark(store: DiskStore) -> None:
+    """Reads each block's committed masters back into its parameters, block by block; a block that cannot be read
+    (a deleted file) keeps its placeholders, and the first such error is raised after the others are read."""
+    store.abort()
+    failure: Optional[DiskTierError] = None
+    for index, params in enumerate(store.params):
+        if not params:
+            continue
+        try:
+            masters = store.read_block(index).masters
+        except DiskTierError as error:
+            failure = failure or error
+            continue
+        for name, param in zip(store.names[index], params):
+            param.data = masters[name]
+    if failure is not None:
+        raise failure
+
+
+def disk_host_bytes(
+    block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer], slots: int,
+    host_buffer_bytes: Optional[int],
+) -> int:
+    """Host bytes the tier will allocate: its pool (``host_buffer_bytes`` or its default) and the gradients of two
+    blocks at once (one arriving, one being spilled or stepped)."""
+    size = probe_state_size(optimizer)
+    largest = max((sum(p.numel() for p in params) for params in block_params), default=0)
+    record = page_rounded(int(largest * (4 + size.per_element)) + (4 * largest if optimizer is not None else 0))
+    pool = host_buffer_bytes if host_buffer_bytes is not None else record * (slots + READ_AHEAD + 2)
+    return pool + (2 * 4 * largest if optimizer is not None else 0)
+
+
+def resume_folder(ckpt_path: Union[str, os.PathLike[str]], manifest: Mapping[str, Any], offload_device: str) -> Path:
+    """The folder of the disk tier's files of the checkpoint ``ckpt_path`` (through a symlinked ``last.ckpt`` too).
+
+    Raises:
+        MisconfigurationException: The strategy does not use the disk tier.
+        DiskTierError: The folder is missing or holds another step than the checkpoint's.
+    """
+    if offload_device != "disk":
+        from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+        raise MisconfigurationException(
+            f"The checkpoint {os.fspath(ckpt_path)!r} was written by SuperpipeStrategy(offload_device='disk'): its"
+            " blocks are in the files beside it. Resume it with offload_device='disk' (and an offload_path)."
+        )
+    folder = checkpoint_folder(ckpt_path)
+    if not folder.is_dir():
+        folder = checkpoint_folder(os.path.realpath(ckpt_path))
+    if not (folder / "manifest.json").is_file():
+        raise DiskTierError(
+            f"The checkpoint {os.fspath(ckpt_path)!r} was written by the disk tier, whose files belong in"
+            f" {str(checkpoint_folder(ckpt_path))!r}, which is missing or incomplete. Copy that folder beside the"
+            " .ckpt (it travels with it)."
+        )
+    found = json.loads((folder / "manifest.json").read_text())
+    if found.get("step") != manifest.get("step") or found.get("names") != manifest.get("names"):
+        raise DiskTierError(
+            f"{str(folder)!r} holds the disk tier at step {found.get('step')}, but the checkpoint"
+            f" {os.fspath(ckpt_path)!r} was saved at step {manifest.get('step')}: they do not belong together."
+        )
+    return folder
+
+
+def remove_snapshot(ckpt_path: Union[str, os.PathLike[str]]) -> None:
+    """Removes the disk tier's folder of a checkpoint being removed (hard links: the live files stay)."""
+    folder = checkpoint_folder(ckpt_path)
+    if folder.is_dir() and not folder.is_symlink():
+        shutil.rmtree(folder)
+
+
+def load_state_dict(module: nn.Module, checkpoint: Mapping[str, Any], strict: bool, streaming: bool) -> None:
+    """Loads a disk-tier checkpoint's state dict, which lacks the block parameters (they are restored from the
+    checkpoint's folder when streaming starts).
+
+    Raises:
+        RuntimeError: The tier is already streaming (a checkpoint is loaded before ``fit`` starts streaming), or, with
+            ``strict``, keys other than the blocks' are missing or unexpected.
+    """
+    if streaming:
+        raise RuntimeError(
+            "A disk-tier checkpoint can be loaded only when a run starts (`Trainer.fit(ckpt_path=...)`), not while the"
+            " blocks stream."
+        )
+    blocks = {name for block in checkpoint[DISK_KEY]["names"] for name in block}
+    missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
+    missing = [key for key in missing if key not in blocks]
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading the state dict of {type(module).__name__}: missing keys {missing[:5]}, unexpected"
+            f" keys {list(unexpected)[:5]} (the blocks' parameters come from the disk tier's files)."
+        )

@@ -1,0 +1,264 @@
+"""``SuperpipeStrategy(offload_device="disk")``: the blocks' masters and optimizer state in files, streamed through a
+bounded pool; training equals the host tier's bitwise (and plain Lightning's), checkpoints resume exactly from the
+tier's files beside the ``.ckpt``, and bad knobs are refused before anything is allocated."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
+from lightning_superpipe.memory import disk
+from lightning_superpipe.streaming import disk_tier
+from lightning_superpipe.streaming.disk_tier import DISK_KEY
+from tests import models
+
+
+def _relative(a: list[float], b: list[float]) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / np.abs(np.asarray(b))))
+
+
+def _disk(path: Path, **knobs: Any) -> SuperpipeStrategy:
+    path.mkdir(exist_ok=True)
+    return SuperpipeStrategy(offload_device="disk", offload_path=path, **knobs)
+
+
+def _assert_same(streamed: models.Task, host: models.Task) -> None:
+    """Bitwise equal to the host tier: every loss and every weight."""
+    assert streamed.losses == host.losses
+    assert models.max_relative_difference(streamed, host) == 0.0
+
+
+@pytest.mark.usefixtures("emulated_link")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_path: Path, family: str) -> None:
+    """AdamW with two groups, an LR warm-up, clipping by norm 0.5 and accumulation over 2 micro-batches, dropout on:
+    every block's gradients are spilled, the global norm comes from the spilled norms and the trunk's."""
+    host = models.fit(family, "superpipe")
+    streamed = models.fit(family, _disk(tmp_path / "tier"))
+    _assert_same(streamed, host)
+    plain = models.fit(family, "auto")
+    assert _relative(streamed.losses, plain.losses) < 1e-5
+    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert models.max_relative_difference(streamed, models.build_task(family)) > 1e-3  # it trained
+    report = streamed.trainer.strategy.memory_report()
+    assert report["overlapped_block_steps"] == 0  # clipping: nothing stepped during backward
+    assert report["offload_device"] == "disk" and report["disk_bytes_written"] > 0
+
+
+@pytest.mark.usefixtures("emulated_link")
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_without_clipping_blocks_step_through_the_store_during_backward(tmp_path: Path, accumulate: int) -> None:
+    """Where the overlapped step is exact each block steps as its gradients complete (the earlier micro-batch's
+    gradients added on disk), and the step is committed after backward."""
+    options = dict(gradient_clip_val=None, accumulate_grad_batches=accumulate)
+    host = models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options)
+    streamed = models.fit("llama", _disk(tmp_path / "tier"), **options)
+    _assert_same(streamed, host)
+    assert streamed.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
+
+
+def test_bf16_mixed_casts_on_the_fly_and_equals_the_host_tier(tmp_path: Path) -> None:
+    for options in (dict(), dict(gradient_clip_val=None)):
+        host = models.fit("gpt2", "superpipe", precision="bf16-mixed", **options)
+        streamed = models.fit("gpt2", _disk(tmp_path / "tier"), precision="bf16-mixed", **options)
+        _assert_same(streamed, host)
+        assert all(p.dtype == torch.float32 for p in streamed.parameters())  # fp32 masters, back in memory
+
+
+@pytest.mark.parametrize("variant", ["sgd", "adamw-fused", "lora"])
+def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: str) -> None:
+    """SGD with momentum without accumulation or clipping, fused AdamW (it writes parameters without bumping their
+    versions), and LoRA (frozen block weights: masters on disk, no state, no gradient)."""
+    if variant != "lora":
+        options: dict[str, Any] = dict(optimizer=variant, accumulate_grad_batches=1, gradient_clip_val=None)
+        _assert_same(models.fit("llama", _disk(tmp_path / "tier"), **options), models.fit("llama", "superpipe", **options))
+        return
+    peft = pytest.importorskip("peft")
+
+    def run(strategy: Any) -> models.Task:
+        task = models.build_task("llama")
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        task.model = peft.get_peft_model(task.model, config)
+        models.pl.seed_everything(8, verbose=False)
+        models.trainer(strategy).fit(task, models.data("lm"))
+        return task
+
+    host, streamed = run("superpipe"), run(_disk(tmp_path / "tier"))
+    _assert_same(streamed, host)
+    adapters = [p for n, p in streamed.named_parameters() if "lora_B" in n]
+    assert adapters and all(p.abs().sum() > 0 for p in adapters)  # B starts at zero: it trained
+
+
+def test_resident_blocks_and_deeper_prefetch_equal_the_host_tier(tmp_path: Path) -> None:
+    knobs = dict(resident_blocks=2, prefetch=2)
+    host = models.fit("sequential", SuperpipeStrategy(**knobs))
+    streamed = models.fit("sequential", _disk(tmp_path / "tier", **knobs))
+    _assert_same(streamed, host)
+
+
+def test_checkpoints_hold_the_manifest_and_resume_exactly_from_a_copy_elsewhere(tmp_path: Path) -> None:
+    """``ModelCheckpoint`` saves the small state in the ``.ckpt`` and hard-links the tier's files beside it; the
+    files of a removed checkpoint go with it; a resume from copies in another folder continues with the losses and
+    weights of an uninterrupted run, whatever the model's initial weights."""
+    options = dict(max_steps=-1, limit_train_batches=8)
+    uninterrupted = models.build_task("llama")
+    models.pl.seed_everything(8, verbose=False)
+    models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(uninterrupted, models.data("lm"))
+
+    first = models.build_task("llama")
+    models.pl.seed_everything(8, verbose=False)
+    checkpoints = tmp_path / "checkpoints"
+    callback = ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=2)
+    models.trainer(_disk(tmp_path / "tier"), max_epochs=1, enable_checkpointing=True, callbacks=[callback],
+                   **options).fit(first, models.data("lm"))
+    # save_top_k=1: the step-2 checkpoint and its folder were removed when step 4's was written.
+    assert sorted(os.listdir(checkpoints)) == ["epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.disk-tier", "last.ckpt",
+                                               "last.ckpt.disk-tier"]
+    saved = torch.load(checkpoints / "last.ckpt", weights_only=False)
+    blocks = {name for block in saved[DISK_KEY]["names"] for name in block}
+    assert blocks and not blocks & set(saved["state_dict"])  # no placeholder of a block parameter in the .ckpt
+    states = saved["optimizer_states"][0]["state"]
+    assert len(states) == len(saved["state_dict"])  # optimizer state of the trunk only: the blocks' is in files
+
+    elsewhere = tmp_path / "copied"
+    elsewhere.mkdir()
+    shutil.copy(checkpoints / "last.ckpt", elsewhere / "last.ckpt")
+    shutil.copytree(checkpoints / "last.ckpt.disk-tier", elsewhere / "last.ckpt.disk-tier")
+    shutil.rmtree(checkpoints)
+    resumed = models.build_task("llama", seed=123)  # other initial weights: everything must come from the copies
+    models.trainer(_disk(tmp_path / "other-tier"), max_epochs=2, **options).fit(
+        resumed, models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+    )
+    assert first.losses == uninterrupted.losses[:8]
+    assert resumed.losses == uninterrupted.losses[8:]
+    assert models.max_relative_difference(resumed, uninterrupted) == 0.0
+
+    shutil.rmtree(elsewhere / "last.ckpt.disk-tier")
+    with pytest.raises(disk.DiskTierError, match=r"last\.ckpt\.disk-tier.*missing"):
+        models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
+            models.build_task("llama"), models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+        )
+    # A host-tier checkpoint holds the blocks' optimizer state, which the disk tier cannot take from a .ckpt yet.
+    host_checkpoint = tmp_path / "host.ckpt"
+    host_trainer = models.trainer("superpipe", max_steps=1)
+    host_trainer.fit(models.build_task("llama"), models.data("lm"))
+    host_trainer.save_checkpoint(host_checkpoint)
+    with pytest.raises(MisconfigurationException, match="written with offload_device='cpu'"):
+        models.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(
+            models.build_task("llama"), models.data("lm"), ckpt_path=host_checkpoint
+        )
+    with pytest.raises(MisconfigurationException, match="written by SuperpipeStrategy\\(offload_device='disk'\\)"):
+        models.trainer("superpipe", max_epochs=2, **options).fit(
+            models.build_task("llama"), models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+        )
+
+
+def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path) -> None:
+    task = models.build_task("llama")
+    trainer = models.trainer(_disk(tmp_path / "tier", host_buffer_bytes=1 << 20), max_steps=2)
+    trainer.fit(task, models.data("lm"))
+    report = trainer.strategy.memory_report()
+    block_bytes = sum(p.numel() * 4 for layer in task.model.model.layers for p in layer.parameters() if p.ndim >= 1)
+    assert report["disk_bytes"] >= 2 * 3 * block_bytes  # two slots of every block: masters and two moments
+    assert 0 < report["peak_disk_pool_host_bytes"] <= 1 << 20
+    # Each micro-batch reads every block's masters twice (forward, recomputation in backward); each step reads and
+    # writes every record and the spilled gradients.
+    assert report["disk_bytes_read"] > 2 * 4 * block_bytes
+    assert report["disk_bytes_written"] > 2 * 3 * block_bytes
+
+
+def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
+    options = dict(limit_val_batches=2, val_check_interval=4)
+    strategies = {"host": SuperpipeStrategy(), "disk": _disk(tmp_path / "tier")}
+    tasks = {}
+    for name, strategy in strategies.items():
+        build, kind = models.FAMILIES["llama"]
+        tasks[name] = models.fit_task(lambda: models.Task(build, kind), strategy, models.data(kind),
+                                      models.data(kind, batches=2), **options)
+    assert tasks["disk"].val_losses == tasks["host"].val_losses and len(tasks["disk"].val_losses) > 0
+    predictions = {}
+    for name, task in tasks.items():
+        strategy = SuperpipeStrategy() if name == "host" else _disk(tmp_path / "tier")
+        predictions[name] = models.trainer(strategy).predict(task, models.data("lm", batches=2))
+    assert all(torch.equal(a, b) for a, b in zip(predictions["disk"], predictions["host"]))
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        (dict(offload_device="nvme"), r"offload_device='nvme'.*must be 'cpu' .* or 'disk'"),
+        (dict(offload_path="/tmp"), r"offload_device='cpu', offload_path='/tmp'.*used only by the disk tier"),
+        (dict(offload_device="disk"), r"offload_path=None.*needs offload_path"),
+        (dict(offload_device="disk", offload_path="/nonexistent/superpipe"), r"does not exist.*mkdir -p"),
+        (dict(offload_device="disk", offload_path="/tmp", host_buffer_bytes=-1), r"host_buffer_bytes must be a positive"),
+        (dict(offload_device="disk", offload_path="/tmp", memory_budget="1GiB"), r"memory_budget is not supported"),
+    ],
+)
+def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[str, Any], message: str) -> None:
+    task = models.build_task("llama")
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    with pytest.raises(MisconfigurationException, match=message):
+        models.trainer(SuperpipeStrategy(**knobs)).fit(task, models.data("lm"))
+    assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
+
+
+def test_a_disk_too_small_or_unwritable_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    task = models.build_task("llama")
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    monkeypatch.setattr(disk, "free_bytes", lambda path: 1 << 20)
+    with pytest.raises(MisconfigurationException, match=r"offload_device='disk'.*The disk tier needs .* bytes: two slots.*only 1 MiB \(1048576 bytes\) are free"):
+        models.trainer(_disk(tmp_path / "tier")).fit(task, models.data("lm"))
+    monkeypatch.undo()
+    assert not any((tmp_path / "tier").iterdir())  # nothing written
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(MisconfigurationException, match="is not writable"):
+            models.trainer(SuperpipeStrategy(offload_device="disk", offload_path=locked)).fit(task, models.data("lm"))
+    with pytest.raises(MisconfigurationException, match=r"gradient_clip_algorithm='value' is not supported"):
+        models.trainer(_disk(tmp_path / "tier"), gradient_clip_algorithm="value").fit(task, models.data("lm"))
+    assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
+
+
+def test_a_file_deleted_mid_run_is_named_and_the_other_blocks_come_back(tmp_path: Path) -> None:
+    tier = tmp_path / "tier"
+
+    class Delete(models.pl.Callback):
+        def on_train_batch_end(self, trainer: models.pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                for path in tier.glob("block00001.*.bin"):
+                    path.unlink()
+
+    task = models.build_task("llama")
+    with pytest.raises(disk.DiskTierError, match=r"block00001\.\d\.bin' is missing"):
+        models.trainer(_disk(tier), callbacks=[Delete()]).fit(task, models.data("lm"))
+    layers = task.model.model.layers
+    for index in (0, 2):  # the committed step of the readable blocks is back in memory
+        assert all(p.stride() == torch.empty(p.shape).stride() for p in layers[index].parameters())
+
+
+def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seeded bug: a read's pool buffer goes back (and the next read refills it) while the copy to the device
+    still reads it. The plain CPU link cannot see it; the emulated one must."""
+    old, new = "self._in_flight.append((event, lease))", "lease.release()"
+    source = inspect.getsource(disk_tier.DiskTier.copy_in)
+    assert source.count(old) == 1, "the mutation no longer applies: update it"
+    body = "\n".join(line[4:] for line in source.replace(old, new).splitlines())
+    namespace: dict[str, Any] = {}
+    exec(compile(body, "<mutated copy_in>", "exec"), vars(disk_tier), namespace)
+    monkeypatch.setattr(disk_tier.DiskTier, "copy_in", namespace["copy_in"])
+    with pytest.raises(OrderingViolation, match="while it was in flight"):
+        strategy = _disk(tmp_path / "tier", resident_blocks=0, link=EmulatedLink(mode="lazy", seed=1))
+        models.fit("llama", strategy, max_steps=3)
