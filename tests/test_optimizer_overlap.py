@@ -139,3 +139,23 @@ def test_each_stepped_block_takes_its_new_weights_into_its_transfer_copy_during_
     assert [name.startswith("superpipe-optimizer") for name, _ in synced_on] == [True] * 9
     assert overlapped.losses == serial.losses
     assert _bitwise_equal(overlapped, serial)
+
+
+def test_parameters_outside_the_blocks_are_stepped_as_soon_as_their_gradients_are_complete() -> None:
+    """Every use of a parameter outside the blocks counted in forward has delivered its gradient: an untied head and
+    the final norm as backward starts, the embeddings and a tied head (GPT-2's, used twice) at its end. Each is then
+    stepped on the optimizer thread, bitwise as the serial step."""
+    for family in ("llama", "gpt2"):
+        serial = models.fit(family, SuperpipeStrategy(overlap_optimizer=False), **NO_CLIPPING)
+        strategy = SuperpipeStrategy()
+        overlapped = models.fit(family, strategy, **NO_CLIPPING)
+        assert overlapped.losses == serial.losses
+        assert _bitwise_equal(overlapped, serial)
+        blocks = {id(p) for layer in _layers(overlapped) for p in layer.parameters()}
+        outside = {id(p) for p in overlapped.parameters() if p.requires_grad and id(p) not in blocks}
+        assert strategy.memory_report()["overlapped_trunk_steps"] == 10 * len(outside), family
+
+
+def _layers(task: models.Task) -> Any:
+    model = task.model
+    return model.model.layers if hasattr(model, "model") else model.transformer.h

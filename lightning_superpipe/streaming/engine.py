@@ -134,6 +134,7 @@ class StreamingEngine:
             self.profiler: Any = None
             self.overlap = OverlappedStep(block_params)
             self.gradients.on_block_complete = self.overlap.block_done
+            self.gradients.on_trunk_complete = self.overlap.trunk_done
             self.overlap.on_stepped = self._sync_stepped_block
             if tier is not None:  # gradients go to the store: stepped through it, or spilled to disk
                 tier.attach(self.copier, self.arena, self.overlap, len(self._slots))
@@ -535,8 +536,9 @@ class StreamingEngine:
             ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
             ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
             ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
-            backward, over the run) and, with the disk tier, its figures (:meth:`.DiskTier.memory_report`: bytes on
-            disk, the pool's host bytes, bytes read and written).
+            backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
+            with the disk tier, its figures (:meth:`.DiskTier.memory_report`: bytes on disk, the pool's host bytes,
+            bytes read and written).
         """
         return {
             "peak_device_bytes": self.ledger.peak_bytes,
@@ -554,6 +556,7 @@ class StreamingEngine:
             "host_activation_bytes": self.activations.peak_host_bytes,
             "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
             "overlapped_block_steps": self.overlap.blocks_stepped,
+            "overlapped_trunk_steps": self.overlap.trunk_params_stepped,
             **(self.tier.memory_report() if self.tier is not None else {}),
         }
 

@@ -76,6 +76,8 @@ class GradientReturn:
         self._block_pending: dict[int, int] = {}
         #: Called with a block's index once all its gradients of this backward are in ``.grad``.
         self.on_block_complete: Optional[Callable[[int], None]] = None
+        #: Called with a parameter outside the blocks once every use in forward delivered its gradient into ``.grad``.
+        self.on_trunk_complete: Optional[Callable[[nn.Parameter], None]] = None
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="superpipe-gradients", initializer=copier.thread_initializer())
@@ -142,7 +144,7 @@ class GradientReturn:
             else:
                 self._trunk_sums[param] = previous + grad
         if pending <= 0:
-            self._ship_trunk(param)
+            self._ship_trunk(param, complete=True)
 
     def finish(self) -> None:
         """Waits until every gradient of this backward is in ``.grad`` (re-raising the worker's errors)."""
@@ -162,7 +164,7 @@ class GradientReturn:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
-    def _ship_trunk(self, param: nn.Parameter) -> None:
+    def _ship_trunk(self, param: nn.Parameter, complete: bool = False) -> None:
         grad = self._trunk_sums.pop(param, None)
         self._trunk_pending.pop(param, None)
         if grad is None:
@@ -181,7 +183,8 @@ class GradientReturn:
         if param not in self._trunk_grad_homes:
             self._trunk_grad_homes[param] = torch.zeros(param.numel(), dtype=param.dtype)
         piece = ParamSlice(param, 0, param.numel(), param.shape)
-        future = self._submit(partial(self._accumulate, [piece], [staged], done, self._trunk_grad_homes[param]))
+        then = partial(self.on_trunk_complete, param) if complete and self.on_trunk_complete else None
+        future = self._submit(partial(self._accumulate, [piece], [staged], done, self._trunk_grad_homes[param], then))
         self._leaving(done, "trunk_gradients", grad.numel() * grad.element_size())
         self._trunk_staging_users[param] = future
         self._futures.append(future)

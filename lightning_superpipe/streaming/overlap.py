@@ -5,7 +5,9 @@ gradients are complete as soon as its backward has delivered them (the last bloc
 stepped then, on a host thread, while backward goes on with the blocks before it. :class:`OverlappedStep` does that
 with the user's own optimizer, stepping it over one block's parameters at a time (its ``param_groups`` restricted
 to them, so hyperparameters, state, schedules and checkpoints are those of the optimizer as configured), and
-afterwards lets the optimizer's own step update only what is left (the trunk, blocks not stepped). Each block's
+afterwards lets the optimizer's own step update only what is left (blocks not stepped, and the parameters outside
+the blocks whose gradients complete only at the end, such as the input embedding). An untied head and the final
+norm are complete as backward starts: they are stepped then, on the same thread. Each block's
 transfer copy is brought up to date on the same thread right after its step, so that after backward only the copies
 to the device remain.
 
@@ -81,6 +83,8 @@ class OverlappedStep:
         self._refusals_said: set[str] = set()
         #: Blocks stepped during backward, over the whole run.
         self.blocks_stepped = 0
+        #: Parameters outside the blocks stepped during backward, over the whole run.
+        self.trunk_params_stepped = 0
         #: Called on the optimizer thread with a block's index and parameters as soon as they are stepped.
         self.on_stepped: Optional[Callable[[int, list[nn.Parameter]], None]] = None
         #: Steps one block instead of the optimizer restricted to it (the disk tier steps through its store).
@@ -116,6 +120,15 @@ class OverlappedStep:
             self._stepped.update(params)
             self._futures.append(self._executor.submit(self._step, index, params))
 
+    def trunk_done(self, param: nn.Parameter) -> None:
+        """Called once a parameter outside the blocks has its whole gradient in ``.grad`` (every use in forward
+        delivered): an untied head and the final norm are complete as backward starts, so their step hides behind
+        the blocks' backward instead of waiting for its end."""
+        if self._optimizer is None or param not in self._owned or param.grad is None or param in self._stepped:
+            return
+        self._stepped.add(param)
+        self._futures.append(self._executor.submit(self._step_trunk, param))
+
     def finish(self) -> None:
         """After backward: waits for the block steps, and leaves the optimizer's own step only what is left."""
         if self._optimizer is None:
@@ -148,6 +161,13 @@ class OverlappedStep:
         self.blocks_stepped += 1
         if self.on_stepped is not None:
             self.on_stepped(index, params)
+
+
+    def _step_trunk(self, param: nn.Parameter) -> None:
+        assert self._optimizer is not None
+        with _restricted(self._optimizer, {param}):
+            self._optimizer.step()
+        self.trunk_params_stepped += 1
 
 
 def _restrict(optimizer: Optimizer, keep: set[nn.Parameter]) -> list[list[nn.Parameter]]:
