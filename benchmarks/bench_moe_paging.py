@@ -11,11 +11,14 @@ its experts and measures, against the unpaged model in the evaluation dtype:
   default experts implementation (``grouped_mm`` in transformers 5) and with ``eager``, interleaved in
   the same run;
 * in pressure mode, expert bytes as the KV cache grows during generation;
-* the strongest simple baselines at equal bytes: round-to-nearest and GPTQ (written here in a few
-  lines of torch, applied per expert matrix with each expert's own calibration Hessian) at 4 and
-  3 bits, group-wise asymmetric with fp16 scale and minimum per 64 weights like the pages (4.5 and
-  3.5 bits per weight: 28.1% and 21.9% of the 16-bit bytes), side by side with the planner at the
-  same bytes. GPTQ's codes at different widths do not nest, so they cannot be paged as they are.
+* the strongest simple baselines at equal bytes: round-to-nearest, HQQ (half-quadratic optimisation
+  of each group's zero point) and GPTQ (both written here in a few lines of torch, applied per expert
+  matrix, GPTQ with each expert's own calibration Hessian) at 4 and 3 bits, group-wise asymmetric
+  with fp16 scale and minimum per 64 weights like the pages (4.5 and 3.5 bits per weight: 28.1% and
+  21.9% of the 16-bit bytes), side by side with the planner at the same bytes. GPTQ's codes at
+  different widths do not nest, so they cannot be paged as they are. This comparison runs on
+  ``--seeds`` models (initialisation and data order; default 3) and reports each seed, the mean and
+  the spread; the sweeps, speed and pressure runs use the first seed.
 
 Writes ``quality.csv``, ``speed.csv``, ``pressure.csv``, ``report.md`` and ``paging.png`` to
 ``--out`` (default ``benchmarks/results/``) and prints the report. Targets of the issue are
@@ -26,6 +29,7 @@ Usage::
     python benchmarks/bench_moe_paging.py                 # CPU, a few minutes
     python benchmarks/bench_moe_paging.py --device cuda   # also device bytes and tokens/s on a GPU
     python benchmarks/bench_moe_paging.py --skip-quality --steps 0 --out /tmp/moe_speed  # speed only, random weights
+    python benchmarks/bench_moe_paging.py --skip-speed --seeds 0    # quality only, one seed
 """
 
 from __future__ import annotations
@@ -102,11 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--speed-rounds", type=int, default=3, help="interleaved rounds of the speed runs")
     parser.add_argument("--skip-quality", action="store_true", help="only speed and pressure mode")
+    parser.add_argument("--skip-speed", action="store_true", help="no speed and pressure runs")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2],
+        help="models (initialisation and data-order seeds) of the comparison at equal bytes; the first one "
+        "also runs the sweeps, speed and pressure mode",
+    )
     return parser.parse_args(argv)
 
 
-def load_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The trained MoE, from the checkpoint cached in ``--out`` or trained now (in float32)."""
+def load_model(args: argparse.Namespace, seed: int = 0) -> torch.nn.Module:
+    """The trained MoE of ``seed``, from the checkpoint cached in ``--out`` or trained now (in float32)."""
     model = tiny_moe(
         "mixtral",
         hidden_size=args.hidden,
@@ -114,8 +124,10 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
         num_layers=args.layers,
         num_experts=args.experts,
         top_k=args.top_k,
+        seed=seed,
     )
-    name = f"moe_h{args.hidden}_i{args.intermediate}_l{args.layers}_e{args.experts}_k{args.top_k}_s{args.steps}.pt"
+    name = f"moe_h{args.hidden}_i{args.intermediate}_l{args.layers}_e{args.experts}_k{args.top_k}_s{args.steps}"
+    name += ".pt" if seed == 0 else f"_seed{seed}.pt"
     checkpoint = args.out / name
     if args.steps == 0:
         return model
@@ -125,7 +137,7 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
         return model
     tokens = byte_corpus()
     started = time.perf_counter()
-    losses = train_tiny_moe(model, tokens[: int(0.9 * tokens.numel())], steps=args.steps)
+    losses = train_tiny_moe(model, tokens[: int(0.9 * tokens.numel())], steps=args.steps, seed=seed)
     seconds = time.perf_counter() - started
     print(f"trained {args.steps} steps in {seconds:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     torch.save(model.state_dict(), checkpoint)
@@ -198,6 +210,38 @@ def _minmax_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch.
     return (low + codes * scale).flatten(-2)
 
 
+def hqq_quantize(
+    weight: torch.Tensor, bits: int, group_size: int, iterations: int = 20, p: float = 0.7, beta: float = 10.0,
+    kappa: float = 1.01,
+) -> torch.Tensor:
+    """HQQ (Badri & Shaji 2023) on ``[out, in]``: min-max scale, zero point by half-quadratic optimisation.
+
+    The zero point of each group minimises an l_p (p < 1) norm of the rounding error, alternating a
+    generalised soft-thresholding of the error (the sparse outliers it may keep) with the zero point
+    that fits the rest in closed form, as ``hqq``'s ``optimize_weights_proximal``; scale and zero in
+    fp16 like the pages. Calibration-free.
+    """
+    grouped = weight.float().unflatten(-1, (-1, group_size))
+    levels = 2**bits - 1
+    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    inverse = (levels / (high - low).clamp_min(1e-8)).half().float()  # HQQ's scale: codes per unit
+    zero = (-low * inverse).half().float()
+    best_zero, best_error = zero, float("inf")
+    for _ in range(iterations):
+        codes = (grouped * inverse + zero).round_().clamp_(0, levels)
+        rebuilt = (codes - zero) / inverse
+        error = grouped - rebuilt
+        mean_error = error.abs().mean().item()
+        if mean_error >= best_error:
+            break
+        best_zero, best_error = zero, mean_error  # the zero point that gave this error
+        shrunk = error.sign() * torch.relu(error.abs() - (error.abs() + 1e-8).pow(p - 1) / beta)
+        zero = (codes - (grouped - shrunk) * inverse).mean(-1, keepdim=True).half().float()
+        beta *= kappa
+    codes = (grouped * inverse + best_zero).round_().clamp_(0, levels)
+    return ((codes - best_zero) / inverse).flatten(-2)
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """GPTQ (Frantar et al. 2022) of one ``[out, in]`` matrix with its input Hessian ``X^T X``.
 
@@ -268,11 +312,11 @@ def expert_hessians(
 def baseline_rows(
     model: torch.nn.Module, calibration: list[torch.Tensor], evaluate: Evaluator, group_size: int
 ) -> list[QualityRow]:
-    """RTN and GPTQ at 4 and 3 bits on a copy of the model's routed experts, with their KL to full precision."""
+    """RTN, HQQ and GPTQ at 4 and 3 bits on a copy of the model's routed experts, with their KL to full precision."""
     hessians = expert_hessians(model, calibration)
     full = full_expert_bytes(model, shared_experts=False)
     rows = []
-    for method, bits in (("RTN", 4), ("GPTQ", 4), ("RTN", 3), ("GPTQ", 3)):
+    for method, bits in (("RTN", 4), ("HQQ", 4), ("GPTQ", 4), ("RTN", 3), ("HQQ", 3), ("GPTQ", 3)):
         quantized = copy.deepcopy(model)
         for index, unit in enumerate(find_moe_layers(quantized, shared_experts=False)):
             for proj in range(2):
@@ -283,6 +327,8 @@ def baseline_rows(
                     key = (index, proj, expert)
                     if method == "GPTQ" and key in hessians:
                         new = gptq_quantize(original, hessians[key], bits, group_size)
+                    elif method == "HQQ":
+                        new = hqq_quantize(original, bits, group_size)
                     else:  # RTN, or an expert no calibration token reached
                         new = _minmax_quantize(original, bits, group_size)
                     canonical[expert].copy_(new.to(weight.dtype))
@@ -494,15 +540,11 @@ def plot(path: Path, quality: list[QualityRow], trace: list[dict[str, float]], f
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    args.out.mkdir(parents=True, exist_ok=True)
+def prepare(args: argparse.Namespace, seed: int):
+    """The model of ``seed`` in the evaluation dtype and implementation, with its data (the same for every seed)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model = load_model(args).to(device, dtype).eval()
+    model = load_model(args, seed).to(device, dtype).eval()
     model.set_experts_implementation(args.experts_implementation)  # trained with eager; evaluated as configured
-
     tokens = byte_corpus()
     split = int(0.9 * tokens.numel())
     generator = torch.Generator().manual_seed(1)
@@ -511,6 +553,70 @@ def main(argv: list[str] | None = None) -> None:
     train_windows = byte_batches(tokens[:split], batch_size=8, seq_len=256, generator=generator)
     calibration = [next(train_windows).to(device) for _ in range(args.calibration_batches)]
     prompts = next(held_out)[: args.decode_batch, :32].to(device)
+    return model, evaluation, calibration, prompts
+
+
+def compare_at_equal_bytes(model, calibration, evaluate: Evaluator, group_size: int) -> list[QualityRow]:
+    """The baselines and the planner at the baselines' bytes (routed experts only, like them)."""
+    rows = baseline_rows(model, calibration, evaluate, group_size)
+    handle = page_experts(model, calibration=calibration, group_size=group_size, shared_experts=False, hysteresis=0.0)
+    rows += [planner_at(handle, evaluate, f) for f in sorted({r.budget_fraction for r in rows})]
+    handle.restore()
+    return rows
+
+
+def seed_table(per_seed: dict[int, list[QualityRow]]) -> tuple[list[dict], list[str]]:
+    """Side by side at equal bytes: KL (x1e-4 nats/token) per seed, mean and spread; and the targets."""
+    seeds = list(per_seed)
+    first = per_seed[seeds[0]]
+    fractions = sorted({r.budget_fraction for r in first}, reverse=True)
+    table, lines = [], []
+    means: dict[tuple[float, str], float] = {}
+    for fraction in fractions:
+        for policy in [r.policy for r in first if r.budget_fraction == fraction]:
+            kls = [1e4 * next(r.kl for r in per_seed[s] if r.policy == policy and r.budget_fraction == fraction)
+                   for s in seeds]
+            mean = sum(kls) / len(kls)
+            spread = (sum((k - mean) ** 2 for k in kls) / max(1, len(kls) - 1)) ** 0.5
+            means[(fraction, policy)] = mean
+            row = {"bytes_fraction": fraction, "policy": policy}
+            row.update({f"seed {s}": k for s, k in zip(seeds, kls)})
+            row.update({"mean": mean, "std": spread, "min": min(kls), "max": max(kls)})
+            table.append(row)
+    for bits in (4, 3):
+        fraction = next((f for (f, p) in means if p == f"GPTQ {bits}-bit"), None)
+        if fraction is None:
+            continue
+        planner, gptq = means[(fraction, "planner")], means[(fraction, f"GPTQ {bits}-bit")]
+        wins = sum(
+            next(r.kl for r in per_seed[s] if r.policy == "planner" and r.budget_fraction == fraction)
+            <= next(r.kl for r in per_seed[s] if r.policy == f"GPTQ {bits}-bit" and r.budget_fraction == fraction)
+            for s in seeds
+        )
+        met = wins == len(seeds)
+        lines.append(
+            f"- planner vs GPTQ {bits}-bit at {fraction:.1%} of the 16-bit bytes: mean KL {planner:.2f} vs {gptq:.2f} "
+            f"x1e-4, planner at most GPTQ on {wins}/{len(seeds)} seeds -> {'met' if met else 'NOT met'}"
+        )
+    return table, lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    per_seed: dict[int, list[QualityRow]] = {}
+    if not args.skip_quality:
+        for seed in args.seeds[1:]:
+            started = time.perf_counter()
+            model, evaluation, calibration, _ = prepare(args, seed)
+            per_seed[seed] = compare_at_equal_bytes(model, calibration, Evaluator(model, evaluation), args.group_size)
+            print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
+            del model
+    seed = args.seeds[0]
+    model, evaluation, calibration, prompts = prepare(args, seed)
 
     evaluate = Evaluator(model, evaluation)
     quality: list[QualityRow] = []
@@ -524,35 +630,46 @@ def main(argv: list[str] | None = None) -> None:
     comparison: list[QualityRow] = []
     if not args.skip_quality:
         started = time.perf_counter()
-        comparison = baseline_rows(model, calibration, evaluate, args.group_size)
-        # The planner at the baselines' bytes; its pages cover the routed experts only, like them.
-        handle = page_experts(
-            model, calibration=calibration, group_size=args.group_size, shared_experts=False, hysteresis=0.0
-        )
-        comparison += [planner_at(handle, evaluate, f) for f in sorted({r.budget_fraction for r in comparison})]
-        handle.restore()
-        print(f"baselines at equal bytes: {time.perf_counter() - started:.0f}s")
+        comparison = compare_at_equal_bytes(model, calibration, evaluate, args.group_size)
+        print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
+        per_seed = {seed: comparison, **per_seed}
+    seeds_rows, seeds_lines = seed_table(per_seed) if per_seed else ([], [])
     full = full_expert_bytes(model)
-    speed = speed_sweep(model, args, evaluation[0], prompts, calibration)
-    trace = pressure_trace(model, args, prompts, calibration)
+    speed = [] if args.skip_speed else speed_sweep(model, args, evaluation[0], prompts, calibration)
+    trace = [] if args.skip_speed else pressure_trace(model, args, prompts, calibration)
 
     quality_rows = [asdict(r) for r in quality]
     speed_rows = [asdict(r) for r in speed]
     if quality_rows:
         write_csv(args.out / "quality.csv", quality_rows)
     if comparison:
-        write_csv(args.out / "baselines.csv", [asdict(r) for r in comparison])
-    write_csv(args.out / "speed.csv", speed_rows)
-    write_csv(args.out / "pressure.csv", trace)
+        write_csv(args.out / "baselines.csv", [asdict(r) | {"seed": s} for s, rows in per_seed.items() for r in rows])
+    if seeds_rows:
+        write_csv(args.out / "baselines_seeds.csv", seeds_rows)
+    if speed_rows:
+        write_csv(args.out / "speed.csv", speed_rows)
+        write_csv(args.out / "pressure.csv", trace)
     plot(args.out / "paging.png", quality, trace, full)
 
-    unpaged = speed[0]
-    speed_lines = [
-        f"- {r.setting}: prefill {r.prefill_tokens_per_s / unpaged.prefill_tokens_per_s:.2f}x, "
-        f"decode {r.decode_tokens_per_s / unpaged.decode_tokens_per_s:.2f}x of {unpaged.setting}"
-        for r in speed[1:]
-    ]
-    expert_min = min(t["expert_bytes"] for t in trace) / full
+    speed_lines = []
+    if speed:
+        unpaged = speed[0]
+        speed_lines = [
+            f"- {r.setting}: prefill {r.prefill_tokens_per_s / unpaged.prefill_tokens_per_s:.2f}x, "
+            f"decode {r.decode_tokens_per_s / unpaged.decode_tokens_per_s:.2f}x of {unpaged.setting}"
+            for r in speed[1:]
+        ]
+    pressure_lines = ["(skipped)"]
+    if trace:
+        expert_min = min(t["expert_bytes"] for t in trace) / full
+        pressure_lines = [
+            f"Total budget {trace[0]['total_budget']:,} bytes; over {len(trace)} forwards the KV cache grew from "
+            f"{trace[0]['kv_bytes']:,} to {trace[-1]['kv_bytes']:,} bytes and the experts went from "
+            f"{trace[0]['expert_bytes'] / full:.1%} to {expert_min:.1%} of their 16-bit size; "
+            f"max of experts + KV cache: {max(t['expert_bytes'] + t['kv_bytes'] for t in trace):,} bytes."
+        ]
+    seeds_formats = {k: ".2f" for k in (seeds_rows[0] if seeds_rows else {}) if k not in ("policy",)}
+    seeds_formats["bytes_fraction"] = ".3f"
     report = "\n".join(
         [
             f"# Paged MoE precision on {device} ({args.dtype})",
@@ -571,29 +688,33 @@ def main(argv: list[str] | None = None) -> None:
             "",
             *check_targets(quality),
             "",
-            "## Against RTN and GPTQ at equal bytes (routed experts, per expert matrix)",
+            f"## Against RTN, HQQ and GPTQ at equal bytes (routed experts, per expert matrix; seed {seed})",
             "",
             markdown_table([asdict(r) for r in comparison], QUALITY_FORMATS) if comparison else "(skipped)",
             "",
             *check_baseline_targets(comparison),
             "",
+            f"## At equal bytes over seeds {', '.join(map(str, per_seed))}: KL to full precision, x1e-4 nats/token",
+            "",
+            markdown_table(seeds_rows, seeds_formats) if seeds_rows else "(skipped)",
+            "",
+            *seeds_lines,
+            "",
             "## Speed",
             "",
-            markdown_table(speed_rows, SPEED_FORMATS),
+            markdown_table(speed_rows, SPEED_FORMATS) if speed_rows else "(skipped)",
             "",
             *speed_lines,
             "",
             "## Pressure mode",
             "",
-            f"Total budget {trace[0]['total_budget']:,} bytes; over {len(trace)} forwards the KV cache grew from "
-            f"{trace[0]['kv_bytes']:,} to {trace[-1]['kv_bytes']:,} bytes and the experts went from "
-            f"{trace[0]['expert_bytes'] / full:.1%} to {expert_min:.1%} of their 16-bit size; "
-            f"max of experts + KV cache: {max(t['expert_bytes'] + t['kv_bytes'] for t in trace):,} bytes.",
+            *pressure_lines,
         ]
     )
     (args.out / "report.md").write_text(report + "\n")
     print(report)
-    print(f"\nwrote {args.out}/{{quality.csv,baselines.csv,speed.csv,pressure.csv,report.md,paging.png}}")
+    written = "quality.csv,baselines.csv,baselines_seeds.csv,speed.csv,pressure.csv,report.md,paging.png"
+    print(f"\nwrote {args.out}/{{{written}}}")
 
 
 if __name__ == "__main__":

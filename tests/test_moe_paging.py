@@ -13,6 +13,7 @@ from lightning_superpipe.moe import (
 )
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.pages import CopyEngine
+from lightning_superpipe.moe.quant import dequantize
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
 
 
@@ -343,4 +344,81 @@ def test_apply_levels_and_bits_are_keyed_by_page(tokens):
     assert handle.bits() == wanted
     assert handle.level_counts() == {16: 0, 8: len(keys) // 2, 4: 0, 3: len(keys) // 2, 2: 0}
     assert handle.device_bytes() == handle.store.recount_device_bytes()
+    handle.restore()
+
+
+def _rebuilt_from_host(store, page, level: int) -> torch.Tensor:
+    """A page's weights at ``level`` from its host planes and that level's host metadata."""
+    scale, minimum = page.meta(level)
+    planes = page.host_planes[:level].unsqueeze(0)
+    return dequantize(planes, scale.unsqueeze(0), minimum.unsqueeze(0), (1, *page.shape), torch.float32)[0]
+
+
+def test_calibrated_codes_stay_pageable_and_each_level_uses_its_own_metadata(tokens):
+    model = tiny_moe("mixtral")
+    input_ids = _inputs(tokens, batch=4, length=64)
+    plain = page_experts(model)
+    rounded = [page.host_planes.clone() for page in plain.store.pages]
+    plain.restore()
+    handle = page_experts(model, calibration=[input_ids])
+    store = handle.store
+    # Error feedback changed the codes (they are no longer round-to-nearest) ...
+    assert any(not torch.equal(page.host_planes, r) for page, r in zip(store.pages, rounded))
+    handle.set_budget(handle.min_bytes())
+    for level in (8, 4, 3, 2, 3, 8):  # down and up again: prefixes of one 8-bit code
+        handle.apply_levels([level] * len(store.pages))
+        assert handle.device_bytes() == store.recount_device_bytes() == sum(p.bytes_at(level) for p in store.pages)
+        rebuilt = store.projection_weight(0, 1)
+        for page in store.pages[: 2 * 8]:
+            if page.key.proj == 1:
+                assert torch.equal(page.current.scale, page.meta(level)[0])
+                assert torch.equal(rebuilt[page.key.expert].float(), _rebuilt_from_host(store, page, level))
+    # ... and the 8-bit code is within the 8-bit step of the weights it encodes.
+    page = store.pages[0]
+    step = page.meta(8)[0].float().repeat_interleave(store.group_size, dim=-1)
+    assert ((_rebuilt_from_host(store, page, 8) - page.host_weight.float()).abs() <= 8 * step + 1e-6).all()
+    handle.restore()
+
+
+def test_calibrating_again_requantizes_the_pages_already_placed(tokens):
+    model = tiny_moe("mixtral")
+    handle = page_experts(model, budget_bytes=None, calibration=[_inputs(tokens)])
+    handle.set_budget(int(0.3 * handle.full_bytes()))
+    before = [page.host_planes.clone() for page in handle.store.pages]
+    handle.calibrate([_inputs(tokens, batch=4, length=64, offset=1000)])
+    store = handle.store
+    assert any(not torch.equal(page.host_planes, b) for page, b in zip(store.pages, before))
+    assert handle.device_bytes() == store.recount_device_bytes() <= handle.budget
+    rebuilt = store.projection_weight(0, 0)
+    for page in store.pages:
+        if page.key.layer == 0 and page.key.proj == 0 and page.level != 16:
+            assert torch.equal(rebuilt[page.key.expert].float(), _rebuilt_from_host(store, page, page.level))
+    handle.restore()
+
+
+def test_promotions_between_bit_levels_keep_the_old_metadata_until_they_land(tokens, monkeypatch):
+    engine = ManualCopyEngine(torch.device("cpu"))
+    monkeypatch.setattr("lightning_superpipe.moe.api.SyncCopyEngine", lambda device: engine)
+    model = tiny_moe("mixtral")
+    input_ids = _inputs(tokens)
+    handle = page_experts(model, budget_bytes=None, async_moves=False, calibration=[input_ids])
+    engine.landed = engine.issued
+    handle.set_budget(handle.min_bytes())
+    engine.landed = engine.issued
+    low = _logits(model, input_ids)
+    store = handle.store
+    page_id = 0
+    extra = store.promotion_bytes(page_id, 4)
+    before = handle.device_bytes()
+    store.set_level(page_id, 4)
+    page = store.pages[page_id]
+    assert page.pending is not None and page.level == 2
+    assert torch.equal(page.current.scale, page.meta(2)[0])  # still computing at 2 bits
+    assert store.device_bytes() - before == extra == store.recount_device_bytes() - before
+    assert extra == page.bytes_at(4) - page.bytes_at(2) + page.meta_nbytes()
+    assert torch.equal(_logits(model, input_ids), low)
+    engine.landed = engine.issued
+    store.synchronize()
+    assert page.level == 4 and torch.equal(page.current.scale, page.meta(4)[0])
+    assert store.device_bytes() == store.recount_device_bytes() == before + page.bytes_at(4) - page.bytes_at(2)
     handle.restore()

@@ -42,6 +42,7 @@ def page_experts(
     routing_half_life_tokens: float | None = 8192.0,
     async_moves: bool = True,
     shared_experts: bool = True,
+    error_feedback: bool = True,
 ) -> PagedExperts:
     """Page the experts' weights of ``model`` (routed and dense shared) in place under a device byte budget.
 
@@ -70,7 +71,8 @@ def page_experts(
         rows_per_page: Rows per page within an expert projection (``None``: one page per expert
             and projection, the fewest pages). Finer pages let the planner spend bytes more
             selectively but multiply the pages to plan, move and rebuild; on the benchmark's model
-            32-row blocks (5x the pages) lowered the KL at equal bytes by 4-32%.
+            (error-compensated codes) 32-row blocks (5x the pages) lowered the KL at equal bytes by
+            15% at 20-25% of the 16-bit bytes, and did not help from 28% up (1.7x at 50%).
         device: Device computing the experts (default: where the experts' parameters are).
         total_budget_bytes: Pressure mode: a device budget for the experts *and* the KV cache; the
             expert budget shrinks as the cache grows during generation.
@@ -83,6 +85,11 @@ def page_experts(
             until a promotion lands.
         shared_experts: Also page the blocks' dense shared experts (with their own damage: every
             token uses them, so the planner keeps them precise first).
+        error_feedback: With calibration, round the codes again with each expert matrix's input
+            Hessian (GPTQ's error feedback at every level at once, the codes staying nested) and
+            count the errors' correlations in the damage. Needs the full second-moment matrices of
+            every expert's inputs (kept only while they fit in 2 GiB; otherwise the codes stay
+            round-to-nearest).
 
     Returns:
         The handle controlling the paged experts.
@@ -115,6 +122,7 @@ def page_experts(
             exchange_ratio=exchange_ratio,
             rebalance_every=rebalance_every,
             routing_half_life_tokens=routing_half_life_tokens,
+            error_feedback=error_feedback,
         )
     try:
         if calibration is not None:
@@ -149,6 +157,7 @@ class PagedExperts:
         exchange_ratio: float,
         rebalance_every: int | None,
         routing_half_life_tokens: float | None,
+        error_feedback: bool = True,
     ) -> None:
         self.model = model
         self.layers = layers
@@ -157,7 +166,7 @@ class PagedExperts:
             store.levels, store.bytes_table(), hysteresis=hysteresis, exchange_ratio=exchange_ratio
         )
         self.routing = RoutingStats(layers, half_life_tokens=routing_half_life_tokens)
-        self.activations = ActivationStats(layers)
+        self.activations = ActivationStats(layers, full=error_feedback)
         self.damage_model = DamageModel(store)
         previous = {layer.index: layer.experts.config._experts_implementation for layer in layers if not layer.shared}
         self.runtime = ExpertsRuntime(store, layers, self.activations, self.routing, previous)
@@ -357,6 +366,13 @@ class PagedExperts:
                     _call(self.model, batch, device)
         finally:
             self.activations.recording = False
+        if self.activations.full and self.activations.recorded:
+            hessians = {}
+            for layer in self.layers:
+                for proj, hessian in enumerate(self.activations.hessians(layer.index)):
+                    hessians[(layer.index, proj)] = hessian
+            with _eager_autograd_mode():
+                self.store.requantize(hessians)
         self.damage_model.update_errors(self.activations)
         if self._current:  # already placed: the damage changed wholesale, plan again
             self._refresh_damage()

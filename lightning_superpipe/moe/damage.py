@@ -16,6 +16,11 @@ gate) times the squared norm of the ``down_proj`` column that ``z_i`` feeds. The
 by autograd through the family's own gating (``_apply_gate``: gpt-oss clamps and offsets, others
 interleave gate and up rows, gate-less experts apply ``act_fn`` alone), so it is right for each.
 
+With the full second moments kept (``ActivationStats(full=True)``, the default of ``page_experts``),
+the column weights are the matrix ``C_e = E_e[w^2 x x^T]`` and the error of a row is ``e^T C_e e``:
+the codes rounded with error feedback (:meth:`PageStore.requantize`, with the same ``C_e`` as
+Hessian) make errors that cancel on correlated inputs, which the diagonal would not see.
+
 A dense shared expert is one expert with routing weight 1 and share 1: every token uses it, so its
 pages are the hottest. Without calibration data ``r = 1``, ``E[w^2 x^2] = 1`` and shares are
 uniform until routing is observed: the damage is then the plain weight error.
@@ -146,12 +151,25 @@ class ActivationStats:
     ``down_proj`` input, ``sum w^2 (dh/dz_i)^2`` of the input projection's outputs, ``sum w^2`` and
     the number of tokens.
 
+    With ``full`` (and while the matrices fit in ``max_full_bytes``) it also keeps the full
+    routing-weighted second-moment matrices ``sum w^2 x x^T`` and ``sum w^2 h h^T`` per expert: the
+    Hessians with which :meth:`PageStore.requantize` rounds each expert matrix with error feedback
+    and with which the damage counts the errors' correlations (``e^T H e`` rather than its diagonal).
+
     Args:
         layers: The model's paged units.
+        full: Keep the full second-moment matrices.
+        max_full_bytes: Their float64 size above which only the diagonals are kept.
     """
 
-    def __init__(self, layers: list[MoELayer]) -> None:
+    def __init__(self, layers: list[MoELayer], *, full: bool = True, max_full_bytes: int = 2 << 30) -> None:
         self.layers = layers
+        full_bytes = 8 * sum(
+            layer.num_experts * (layer.hidden_size**2 + layer.intermediate_size**2) for layer in layers
+        )
+        self.full = full and full_bytes <= max_full_bytes
+        self.input_gram: list[torch.Tensor | None] = [None] * len(layers)
+        self.hidden_gram: list[torch.Tensor | None] = [None] * len(layers)
 
         def zeros(size: Callable[[MoELayer], tuple[int, ...]]) -> list[torch.Tensor]:
             return [torch.zeros(layer.num_experts, *size(layer), dtype=torch.float64) for layer in layers]
@@ -191,6 +209,15 @@ class ActivationStats:
             hidden = gate_fn(z)
             (sensitivity,) = torch.autograd.grad(hidden.sum(), z)
         hidden = hidden.detach()
+        if self.full:
+            for grams, values, size in (
+                (self.input_gram, inputs.detach().float(), self.layers[layer].hidden_size),
+                (self.hidden_gram, hidden, self.layers[layer].intermediate_size),
+            ):
+                if grams[layer] is None:
+                    grams[layer] = torch.zeros(self.layers[layer].num_experts, size, size, dtype=torch.float64)
+                weighted = values * w_sq
+                grams[layer][expert] += (weighted.T @ values).double().cpu()
         for stat, values in (
             (self.input_sq, inputs.detach().float()),
             (self.hidden_sq, hidden),
@@ -210,6 +237,27 @@ class ActivationStats:
         layer_mean = stat.sum(dim=0) / tokens.sum().clamp_min(1.0)
         extra = (1,) * (stat.dim() - 1)
         return (stat + prior_tokens * layer_mean) / (tokens + prior_tokens).view(-1, *extra)
+
+    def hessians(self, layer: int, prior_tokens: float = 1.0) -> list[torch.Tensor | None]:
+        """Full input second moments ``E_e[w^2 x x^T]`` per routed token of every projection of a unit.
+
+        Args:
+            layer: Unit index.
+            prior_tokens: Pseudo-tokens of the layer mean added to every expert (an expert that no
+                calibration token reached gets the layer's mean).
+
+        Returns:
+            ``float64 [E, cols, cols]`` per projection, in the unit's projection order (``None``
+            where the full matrices are not kept).
+        """
+        grams = self.input_gram[layer], self.hidden_gram[layer]
+        if grams[0] is None or grams[1] is None:
+            return [None] * len(self.layers[layer].projections)
+        tokens = self.tokens[layer]
+        inputs, hidden = (self._per_token(g, tokens, prior_tokens) for g in grams)
+        if len(self.layers[layer].projections) == 3:
+            return [inputs, inputs, hidden]
+        return [inputs, hidden]
 
     def projection_weights(
         self, layer: int, down_proj: torch.Tensor, prior_tokens: float = 1.0
@@ -267,6 +315,9 @@ class DamageModel:
                 last = len(activations.layers[layer].projections) - 1
                 down_proj = self.store.canonical_host_weight(layer, last)
                 rows, cols = activations.projection_weights(layer, down_proj)[proj]
+                full = activations.hessians(layer)[proj]
+                if full is not None:
+                    cols = full
             else:
                 rows, cols = None, None
             per_projection[(layer, proj)] = self.store.weighted_errors(layer, proj, rows, cols)

@@ -8,9 +8,18 @@ input dimension whatever the family's layout (gpt-oss stores ``[E, in, out]``). 
 *subset* chosen by the planner:
 
 * level ``TOP_LEVEL`` (reported as 16 bits): the original weights, nothing else;
-* level ``b <= 8``: bit planes ``0 .. b-1`` plus the group scale and minimum.
+* level ``b <= 8``: bit planes ``0 .. b-1`` plus the group scale and minimum *of level b*.
 
-Because the host copy is never modified, demoting a page only frees device tensors (no copy back)
+The codes are :func:`~lightning_superpipe.moe.quant.quantize_pageable`'s nested codes: every level
+keeps the top planes of the one 8-bit code (putting planes back restores it exactly), and each level
+has its own scale and minimum on the host; the device holds those of its level only, so a level
+costs the same bytes as with one shared set. Before calibration the codes are round-to-nearest and
+every level shares the 8-bit grid (rebuilt at its buckets' middles); after it,
+:meth:`PageStore.requantize` rounds the codes again with each expert's Hessian (error feedback at
+every level at once) and refits each level's scale and minimum to its codes.
+
+Because the host copy is never modified (only :meth:`PageStore.requantize` rewrites the codes, and
+then refreshes the pages on the device), demoting a page only frees device tensors (no copy back)
 and promoting it only uploads what is missing; promotion is therefore exact. Planes are held on
 the device in *segments* that end at level boundaries (e.g. planes ``[0, 2)``, ``[2, 3)``,
 ``[3, 4)``, ``[4, 8)`` for levels 8/4/3/2), so any demotion frees whole tensors.
@@ -35,7 +44,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_superpipe.moe.layouts import MoELayer
-from lightning_superpipe.moe.quant import CODE_BITS, dequantize, metadata_dtype, pack_bit_planes, quantize_groupwise
+from lightning_superpipe.moe.quant import (
+    CODE_BITS,
+    PageableCodes,
+    dequantize,
+    metadata_dtype,
+    pack_bit_planes,
+    quantize_pageable,
+)
 
 __all__ = ["TOP_LEVEL", "CopyEngine", "CudaCopyEngine", "Page", "PageStore", "SyncCopyEngine"]
 
@@ -171,8 +187,10 @@ class Page:
         key: Location of the page.
         host_weight: Original weights ``[rows, cols]`` in host memory.
         host_planes: ``uint8`` bit planes ``[8, rows * cols // 8]`` in host memory.
-        host_scale: Group scales ``[rows, groups]`` in host memory.
-        host_minimum: Group minima ``[rows, groups]`` in host memory.
+        host_scale: Group scales per bit level ``[bit levels, rows, groups]`` in host memory (the
+            store's bit levels, highest first).
+        host_minimum: Group minima, same shape.
+        meta_index: Index in ``host_scale`` of every bit level.
     """
 
     def __init__(
@@ -182,12 +200,14 @@ class Page:
         host_planes: torch.Tensor,
         host_scale: torch.Tensor,
         host_minimum: torch.Tensor,
+        meta_index: dict[int, int],
     ) -> None:
         self.key = key
         self.host_weight = host_weight
         self.host_planes = host_planes
         self.host_scale = host_scale
         self.host_minimum = host_minimum
+        self.meta_index = meta_index
         self.current: DeviceCopy | None = None
         self.pending: DeviceCopy | None = None
 
@@ -216,7 +236,16 @@ class Page:
         if level == TOP_LEVEL:
             return self.host_weight.nbytes
         plane_bytes = self.host_planes.shape[-1] * level
-        return plane_bytes + self.host_scale.nbytes + self.host_minimum.nbytes
+        return plane_bytes + self.meta_nbytes()
+
+    def meta_nbytes(self) -> int:
+        """Device bytes of one level's scale and minimum."""
+        return self.host_scale[0].nbytes + self.host_minimum[0].nbytes
+
+    def meta(self, level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host scale and minimum of bit level ``level``, ``[rows, groups]`` each."""
+        index = self.meta_index[level]
+        return self.host_scale[index], self.host_minimum[index]
 
 
 class PageStore:
@@ -251,6 +280,9 @@ class PageStore:
         )
         # Segment boundaries of the bit planes: every level <= 8 and 0.
         self._bounds = sorted({0, *(b for b in self.levels if b != TOP_LEVEL)})
+        self._bit_levels = tuple(b for b in self.levels if b != TOP_LEVEL)  # highest first
+        self._meta_index = {b: i for i, b in enumerate(self._bit_levels)}
+        self._meta_dtype: dict[tuple[int, int], torch.dtype] = {}
         self.pages: list[Page] = []
         self._index: dict[tuple[int, int, int], list[Page]] = {}
         self._page_ids: dict[tuple[int, int], list[int]] = {}
@@ -289,17 +321,19 @@ class PageStore:
         host_canonical = host_weight.mT if transposed else host_weight
         page_numel = rows_per_page * cols
         host_planes = _host_empty((num_experts, blocks, CODE_BITS, page_numel // 8), torch.uint8, pin)
-        first = quantize_groupwise(canonical[0], self.group_size, meta_dtype)  # checks group_size first
+        bit_levels = self._bit_levels
+        first = quantize_pageable(canonical[0], self.group_size, bit_levels, meta_dtype)  # checks group_size first
         groups = first.scale.shape[-1]
-        host_scale = _host_empty((num_experts, rows, groups), meta_dtype, pin)
-        host_minimum = _host_empty((num_experts, rows, groups), meta_dtype, pin)
+        host_scale = _host_empty((len(bit_levels), num_experts, rows, groups), meta_dtype, pin)
+        host_minimum = _host_empty((len(bit_levels), num_experts, rows, groups), meta_dtype, pin)
+        self._meta_dtype[key] = meta_dtype
         # One expert at a time bounds the float32 working memory of quantization; groups run along
         # the input dimension of the canonical view, whichever way the family stores the weight.
         for expert in range(num_experts):
-            codes = first if expert == 0 else quantize_groupwise(canonical[expert], self.group_size, meta_dtype)
-            host_planes[expert].copy_(pack_bit_planes(codes.codes.reshape(blocks, page_numel)))
-            host_scale[expert].copy_(codes.scale)
-            host_minimum[expert].copy_(codes.minimum)
+            codes = (
+                first if expert == 0 else quantize_pageable(canonical[expert], self.group_size, bit_levels, meta_dtype)
+            )
+            self._write_codes(host_planes, host_scale, host_minimum, expert, codes, blocks)
         self._host_weights[key] = host_weight
         self._host_planes[key] = host_planes
         self._host_meta[key] = (host_scale, host_minimum)
@@ -313,13 +347,64 @@ class PageStore:
                     PageKey(layer.index, proj, expert, block),
                     host_canonical[expert, rows_slice],
                     host_planes[expert, block],
-                    host_scale[expert, rows_slice],
-                    host_minimum[expert, rows_slice],
+                    host_scale[:, expert, rows_slice],
+                    host_minimum[:, expert, rows_slice],
+                    self._meta_index,
                 )
                 pages.append(page)
                 self._page_ids[key].append(len(self.pages))
                 self.pages.append(page)
             self._index[(layer.index, proj, expert)] = pages
+
+    def _write_codes(
+        self,
+        host_planes: torch.Tensor,
+        host_scale: torch.Tensor,
+        host_minimum: torch.Tensor,
+        expert: int,
+        codes: PageableCodes,
+        blocks: int,
+    ) -> None:
+        """Store one expert's codes as bit planes and its metadata per bit level (host order)."""
+        host_planes[expert].copy_(pack_bit_planes(codes.codes.reshape(blocks, -1)))
+        for level, index in self._meta_index.items():
+            width = codes.widths.index(level)
+            host_scale[index, expert].copy_(codes.scale[width])
+            host_minimum[index, expert].copy_(codes.minimum[width])
+
+    def requantize(self, hessians: dict[tuple[int, int], torch.Tensor | None]) -> None:
+        """Round the codes again with each expert matrix's Hessian (GPTQ-style error feedback).
+
+        The new codes are :func:`quantize_pageable`'s nested codes for the store's bit levels, so they
+        stay pageable; pages on the device at a bit level get their new planes and metadata (the
+        original weights, and so pages at ``TOP_LEVEL``, are unchanged).
+
+        Args:
+            hessians: ``[E, cols, cols]`` input second moments per ``(layer, proj)`` (``None`` or
+                missing: left as they are).
+        """
+        self.synchronize()  # no upload in flight reads the host codes being replaced
+        for key, hessian in hessians.items():
+            if hessian is None or key not in self._host_planes:
+                continue
+            canonical = self.canonical_host_weight(*key)
+            host_planes = self._host_planes[key]
+            host_scale, host_minimum = self._host_meta[key]
+            blocks = host_planes.shape[1]
+            for expert in range(canonical.shape[0]):
+                codes = quantize_pageable(
+                    canonical[expert].to(self.device),
+                    self.group_size,
+                    self._bit_levels,
+                    self._meta_dtype[key],
+                    hessian[expert].to(self.device),
+                )
+                self._write_codes(host_planes, host_scale, host_minimum, expert, codes, blocks)
+            for page_id in self._page_ids[key]:
+                page = self.pages[page_id]
+                if page.current is not None and page.current.level != TOP_LEVEL:
+                    page.current = self._planes_copy(page, page.current.level)  # same bytes, new codes
+        self.synchronize()
 
     def host_weight(self, layer: int, proj: int) -> torch.Tensor:
         """Host master copy of one fused projection in the model's layout (the original weights)."""
@@ -341,13 +426,15 @@ class PageStore:
 
         ``sum_ij row_weight[i] * col_weight[j] * (W_ij - W^_ij)^2`` over each page's rows (output
         features ``i``, input features ``j`` of the canonical view), with ``W^`` rebuilt exactly as
-        the experts forward rebuilds it. Computed one expert at a time on the store's device.
+        the experts forward rebuilds it; with a full ``[E, cols, cols]`` ``col_weight`` (the input
+        second moments) ``sum_i row_weight[i] * e_i^T C e_i``, which counts how the errors of a row
+        cancel or add up on correlated inputs. Computed one expert at a time on the store's device.
 
         Args:
             layer: MoE layer index.
             proj: Projection index.
             row_weight: ``[E, rows]`` weight of each output row (``None``: 1).
-            col_weight: ``[E, cols]`` weight of each input column (``None``: 1).
+            col_weight: ``[E, cols]`` weight of each input column, or ``[E, cols, cols]`` (``None``: 1).
 
         Returns:
             ``float64 [E, blocks, bit levels]``, bit levels in the order of :attr:`levels` without
@@ -358,20 +445,29 @@ class PageStore:
         host_scale, host_minimum = self._host_meta[(layer, proj)]
         num_experts, rows, cols = host_weight.shape
         blocks = host_planes.shape[1]
-        bit_levels = [b for b in self.levels if b != TOP_LEVEL]
+        bit_levels = self._bit_levels
         block_shape = (blocks, rows // blocks, cols)
+        full = col_weight is not None and col_weight.dim() == 3
         errors = torch.empty(num_experts, blocks, len(bit_levels), dtype=torch.float64)
         for expert in range(num_experts):
             weight = host_weight[expert].to(self.device, torch.float32).reshape(block_shape)
             planes = host_planes[expert].to(self.device)
-            scale = host_scale[expert].to(self.device).reshape(blocks, rows // blocks, -1)
-            minimum = host_minimum[expert].to(self.device).reshape(blocks, rows // blocks, -1)
             rows_w = torch.ones(rows, device=self.device) if row_weight is None else row_weight[expert].to(self.device)
-            cols_w = torch.ones(cols, device=self.device) if col_weight is None else col_weight[expert].to(self.device)
-            rows_w, cols_w = rows_w.float().reshape(blocks, -1, 1), cols_w.float().reshape(1, 1, cols)
+            rows_w = rows_w.float().reshape(blocks, -1, 1)
+            if full:
+                cols_w = col_weight[expert].to(self.device, torch.float32)
+            else:
+                cols_w = torch.ones(cols, device=self.device) if col_weight is None else col_weight[expert]
+                cols_w = cols_w.to(self.device, torch.float32).reshape(1, 1, cols)
             for i, bits in enumerate(bit_levels):
+                scale = host_scale[i, expert].to(self.device).reshape(blocks, rows // blocks, -1)
+                minimum = host_minimum[i, expert].to(self.device).reshape(blocks, rows // blocks, -1)
                 rebuilt = dequantize(planes[:, :bits], scale, minimum, block_shape, torch.float32)
-                error = (rebuilt - weight).square_().mul_(cols_w).mul_(rows_w)
+                difference = rebuilt - weight
+                if full:
+                    error = (difference @ cols_w).mul_(difference).mul_(rows_w)
+                else:
+                    error = difference.square_().mul_(cols_w).mul_(rows_w)
                 errors[expert, :, i] = error.sum(dim=(1, 2)).double().cpu()
         return errors
 
@@ -397,12 +493,23 @@ class PageStore:
         """Extra device bytes while ``page_id`` is being promoted to ``level``.
 
         An asynchronous promotion to the original weights keeps the page's bit planes until the
-        upload lands, so both are counted; otherwise only the difference is.
+        upload lands, so both are counted; one between bit levels keeps the old level's scale and
+        minimum meanwhile (unless an upload in flight already holds the new ones); otherwise only
+        the difference is.
         """
         page = self.pages[page_id]
         if level == TOP_LEVEL and self.copy.asynchronous:
             return page.bytes_at(TOP_LEVEL)
-        return page.bytes_at(level) - page.bytes_at(page.target_level)
+        extra = page.bytes_at(level) - page.bytes_at(page.target_level)
+        if (
+            self.copy.asynchronous
+            and page.pending is None
+            and page.current is not None
+            and page.current.level != TOP_LEVEL
+            and level > page.current.level
+        ):
+            extra += page.meta_nbytes()
+        return extra
 
     # ------------------------------------------------------------------ moves
     def set_level(self, page_id: int, level: int) -> None:
@@ -431,7 +538,7 @@ class PageStore:
 
     def _planes_copy(self, page: Page, level: int) -> DeviceCopy:
         segments = self._upload_planes(page, 0, level)
-        scale, minimum = self.copy.upload(page.host_scale), self.copy.upload(page.host_minimum)
+        scale, minimum = (self.copy.upload(t) for t in page.meta(level))
         return DeviceCopy(level, segments=segments, scale=scale, minimum=minimum, fence=self.copy.fence())
 
     def _promote(self, page: Page, level: int) -> None:
@@ -441,9 +548,16 @@ class PageStore:
         if level == TOP_LEVEL:
             incoming = DeviceCopy(level, weight=self.copy.upload(page.host_weight))
         else:
-            # Extends an upload in flight, if any: planes from the target level up.
+            # Extends an upload in flight, if any: planes from the target level up, and the
+            # metadata of the new level (the page computes with its old level's until it lands).
             earlier = page.pending.segments if page.pending is not None else []
-            incoming = DeviceCopy(level, segments=earlier + self._upload_planes(page, page.target_level, level))
+            scale, minimum = (self.copy.upload(t) for t in page.meta(level))
+            incoming = DeviceCopy(
+                level,
+                segments=earlier + self._upload_planes(page, page.target_level, level),
+                scale=scale,
+                minimum=minimum,
+            )
         incoming.fence = self.copy.fence()
         page.pending = incoming
         self._settle(page)
@@ -464,7 +578,9 @@ class PageStore:
             page.current = self._planes_copy(page, level)
         else:
             current.segments = current.segments[: self._bounds.index(level)]
+            current.scale, current.minimum = (self.copy.upload(t) for t in page.meta(level))
             current.level = level
+            current.fence = self.copy.fence()
 
     def _settle(self, page: Page) -> None:
         """Commit a landed upload; make compute wait for data it is about to read."""
@@ -476,6 +592,7 @@ class PageStore:
                 page.current = pending
             else:
                 page.current.segments.extend(pending.segments)
+                page.current.scale, page.current.minimum = pending.scale, pending.minimum
                 page.current.level = pending.level
             page.pending = None
             self.commits += 1

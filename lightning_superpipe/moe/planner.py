@@ -176,6 +176,10 @@ class BudgetPlanner:
         used = mover.device_bytes()
         if budget is not None and used > budget:
             counts.demotions += self._demote_to(mover, current, target)
+            # A page's cheapest step down may free more than needed (a skip over several levels):
+            # the bytes freed beyond the target are filled again at once, so that the next call does
+            # not find them free and promote (a budget falling steadily then never moves pages up).
+            counts.promotions += self._promote_to(mover, current, target)
         elif force_fill or budget is None or budget >= self.max_bytes or budget - used > 2 * self.hysteresis * budget:
             counts.promotions += self._promote_to(mover, current, target)
         if exchange:
