@@ -197,7 +197,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"planner_{args.device}.md").write_text(report + "\n")
     (args.out / f"planner_{args.device}.json").write_text(
-        json.dumps({"plain_step_s": plain["step_s"], "grid": grid, "budgets": rows}, indent=2)
+        json.dumps({"plain_step_s": plain["step_s"], "profile": profile.as_dict(), "grid": grid, "budgets": rows}, indent=2)
     )
 
 

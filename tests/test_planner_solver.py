@@ -470,14 +470,14 @@ def test_model_on_hand_computed_numbers() -> None:
     #   bwd = max(B_0 + B_1 + g_0, w_0 + 0 + B_0 + g_0, B_1 + g_0 + g_1) = max(45, 37, 30) = 45 (block 1's weights
     #   are still in their slot: only block 0's come again); fwd1 = max(34, w_0 + 20, w_0 + w_1 + F_1) = 34;
     #   step 34 + (4 + 45) + 7 = 90. Per block (for display): forward max(10, 12, 0) = 12, backward max(20, 12, 5)
-    #   = 20 and for block 1 max(20, 0, 5) = 20. Peak: 2 slots of 12 MB; activations at block 1's backward 60 MB,
-    #   with its 5 MB of gradients (the first delivered: none are on their way out yet).
+    #   = 20 and for block 1 max(20, 0, 5) = 20. Peak: 2 slots of 12 MB; activations as block 1's backward starts,
+    #   60 MB, and no block gradients yet (when block 1 delivers its 5 MB, its 30 MB are gone: 35 MB).
     keep = predict(two_blocks(), (), 1, ["keep", "keep"])
     assert passes_ms(keep) == (34, 34, 45, 7)
     assert keep.step_s == pytest.approx(0.090)
-    assert keep.peak_bytes == static + 24_000_000 + 60_000_000 + 5_000_000
+    assert keep.peak_bytes == static + 24_000_000 + 60_000_000
     assert keep.breakdown["slots"] == 24_000_000 and keep.breakdown["activations"] == 60_000_000
-    assert keep.breakdown["block_gradients"] == 5_000_000
+    assert keep.breakdown["block_gradients"] == 0
     assert [(b["forward_s"], b["backward_s"]) for b in keep.per_block] == [(0.012, 0.020), (0.012, 0.020)]
     assert [b["device_bytes"] for b in keep.per_block] == [30_000_000, 30_000_000]
 
@@ -498,25 +498,25 @@ def test_model_on_hand_computed_numbers() -> None:
 
     # Offload: fwd = max(32, 34, F_0 + 25 + 25) = 60 (the device-to-host stream), bwd = max(45, w_0 + 25 + 25 + B_0
     # + g_0, 30) = 87 (the host-to-device stream); 60 + 4 + 87 + 7 = 158 ms. Activations at block 1's backward: small
-    # 1 + 1, block 1's 25 back and block 0's 25 coming back: 52 MB, and block 1's 5 MB of gradients.
+    # 1 + 1, block 1's 25 back and block 0's 25 coming back: 52 MB, as block 1's backward starts.
     offload = predict(two_blocks(), (), 1, ["offload", "offload"])
     assert passes_ms(offload) == (60, 60, 87, 7)
     assert offload.step_s == pytest.approx(0.158)
     assert offload.breakdown["activations"] == 52_000_000
-    assert offload.peak_bytes == static + 24_000_000 + 52_000_000 + 5_000_000
+    assert offload.peak_bytes == static + 24_000_000 + 52_000_000
 
     # Recompute (Cb = 28), block 0 resident, prefetch 1: fwd = max(0 + 20, w_1 + F_1, 10) = 22; bwd = max(56 + 5,
     # 0 + 28 + 5, 28 + 10) = 61; block 0's refresh shows in the first forward: fwd1 = max(22, w_0 + 20, w_0 + w_1 +
     # F_1) = 34. Overlapped optimizer: E = 1 + max(3, 6 - (61 - 28)) = 4. Step 34 + 4 + 61 + 4 = 103 ms.
-    # Peak: block 0's 12 MB, one slot (one streamed block) of 12 MB, and at block 0's backward its input 2 and its
-    # recomputed 30 = 32 MB with two blocks of gradients (block 1's still leaving), 10 MB: 42 MB against block 1's
-    # 2 + 2 + 30 + 5 = 39 MB.
+    # Peak: block 0's 12 MB, one slot (one streamed block) of 12 MB, and as block 0's backward starts its input 2
+    # and its recomputed 30 = 32 MB with block 1's 5 MB of gradients still leaving: 37 MB, against 2 + 2 + 30 = 34
+    # as block 1's starts, and 2 + 10 as block 0 delivers its gradients (its recomputed activations gone).
     recompute = predict(two_blocks(overlap_optimizer=True), (0,), 1, ["recompute", "recompute"])
     assert passes_ms(recompute) == (34, 22, 61, 4)
     assert recompute.step_s == pytest.approx(0.103)
     assert recompute.breakdown["resident_weights"] == 12_000_000 and recompute.breakdown["slots"] == 12_000_000
-    assert recompute.breakdown["activations"] == 32_000_000 and recompute.breakdown["block_gradients"] == 10_000_000
-    assert recompute.peak_bytes == static + 12_000_000 + 12_000_000 + 42_000_000
+    assert recompute.breakdown["activations"] == 32_000_000 and recompute.breakdown["block_gradients"] == 5_000_000
+    assert recompute.peak_bytes == static + 12_000_000 + 12_000_000 + 37_000_000
     assert [b["device_bytes"] for b in recompute.per_block] == [12_000_000 + 2_000_000 + 30_000_000, 0]
     # Three micro-batches: fwd1 once, fwd twice: 34 + 2 * 22 + 3 * (4 + 61) + 4 = 277 ms.
     assert predict(two_blocks(overlap_optimizer=True, micro_batches=3), (0,), 1, ["recompute"] * 2).step_s == (
@@ -526,6 +526,16 @@ def test_model_on_hand_computed_numbers() -> None:
     slow = reblocked(two_blocks(overlap_optimizer=True), optimizer_s=0.050)
     assert predict(slow, (), 1, ["keep", "keep"]).step_s == pytest.approx(0.159)
     assert sum(keep.breakdown[name] for name in PEAK_PARTS) == keep.peak_bytes
+    # Gradients heavier than activations (40 MB a block, 2 MB kept): the worst moment is block 0 delivering its
+    # gradients while block 1's are still leaving, 80 MB, with every activation freed; block 1 delivering its
+    # own holds block 0's 2 MB and 40 MB, as does block 0's backward starting.
+    heavy = reblocked(two_blocks(block_gradient_bytes=80_000_000), gradient_bytes=40_000_000, kept_bytes=2_000_000)
+    heavy_keep = predict(heavy, (), 1, ["keep", "keep"])
+    assert heavy_keep.breakdown["block_gradients"] == 80_000_000 and heavy_keep.breakdown["activations"] == 0
+    assert heavy_keep.peak_bytes == static + 24_000_000 + 80_000_000
+    # On a synchronous link a block's gradients are home before the next block's exist: 42 MB at worst.
+    serial_heavy = predict(replace(heavy, asynchronous=False), (), 1, ["keep", "keep"])
+    assert serial_heavy.peak_bytes == static + 24_000_000 + 42_000_000
 
 
 def test_model_where_the_link_or_the_compute_binds() -> None:

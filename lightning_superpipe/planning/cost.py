@@ -74,13 +74,19 @@ Device bytes at the worst moment, ``peak = static + weights + activations``:
 * ``weights = sum_i r_i weight_bytes_i + slots``, ``slots = min(p + 1, n_s) * max_{i streamed} weight_bytes_i``
   with ``n_s`` the number of streamed blocks (0 when none is): ``p + 1`` slots, of which only as many are allocated
   as there are blocks to stream.
-* ``activations = max_i A_i`` over backward positions ``i``, ``A_i = sum_{j <= i} (k_j kept_j + o_j small_j + c_j
-  input_j) + c_i kept_i + o_i offloaded_i + o_{i-1} offloaded_{i-1}``: what blocks not yet through backward hold, plus
-  block ``i``'s recomputed or returned activations, plus block ``i - 1``'s, brought back while ``i`` computes (that
-  term is absent for ``i = 0``), plus the block gradients on the device then, ``G_i = min(block_gradient_bytes,
-  gradient_bytes_i + a gradient_bytes_{i+1})``: block ``i``'s as its backward delivers them and, on an asynchronous
-  link, block ``i + 1``'s still on their way out (none for the last block, whose backward runs first: the moment
-  all activations are held meets one block's gradients, not two).
+* ``activations`` (block gradients included) is the most over two moments of each backward position ``i``:
+
+  - as block ``i``'s backward starts, ``A_i + L_i``: ``A_i = sum_{j <= i} (k_j kept_j + o_j small_j + c_j input_j) +
+    c_i kept_i + o_i offloaded_i + o_{i-1} offloaded_{i-1}``, what blocks not yet through backward hold, plus block
+    ``i``'s recomputed or returned activations, plus block ``i - 1``'s, brought back while ``i`` computes (absent
+    for ``i = 0``); ``L_i = min(block_gradient_bytes, a gradient_bytes_{i+1})``, block ``i + 1``'s gradients still
+    on their way out (none for the last block, whose backward runs first);
+  - as it delivers its gradients, ``D_i + G_i``: ``D_i = sum_{j < i} (...) + c_i input_i + o_{i-1}
+    offloaded_{i-1}`` (block ``i``'s own activations were freed by its backward; a checkpoint's inputs go with the
+    checkpoint, after it), ``G_i = min(block_gradient_bytes, gradient_bytes_i + L_i)``.
+
+  So the moment all activations are held meets the gradients of one block at most, and the moment two blocks of
+  gradients are on the device meets one block fewer of activations.
 """
 
 from __future__ import annotations
@@ -209,14 +215,42 @@ def in_use_bytes(block: BlockCosts, mode: str) -> int:
     return {"keep": 0, "offload": block.offloaded_bytes, "recompute": block.kept_bytes}[mode]
 
 
-def gradient_bytes_at(profile: Profile) -> list[int]:
-    """``G_i`` for each backward position: the block gradients on the device while block ``i``'s backward ends."""
+def leaving_bytes(profile: Profile) -> list[int]:
+    """``L_i`` for each backward position: block ``i + 1``'s gradients, still on their way out as block ``i``'s
+    backward starts on an asynchronous link (0 on a synchronous one, and for the last block)."""
     blocks = profile.blocks
-    leaving = [
-        block.gradient_bytes + (blocks[i + 1].gradient_bytes if profile.asynchronous and i + 1 < len(blocks) else 0)
-        for i, block in enumerate(blocks)
+    return [
+        min(profile.block_gradient_bytes, blocks[i + 1].gradient_bytes)
+        if profile.asynchronous and i + 1 < len(blocks) else 0
+        for i in range(len(blocks))
     ]
-    return [min(profile.block_gradient_bytes, nbytes) for nbytes in leaving]
+
+
+def gradient_bytes_at(profile: Profile) -> list[int]:
+    """``G_i`` for each backward position: the block gradients on the device as block ``i``'s backward delivers its
+    own (``L_i`` with them)."""
+    leaving = leaving_bytes(profile)
+    return [
+        min(profile.block_gradient_bytes, block.gradient_bytes + leaving[i]) for i, block in enumerate(profile.blocks)
+    ]
+
+
+def memory_moments(profile: Profile, modes: Sequence[str]) -> dict[tuple[int, bool], tuple[int, int]]:
+    """The activation and block-gradient bytes at the two moments of each backward position ``i``: ``(i, True)``
+    as block ``i``'s backward starts (``A_i``, ``L_i``) and ``(i, False)`` as it delivers its gradients (``D_i``,
+    ``G_i``), by the module's docstring."""
+    blocks = profile.blocks
+    leaving, delivered = leaving_bytes(profile), gradient_bytes_at(profile)
+    moments: dict[tuple[int, bool], tuple[int, int]] = {}
+    before = 0  # what blocks 0..i-1 hold until their backward
+    for i, (block, mode) in enumerate(zip(blocks, modes)):
+        returned = blocks[i - 1].offloaded_bytes if i >= 1 and modes[i - 1] == "offload" else 0
+        held = held_bytes(block, mode)
+        moments[(i, True)] = (before + held + in_use_bytes(block, mode) + returned, leaving[i])
+        inputs = block.input_bytes if mode == "recompute" else 0  # freed with the checkpoint, after the block
+        moments[(i, False)] = (before + inputs + returned, delivered[i])
+        before += held
+    return moments
 
 
 def static_bytes(profile: Profile) -> dict[str, int]:
@@ -277,27 +311,24 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     held = [held_bytes(block, mode) for block, mode in zip(blocks, modes)]
     in_use = [in_use_bytes(block, mode) for block, mode in zip(blocks, modes)]
     returned = [block.offloaded_bytes if mode == "offload" else 0 for block, mode in zip(blocks, modes)]
-    gradients = gradient_bytes_at(profile)
-    at_position = []
-    prefix = 0
-    for i in range(count):
-        prefix += held[i]
-        at_position.append(prefix + in_use[i] + (returned[i - 1] if i >= 1 else 0) + gradients[i])
+    moments = memory_moments(profile, modes)
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
-    peak_at = max(range(count - 1, -1, -1), key=at_position.__getitem__)
+    peak_at, starting = max(((i, m) for i in range(count - 1, -1, -1) for m in (True, False)), key=lambda k: moments[k][0] + moments[k][1])
+    activation_bytes, gradient_bytes = moments[(peak_at, starting)]
 
     slots, slot_bytes = slot_shape(profile, resident, prefetch)
     breakdown = static_bytes(profile)
     breakdown["resident_weights"] = sum(blocks[i].weight_bytes for i in resident)
     breakdown["slots"] = slots * slot_bytes
-    breakdown["block_gradients"] = gradients[peak_at]
-    breakdown["activations"] = at_position[peak_at] - gradients[peak_at]
+    breakdown["block_gradients"] = gradient_bytes
+    breakdown["activations"] = activation_bytes
 
     per_block: list[dict[str, Union[float, int]]] = []
     for i, (block, (forward, backward)) in enumerate(zip(blocks, times)):
         device = block.weight_bytes if i in resident else 0
-        device += held[i] if i <= peak_at else 0
-        device += in_use[i] if i == peak_at else 0
+        device += held[i] if i < peak_at or (i == peak_at and starting) else 0
+        device += in_use[i] if i == peak_at and starting else 0
+        device += block.input_bytes if i == peak_at and not starting and modes[i] == "recompute" else 0
         device += returned[i] if i == peak_at - 1 else 0
         per_block.append({"forward_s": forward, "backward_s": backward, "device_bytes": device})
     step_s = (

@@ -50,8 +50,9 @@ Constraints:
   m - 1`` and ``n_s >= m``, which ``N z_m >= (N - n_r) - (m - 1) - N (1 - sum_{p >= m-1} q_p)`` forces, and ``y_m >=
   W - w_1 (1 - z_m)``.
 * ``h_i = h_{i-1} + kept_i m_{i,keep} + small_i m_{i,offload} + input_i m_{i,recompute}`` (a variable per position
-  keeps the matrix sparse) and ``a >= h_i + kept_i m_{i,recompute} + offloaded_i m_{i,offload} + offloaded_{i-1}
-  m_{i-1,offload} + G_i`` (``G_i``, the block gradients on the device at that position, a constant).
+  keeps the matrix sparse), ``a >= h_i + kept_i m_{i,recompute} + offloaded_i m_{i,offload} + offloaded_{i-1}
+  m_{i-1,offload} + L_i`` (block ``i``'s backward starts) and ``a >= h_{i-1} + input_i m_{i,recompute} +
+  offloaded_{i-1} m_{i-1,offload} + G_i`` (it delivers its gradients), with :mod:`.cost`'s constants ``L_i``, ``G_i``.
 * ``peak = static + sum_K R_K weight_bytes_K + W + sum_m y_m + a <= budget``.
 * Pinned knobs: ``n_r = resident_blocks``; ``P`` is the pinned prefetch; ``m`` fixed to the pinned modes.
 
@@ -96,6 +97,7 @@ from lightning_superpipe.planning.cost import (
     gradient_bytes_at,
     held_bytes,
     in_use_bytes,
+    leaving_bytes,
     link_times,
     predict,
     slot_shape,
@@ -466,13 +468,15 @@ class _Program:
 
         activations = self._variable()
         held = _Linear()
-        gradients = gradient_bytes_at(profile)
+        leaving, delivered = leaving_bytes(profile), gradient_bytes_at(profile)
         for i, (block, modes) in enumerate(zip(blocks, self.modes)):
             before, held = held, self._variable()
             self._add(held - before - _total([modes[mu] * (held_bytes(block, mu) * nbytes) for mu in MODES]), 0.0, 0.0)
             in_use = _total([modes[mu] * (in_use_bytes(block, mu) * nbytes) for mu in MODES])
             returned = self.modes[i - 1]["offload"] * (blocks[i - 1].offloaded_bytes * nbytes) if i >= 1 else 0.0
-            self._add(activations - held - in_use - returned, gradients[i] * nbytes, math.inf)
+            inputs = modes["recompute"] * (block.input_bytes * nbytes)
+            self._add(activations - held - in_use - returned, leaving[i] * nbytes, math.inf)  # its backward starts
+            self._add(activations - before - inputs - returned, delivered[i] * nbytes, math.inf)  # its gradients leave
         resident_weights = _total(
             [
                 resident * (blocks[members[0]].weight_bytes * nbytes)
