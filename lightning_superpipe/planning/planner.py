@@ -6,7 +6,7 @@ The order of events in a run with a budget:
    gradients, one slot of the largest block and its gradients) are checked against the budget
    (:func:`check_static`); a budget below them is refused there.
 2. The first :attr:`BudgetPlanner.PROFILED_STEPS` optimizer steps run in the placement that needs least memory
-   (no resident block, every block recomputed, one block prefetched if two slots fit, else none), the host step
+   (no resident block, every block recomputed, nothing prefetched: one slot), the host step
    after backward. The first micro-batch of each is profiled (:class:`~.profile.StepProfiler`): compute per block,
    copies, what each activation placement would hold; and so is the optimizer step. Profiling changes no value:
    every placement computes the same losses and gradients, and the census of activations runs on the side with
@@ -141,8 +141,9 @@ class BudgetPlanner:
                 f" {format_bytes(least)} plus the activations, or train fewer parameters (e.g. LoRA) or in bf16."
             )
         if training:
-            prefetch = 1 if static.least_bytes(slots=2) <= self.budget_bytes else 0
-            return 0, prefetch, "recompute"
+            # One slot: the activations are not known yet, and the profiler times every copy on its own anyway, so
+            # a deeper prefetch would measure nothing more and hold a block more.
+            return 0, 0, "recompute"
         # Forward only: as many resident blocks as fit beside the slots, evenly spaced by the engine.
         resident_room = self.budget_bytes - static.least_bytes(slots=2)
         count = 0
