@@ -495,6 +495,11 @@ def test_model_on_hand_computed_numbers() -> None:
     assert passes_ms(unfetched) == (44, 44, 57, 7)
     assert unfetched.step_s == pytest.approx(0.112)
     assert unfetched.peak_bytes == keep.peak_bytes - 12_000_000
+    # Prefetch 0 with block 0 offloaded: its 25 ms of activations come back while block 1's backward (20) runs, and
+    # its weights (12) queue behind them: bwd = max(20, 25) + 20 + 12 + 5 = 62 (not 57), above the copies' 25 + 20 +
+    # 5 = 50.
+    behind = predict(two_blocks(), (), 0, ["offload", "keep"])
+    assert behind.passes["backward_s"] == pytest.approx(0.062)
 
     # Offload: fwd = max(32, 34, F_0 + 25 + 25) = 60 (the device-to-host stream), bwd = max(45, w_0 + 25 + 25 + B_0
     # + g_0, 30) = 87 (the host-to-device stream); 60 + 4 + 87 + 7 = 158 ms. Activations at block 1's backward: small

@@ -45,10 +45,13 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
 
   ``bwd`` is the largest of
 
-  - ``p >= 1``: ``sum_i Cb_i + g_0 + t_tg`` (compute, then the last gradients leave), ``sum_{i < N-1} s_i w_i +
+  - ``p >= 1``: ``o_{N-1} ai_{N-1} + sum_i Cb_i + g_0 + t_tg`` (compute, after the last block's activations came
+    back, then the last gradients leave), ``sum_{i < N-1} s_i w_i +
     sum_i o_i ai_i + Cb_0 + g_0 + t_tg`` (the host-to-device stream: the weights again but the last block's, every
     offloaded block's activations back; then block 0's compute and gradients);
-  - ``p = 0``: ``sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg``, ``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``;
+  - ``p = 0``: ``o_{N-1} ai_{N-1} + sum_i (max(Cb_i, o_{i-1} ai_{i-1}) + s_i w_i [i < N-1]) + g_0 + t_tg`` (block ``i - 1``'s weights
+    are copied when it starts, behind its activations brought back while block ``i`` computed), ``sum_i o_i ai_i +
+    Cb_0 + g_0 + t_tg``;
   - any ``p``: ``Cb_{N-1} + sum_i g_i + t_tg`` (the device-to-host stream: every block's gradients, after the last
     block's backward, the first to run).
 
@@ -371,15 +374,19 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
         first_forward_s = forward_s + trunk_in + refreshed
     else:
         tail = gradients[0] + trunk_out  # block 0's gradients and the trunk's leave after backward has ended
+        head = offload_in[last]  # the last block's activations come back before any backward compute can start
         if prefetch >= 1:
             forward_bounds = [weights[0] + sum(forward), sum(weights) + forward[last]]
             backward_bounds = [
-                sum(backward) + tail,
+                head + sum(backward) + tail,
                 sum(weights[:last]) + sum(offload_in) + backward[0] + tail,
             ]
         else:
             forward_bounds = [sum(forward) + sum(weights)]
-            backward_bounds = [sum(backward) + sum(weights[:last]) + tail, sum(offload_in) + backward[0] + tail]
+            # Block i - 1's weights are asked for when it starts, and queue behind its activations brought back while
+            # block i computed: per block the longer of the two, then the copy.
+            behind = [max(backward[i], offload_in[i - 1] if i >= 1 else 0.0) for i in range(len(blocks))]
+            backward_bounds = [head + sum(behind) + sum(weights[:last]) + tail, sum(offload_in) + backward[0] + tail]
         forward_bounds.append(forward[0] + sum(offload_out))
         backward_bounds.append(backward[last] + sum(gradients) + trunk_out)
         forward_s = max(forward_bounds)

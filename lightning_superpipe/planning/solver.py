@@ -33,12 +33,14 @@ Constraints:
 * Asynchronous link: ``fwd`` at least each of its bounds, and ``fwd1`` at least each of ``fwd``'s and its own two
   (which makes ``fwd1 >= fwd``); ``bwd`` at least each of its bounds. The ``p >= 1`` bounds that a ``p = 0`` one
   dominates (``s_0 w_0 + sum_i F_i`` and ``sum_i s_i w_i + F_{N-1}`` are at most ``sum_i (F_i + s_i w_i)``;
-  ``sum_i Cb_i + g_0 + t_tg`` at most ``sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg``) hold at any depth, and so
+  ``o_{N-1} ai_{N-1} + sum_i Cb_i + g_0 + t_tg`` at most the serial one below) hold at any depth, and so
   does the ``p = 0`` one that a ``p >= 1`` one dominates (``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``). Where ``P`` has
   both ``0`` and a depth of at least 1, the others are switched by ``q_0`` with big-M: ``fwd >= sum_i (F_i + s_i
   w_i) - M (1 - q_0)`` with ``M = min(sum_{i >= 1} w_i, sum_{i < N-1} F_i)``, the most it can exceed the first (the
-  second) of those always-on bounds by; ``bwd >= sum_i (Cb_i + s_i w_i [i < N-1]) + g_0 + t_tg - M' (1 - q_0)`` and
-  ``bwd >= sum_{i < N-1} s_i w_i + sum_i o_i ai_i + Cb_0 + g_0 + t_tg - M' q_0``, with ``M' = sum_{i < N-1} w_i``.
+  second) of those always-on bounds by; ``bwd >= o_{N-1} ai_{N-1} + sum_i (b_i + s_i w_i [i < N-1]) + g_0 + t_tg -
+  M' (1 - q_0)``, with continuous ``b_i >= Cb_i`` and ``b_i >= o_{i-1} ai_{i-1}`` (``b_0 = Cb_0``; plain ``Cb_i``
+  where no block can offload), and ``bwd >= sum_{i < N-1} s_i w_i + sum_i o_i ai_i + Cb_0 + g_0 + t_tg - M' q_0``,
+  with ``M' = sum_{i < N-1} (w_i + ai_i)``.
   Where ``P`` settles it, only that depth's bounds are there. ``fwd``, ``fwd1`` and ``bwd`` are minimised (the step
   time rises with each), so each takes its largest bound.
 * With ``overlap_optimizer``: ``e >= trunk_optimizer_s + opt_0`` and ``e >= trunk_optimizer_s + sum_i opt_i - (bwd -
@@ -394,12 +396,31 @@ class _Program:
             first_forward_s = forward_s + trunk_in_s + refreshed
         else:
             tail = links[0].gradients * seconds + trunk_out_s
+            # The last block's activations come back before any backward compute can start.
+            head = self.modes[last]["offload"] * (links[last].offload_in * seconds)
             # (bound, when, M): "always", or only at prefetch 0 ("p0") or at least 1 ("p1"), with M the most it can
             # exceed the pass's other bounds by elsewhere. The prefetch >= 1 bounds that the prefetch-0 ones
             # dominate hold at any prefetch, and so do the prefetch-0 ones that prefetch >= 1 ones dominate.
             not_first = sum(link.weights for link in links[1:]) * seconds
             not_last = sum(link.weights for link in links[:last]) * seconds
             computed_before_last = sum(block.forward_s for block in blocks[:last]) * seconds
+            # Prefetch 0: block i - 1's weights queue behind its activations brought back during block i's backward,
+            # b_i >= Cb_i and b_i >= o_{i-1} ai_{i-1} (b_i = Cb_i where nothing can be brought back).
+            serial_backward = compute_backward(every)
+            returned_in = 0.0
+            if 0 in self.depths and any(link.offload_in > 0 for link in links[:last]):
+                behind = []
+                for i in range(count):
+                    own = compute_backward(lambda j, i=i: j == i)
+                    if i == 0:
+                        behind.append(own)
+                        continue
+                    slower = self._variable()
+                    self._add(slower - own, 0.0, math.inf)
+                    self._add(slower - self.modes[i - 1]["offload"] * (links[i - 1].offload_in * seconds), 0.0, math.inf)
+                    behind.append(slower)
+                serial_backward = _total(behind)
+                returned_in = sum(link.offload_in for link in links[:last]) * seconds
             forward_bounds = [
                 (crossing(first) + forward_compute, "always", 0.0),  # <= the serial one at prefetch 0
                 (crossing(every) + last_forward, "always", 0.0),  # likewise
@@ -408,11 +429,11 @@ class _Program:
                 (forward_compute + crossing(every), "p0", min(not_first, computed_before_last)),
             ]
             backward_bounds = [
-                (compute_backward(every) + tail, "always", 0.0),  # <= the serial one at prefetch 0
+                (head + compute_backward(every) + tail, "always", 0.0),  # <= the serial one at prefetch 0
                 (offload_in + compute_backward(first) + tail, "always", 0.0),  # <= the copies' one at prefetch >= 1
                 (compute_backward(lambda i: i == last) + gradients + trunk_out_s, "always", 0.0),
                 # Each above the first (the second) of these by sum_{i < N-1} s_i w_i.
-                (compute_backward(every) + crossing(before_last) + tail, "p0", not_last),
+                (head + serial_backward + crossing(before_last) + tail, "p0", not_last + returned_in),
                 (crossing(before_last) + offload_in + compute_backward(first) + tail, "p1", not_last),
             ]
             # fwd1 = max(fwd's bounds, the first micro-batch's own); with one micro-batch fwd itself is not needed.
