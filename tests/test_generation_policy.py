@@ -15,7 +15,7 @@ from lightning_superpipe.generation.policy import (
     flexgen_lp,
     flexgen_search,
 )
-from lightning_superpipe.moe.quant import pack_nibbles, quantize_groupwise, unpack_nibbles
+from lightning_superpipe.quantization import pack_nibbles, quantize_groupwise, unpack_nibbles
 
 
 def test_flexgen_quantizer_golden_relative_rms_error() -> None:

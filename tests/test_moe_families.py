@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_superpipe.moe import UnsupportedMoEModelError, page_experts
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
-from lightning_superpipe.moe.quant import dequantize, pack_bit_planes, quantize_groupwise
+from lightning_superpipe.quantization import dequantize, pack_bit_planes, quantize_groupwise
 from tests import moe_families
 
 FAMILIES = moe_families.buildable_model_types()

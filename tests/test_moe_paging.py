@@ -13,7 +13,7 @@ from lightning_superpipe.moe import (
 )
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.pages import CopyEngine
-from lightning_superpipe.moe.quant import dequantize
+from lightning_superpipe.quantization import dequantize
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
 
 

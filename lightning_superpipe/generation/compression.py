@@ -3,7 +3,7 @@
 Groups of 64 consecutive elements along one dimension, asymmetric min/max, ``q = round((x - min) / scale)`` with
 ``scale = (max - min) / 15`` (FlexGen's ``round((x - min) * 15 / (max - min))``), two codes per byte, scale and
 minimum per group in float16: ``0.5 + 4 / 64 = 0.5625`` bytes per element. The quantizer is
-:func:`lightning_superpipe.moe.quant.quantize_groupwise` with ``bits=4``; this module only moves the grouping
+:func:`lightning_superpipe.quantization.quantize_groupwise` with ``bits=4``; this module only moves the grouping
 dimension last and packs nibbles. What crosses the link and sits in host memory is :class:`Packed`.
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_superpipe.moe.quant import dequantize_nibbles, pack_nibbles, quantize_groupwise
+from lightning_superpipe.quantization import dequantize_nibbles, pack_nibbles, quantize_groupwise
 
 #: FlexGen's group size.
 GROUP_SIZE = 64

@@ -10,7 +10,7 @@ input dimension whatever the family's layout (gpt-oss stores ``[E, in, out]``). 
 * level ``TOP_LEVEL`` (reported as 16 bits): the original weights, nothing else;
 * level ``b <= 8``: bit planes ``0 .. b-1`` plus the group scale and minimum *of level b*.
 
-The codes are :func:`~lightning_superpipe.moe.quant.quantize_pageable`'s nested codes: every level
+The codes are :func:`~lightning_superpipe.quantization.quantize_pageable`'s nested codes: every level
 keeps the top planes of the one 8-bit code (putting planes back restores it exactly), and each level
 has its own scale and minimum on the host; the device holds those of its level only, so a level
 costs the same bytes as with one shared set. Before calibration the codes are round-to-nearest and
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_superpipe.moe.layouts import MoELayer
-from lightning_superpipe.moe.quant import (
+from lightning_superpipe.quantization import (
     CODE_BITS,
     PageableCodes,
     dequantize,

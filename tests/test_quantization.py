@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_superpipe.moe.quant import (
+from lightning_superpipe.quantization import (
     dequantize,
     metadata_dtype,
     pack_bit_planes,

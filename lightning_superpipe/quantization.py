@@ -1,4 +1,5 @@
-"""Group-wise asymmetric 8-bit quantization stored as bit planes.
+"""The project's one group-wise quantizer: the MoE pages' 8-bit codes stored as bit planes, and the 4-bit packed form
+of generation's compression (FlexGen's scheme: :func:`quantize_groupwise` with ``bits=4`` and :func:`pack_nibbles`).
 
 A weight matrix ``[rows, cols]`` is cut into groups of ``group_size`` consecutive columns of one
 row; each group gets its own ``scale`` and ``minimum`` so that
