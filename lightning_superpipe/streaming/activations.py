@@ -91,13 +91,14 @@ class _Kept:
 class _Offloaded:
     """A saved activation copied to host memory; ``device`` holds it again once brought back for backward."""
 
-    __slots__ = ("index", "host", "buffer", "shape", "copied", "device", "ready", "__weakref__")
+    __slots__ = ("index", "host", "buffer", "shape", "copied", "device", "ready", "read", "__weakref__")
 
     def __init__(self, index: int, host: Tensor, buffer: Tensor, shape: torch.Size, copied: Event) -> None:
         self.index = index
         self.host, self.buffer, self.shape, self.copied = host, buffer, shape, copied
         self.device: Optional[Tensor] = None
         self.ready: Event = None
+        self.read = [False]  # whether compute waited for the copy back (a list: its finalizer must not hold self)
 
 
 class ActivationPlacement:
@@ -153,6 +154,7 @@ class ActivationPlacement:
             # The next block backward needs is the previous one: bring its activations while this one computes.
             self._bring_back_block(packed.index - 1)
             self.copier.wait_on_compute(packed.ready)
+            packed.read[0] = True
             assert packed.device is not None
             return packed.device
         return packed
@@ -188,6 +190,13 @@ class ActivationPlacement:
         packed.ready = self.copier.to_device(device, packed.host, self.copier.mark_compute(), what)
         packed.device = device
         self._hold(packed.index, device, packed)
+        # Brought back with its block but never read by backward (a saved tensor no gradient needed): its memory is
+        # freed with the packed object, and compute must still be ordered after the copy into it before reuse.
+        weakref.finalize(packed, self._settle, packed.ready, packed.read)
+
+    def _settle(self, ready: Event, read: list[bool]) -> None:
+        if not read[0]:
+            self.copier.wait_on_compute(ready)
 
     def _take(self, nbytes: int) -> Tensor:
         size = page_rounded(nbytes)
