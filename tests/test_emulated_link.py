@@ -173,7 +173,8 @@ MUTATIONS = {
         engine_module, "StreamingEngine", "acquire_flat", "self.copier.wait_on_compute(slot.ready)", "pass",
     ),
     "load into a slot with no after event": (
-        engine_module, "StreamingEngine", "_load", "home.transfer, slot.free, what)", "home.transfer, None, what)",
+        engine_module, "StreamingEngine", "_copy_in", "self.homes[index].transfer, after, what)",
+        "self.homes[index].transfer, None, what)",
     ),
     "the worker skips its wait for the copy": (
         gradients_module, "GradientReturn", "_accumulate", "self.copier.wait_on_host(done)", "pass",

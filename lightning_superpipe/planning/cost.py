@@ -49,9 +49,9 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
     back, then the last gradients leave), ``sum_{i < N-1} s_i w_i +
     sum_i o_i ai_i + Cb_0 + g_0 + t_tg`` (the host-to-device stream: the weights again but the last block's, every
     offloaded block's activations back; then block 0's compute and gradients);
-  - ``p = 0``: ``o_{N-1} ai_{N-1} + sum_i (max(Cb_i, o_{i-1} ai_{i-1}) + s_i w_i [i < N-1]) + g_0 + t_tg`` (block ``i - 1``'s weights
-    are copied when it starts, behind its activations brought back while block ``i`` computed), ``sum_i o_i ai_i +
-    Cb_0 + g_0 + t_tg``;
+  - ``p = 0``: ``o_{N-1} ai_{N-1} + sum_i (max(Cb_i, o_{i-1} ai_{i-1}) + s_i w_i [i < N-1]) + g_0 + t_tg``
+    (block ``i - 1``'s weights are copied when it starts, behind its activations brought back while block ``i``
+    computed), ``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``;
   - any ``p``: ``Cb_{N-1} + sum_i g_i + t_tg`` (the device-to-host stream: every block's gradients, after the last
     block's backward, the first to run).
 
@@ -316,7 +316,8 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     returned = [block.offloaded_bytes if mode == "offload" else 0 for block, mode in zip(blocks, modes)]
     moments = memory_moments(profile, modes)
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
-    peak_at, starting = max(((i, m) for i in range(count - 1, -1, -1) for m in (True, False)), key=lambda k: moments[k][0] + moments[k][1])
+    positions = [(i, starting) for i in range(count - 1, -1, -1) for starting in (True, False)]
+    peak_at, starting = max(positions, key=lambda moment: sum(moments[moment]))
     activation_bytes, gradient_bytes = moments[(peak_at, starting)]
 
     slots, slot_bytes = slot_shape(profile, resident, prefetch)

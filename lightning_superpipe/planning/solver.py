@@ -417,7 +417,8 @@ class _Program:
                         continue
                     slower = self._variable()
                     self._add(slower - own, 0.0, math.inf)
-                    self._add(slower - self.modes[i - 1]["offload"] * (links[i - 1].offload_in * seconds), 0.0, math.inf)
+                    returned = self.modes[i - 1]["offload"] * (links[i - 1].offload_in * seconds)
+                    self._add(slower - returned, 0.0, math.inf)
                     behind.append(slower)
                 serial_backward = _total(behind)
                 returned_in = sum(link.offload_in for link in links[:last]) * seconds

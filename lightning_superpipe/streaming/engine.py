@@ -127,7 +127,9 @@ class StreamingEngine:
             self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
             self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
 
-            self.gradients = GradientReturn(self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=tier is None)
+            self.gradients = GradientReturn(
+                self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=tier is None
+            )
             self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
             self.activations = ActivationPlacement(self)
             #: A planner's ``StepProfiler`` while it measures a step, told by the hooks what compute is doing.
@@ -472,11 +474,7 @@ class StreamingEngine:
                 continue
             home = self.homes[index]
             slot.block, slot.version = index, self._block_version[index]
-            what = f"slot {slot.number} (block {index})"
-            if self.tier is None:
-                slot.ready = self.copier.to_device(slot.flat[: home.numel], home.transfer, slot.free, what)
-            else:  # read from the disk tier, cast on the fly
-                slot.ready = self.tier.copy_in(slot.flat[: home.numel], index, slot.free, what)
+            slot.ready = self._copy_in(slot.flat[: home.numel], index, slot.free, f"slot {slot.number} (block {index})")
             return slot
         return None
 
