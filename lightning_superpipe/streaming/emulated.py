@@ -26,6 +26,7 @@ import math
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -156,6 +157,8 @@ class _Range:
     what: str
     last_copy: Optional[tuple[str, int]] = None
     tainted_by: str = ""
+    # Set when the storage is freed: a later storage may reuse both its memory and its StorageImpl's address.
+    freed: bool = False
 
 
 class EmulatedCopier(Copier):
@@ -318,13 +321,15 @@ class EmulatedCopier(Copier):
         start, end = _extent(tensor)
         storage = tensor.untyped_storage()._cdata
         for known in self._ranges:
-            if known.start == start and known.end == end and known.storage == storage:
+            if known.start == start and known.end == end and known.storage == storage and not known.freed:
                 known.what = what
                 return known
         # A new buffer at an address an old one used (freed, reused): the old one's entry goes.
         self._ranges = [r for r in self._ranges if r.end <= start or r.start >= end]
         known = _Range(start, end, storage, what)
         self._ranges.append(known)
+        # Storages keep one Python object for as long as they live: its end is the buffer's.
+        weakref.finalize(tensor.untyped_storage(), setattr, known, "freed", True)
         return known
 
     def _check_write_after_read(self, dst: Tensor, after: Event, what: str) -> None:
@@ -357,7 +362,9 @@ class EmulatedCopier(Copier):
                 if end <= start:
                     continue
                 storage = tensor.untyped_storage()._cdata
-                stale = [r for r in self._ranges if r.start < end and r.end > start and r.storage != storage]
+                stale = [
+                    r for r in self._ranges if r.start < end and r.end > start and (r.storage != storage or r.freed)
+                ]
                 if stale:  # freed since its copy ran, and handed to another storage
                     self._ranges = [r for r in self._ranges if r not in stale]
                 for known in self._ranges:
