@@ -242,18 +242,27 @@ def memory_moments(profile: Profile, modes: Sequence[str]) -> dict[tuple[int, bo
     """The activation and block-gradient bytes at the two moments of each backward position ``i``: ``(i, True)``
     as block ``i``'s backward starts (``A_i``, ``L_i``) and ``(i, False)`` as it delivers its gradients (``D_i``,
     ``G_i``), by the module's docstring."""
-    blocks = profile.blocks
+    held, in_use, returned = block_memory(profile, modes)
     leaving, delivered = leaving_bytes(profile), gradient_bytes_at(profile)
     moments: dict[tuple[int, bool], tuple[int, int]] = {}
     before = 0  # what blocks 0..i-1 hold until their backward
-    for i, (block, mode) in enumerate(zip(blocks, modes)):
-        returned = blocks[i - 1].offloaded_bytes if i >= 1 and modes[i - 1] == "offload" else 0
-        held = held_bytes(block, mode)
-        moments[(i, True)] = (before + held + in_use_bytes(block, mode) + returned, leaving[i])
+    for i, (block, mode) in enumerate(zip(profile.blocks, modes)):
+        back = returned[i - 1] if i >= 1 else 0  # block i - 1's, brought back while block i computes
+        moments[(i, True)] = (before + held[i] + in_use[i] + back, leaving[i])
         inputs = block.input_bytes if mode == "recompute" else 0  # freed with the checkpoint, after the block
-        moments[(i, False)] = (before + inputs + returned, delivered[i])
-        before += held
+        moments[(i, False)] = (before + inputs + back, delivered[i])
+        before += held[i]
     return moments
+
+
+def block_memory(profile: Profile, modes: Sequence[str]) -> tuple[list[int], list[int], list[int]]:
+    """Per block: what its activations hold until its backward, what they add during it, and what ``"offload"``
+    brings back for it."""
+    blocks = profile.blocks
+    held = [held_bytes(block, mode) for block, mode in zip(blocks, modes)]
+    in_use = [in_use_bytes(block, mode) for block, mode in zip(blocks, modes)]
+    returned = [block.offloaded_bytes if mode == "offload" else 0 for block, mode in zip(blocks, modes)]
+    return held, in_use, returned
 
 
 def static_bytes(profile: Profile) -> dict[str, int]:
@@ -311,9 +320,7 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
         for i, block in enumerate(blocks)
     ]
 
-    held = [held_bytes(block, mode) for block, mode in zip(blocks, modes)]
-    in_use = [in_use_bytes(block, mode) for block, mode in zip(blocks, modes)]
-    returned = [block.offloaded_bytes if mode == "offload" else 0 for block, mode in zip(blocks, modes)]
+    held, in_use, returned = block_memory(profile, modes)
     moments = memory_moments(profile, modes)
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
     positions = [(i, starting) for i in range(count - 1, -1, -1) for starting in (True, False)]

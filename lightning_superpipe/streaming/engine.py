@@ -281,11 +281,11 @@ class StreamingEngine:
             changed: Parameters to count as changed whatever their version counters say: torch's fused CPU
                 optimizers (``AdamW(fused=True)``) write parameters without bumping the counter.
         """
-        synced = {id(self.homes[index]) for index in self._synced_in_backward}
+        synced = {self.homes[index] for index in self._synced_in_backward}
         for param in changed:
             if param in self._trunk_seen:
                 self._trunk_seen[param] = (-1, -1)
-            elif param in self._home_of and id(self._home_of[param]) not in synced:
+            elif param in self._home_of and self._home_of[param] not in synced:
                 self._home_of[param].mark_changed(param)
         # Not a new pass: the events keep the stream the last pass ran on, whose tail may still read the copies.
         self._prepare(training=True)

@@ -156,18 +156,20 @@ class OverlappedStep:
         if self.step_block is not None:
             self.step_block(self._optimizer, index, params)
         else:
-            with _restricted(self._optimizer, set(params)):
-                self._optimizer.step()
+            self._step_only(params)
         self.blocks_stepped += 1
         if self.on_stepped is not None:
             self.on_stepped(index, params)
 
-
     def _step_trunk(self, param: nn.Parameter) -> None:
-        assert self._optimizer is not None
-        with _restricted(self._optimizer, {param}):
-            self._optimizer.step()
+        self._step_only([param])
         self.trunk_params_stepped += 1
+
+    def _step_only(self, params: list[nn.Parameter]) -> None:
+        """The user's optimizer, stepped over ``params`` alone."""
+        assert self._optimizer is not None
+        with _restricted(self._optimizer, set(params)):
+            self._optimizer.step()
 
 
 def _restrict(optimizer: Optimizer, keep: set[nn.Parameter]) -> list[list[nn.Parameter]]:
