@@ -9,7 +9,7 @@ buffer holds the weights in that dtype, so only half the bytes cross the link.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -35,6 +35,42 @@ class ParamSlice:
 
     def view_of(self, flat: Tensor) -> Tensor:
         return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Where a block's streamed parameters sit in its device buffer while some of its parameters are withheld from
+    streaming (computed elsewhere, e.g. experts paged by ``PagedMoECallback``): the others packed in order, each
+    still starting on :data:`ALIGNMENT`, so that only their bytes cross the link and the slots shrink.
+
+    Attributes:
+        slices: The streamed parameters, with offsets into the device buffer.
+        numel: Elements of the device buffer.
+        ranges: ``(host offset, device offset, numel)`` of each copy: runs of adjacent streamed parameters.
+    """
+
+    slices: tuple[ParamSlice, ...]
+    numel: int
+    ranges: tuple[tuple[int, int, int], ...]
+
+
+def device_layout(slices: Sequence[ParamSlice], withheld: Container[nn.Parameter]) -> DeviceLayout:
+    """The device layout of a block whose home holds ``slices`` when the parameters in ``withheld`` do not stream."""
+    kept: list[ParamSlice] = []
+    ranges: list[tuple[int, int, int]] = []
+    offset = 0
+    for piece in slices:
+        if piece.param in withheld:
+            continue
+        span = _aligned(piece.numel)
+        kept.append(ParamSlice(piece.param, offset, piece.numel, piece.shape))
+        if ranges and ranges[-1][0] + ranges[-1][2] == piece.offset:  # adjacent at home too: one copy
+            host, device, numel = ranges[-1]
+            ranges[-1] = (host, device, numel + span)
+        else:
+            ranges.append((piece.offset, offset, span))
+        offset += span
+    return DeviceLayout(tuple(kept), offset, tuple(ranges))
 
 
 class EditTrackedParameter(nn.Parameter):

@@ -6,7 +6,7 @@ and returns a :class:`PagedExperts` handle; :class:`PagedMoECallback` does the s
 Lightning's validation, test and predict loops.
 """
 
-from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, kv_cache_bytes, page_experts
+from lightning_superpipe.moe.api import PagedExperts, expert_parameters, full_expert_bytes, kv_cache_bytes, page_experts
 from lightning_superpipe.moe.callback import PagedMoECallback
 from lightning_superpipe.moe.layouts import SUPPORTED_MODEL_TYPES, UnsupportedMoEModelError
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey
@@ -18,6 +18,7 @@ __all__ = [
     "PagedMoECallback",
     "PagedExperts",
     "UnsupportedMoEModelError",
+    "expert_parameters",
     "full_expert_bytes",
     "kv_cache_bytes",
     "page_experts",

@@ -21,7 +21,7 @@ from lightning_superpipe.moe.layouts import MoELayer, find_moe_layers
 from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
 
-__all__ = ["PagedExperts", "full_expert_bytes", "kv_cache_bytes", "page_experts"]
+__all__ = ["PagedExperts", "expert_parameters", "full_expert_bytes", "kv_cache_bytes", "page_experts"]
 
 DEFAULT_LEVELS: tuple[int, ...] = (TOP_LEVEL, 8, 4, 3, 2)
 
@@ -486,6 +486,17 @@ def full_expert_bytes(model: nn.Module, *, shared_experts: bool = True) -> int:
     """
     layers = find_moe_layers(model, shared_experts=shared_experts, caller="full_expert_bytes")
     return 2 * sum(layer.weight(proj).numel() for layer in layers for proj in range(len(layer.projections)))
+
+
+def expert_parameters(model: nn.Module, *, shared_experts: bool = True) -> list[nn.Parameter]:
+    """The parameters :func:`page_experts` takes out of ``model`` (to be given back by :meth:`PagedExperts.restore`).
+
+    Args:
+        model: A model :func:`page_experts` accepts.
+        shared_experts: Include the dense shared experts (as :func:`page_experts` pages them).
+    """
+    layers = find_moe_layers(model, shared_experts=shared_experts, caller="expert_parameters")
+    return [module._parameters[name] for layer in layers for module, name in layer.slots]
 
 
 def kv_cache_bytes(cache: Any) -> int:

@@ -12,7 +12,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 
-from lightning_superpipe.moe.api import PagedExperts, full_expert_bytes, page_experts
+from lightning_superpipe.moe.api import PagedExperts, expert_parameters, full_expert_bytes, page_experts
 from lightning_superpipe.moe.layouts import UnsupportedMoEModelError, is_fused_experts
 from lightning_superpipe.moe.metrics import IGNORE_INDEX, QualityMeter
 
@@ -44,6 +44,10 @@ class PagedMoECallback(Callback):
     end and the most seen) and at 16 bits, their ratio, pages per level, promotions and demotions,
     tokens/s of the paged forwards and, with ``measure_quality``, perplexity with paged and full
     precision experts, its relative change and the KL divergence from full precision.
+
+    Under ``strategy="superpipe"`` the pages live on the strategy's compute device while the model's home stays in
+    host memory, and the paged experts' weights stop streaming with their blocks for the stage (the blocks' device
+    buffers shrink to the rest); they stream again once restored.
 
     Args:
         budget_bytes: Device bytes for the experts (``None`` with no fraction: unlimited).
@@ -97,6 +101,7 @@ class PagedMoECallback(Callback):
         self.page_kwargs = page_kwargs
         self.handle: PagedExperts | None = None
         self.reports: dict[str, dict[str, float]] = {}
+        self._streaming: Any = None  # the SuperpipeStrategy's engine while it withholds the experts
         self._stage: str | None = None
         self._reset_run()
 
@@ -147,13 +152,25 @@ class PagedMoECallback(Callback):
             move_data_to_device(dict(self.batch_to_inputs(batch)), device)
             for batch in islice(_first_dataloader(trainer, stage), self.calibration_batches)
         ]
-        self.handle = page_experts(
-            model,
-            budget_bytes=budget,
-            calibration=calibration or None,
-            total_budget_bytes=self.total_budget_bytes,
-            **self.page_kwargs,
-        )
+        page_kwargs = dict(self.page_kwargs)
+        engine = _streaming_engine(trainer)
+        if engine is not None:
+            # The model's home is the host: the pages go to the compute device, and the experts' weights stop
+            # streaming (calibration below already computes without them).
+            page_kwargs.setdefault("device", trainer.strategy.root_device)
+            engine.withhold(expert_parameters(model, shared_experts=page_kwargs.get("shared_experts", True)))
+            self._streaming = engine
+        try:
+            self.handle = page_experts(
+                model,
+                budget_bytes=budget,
+                calibration=calibration or None,
+                total_budget_bytes=self.total_budget_bytes,
+                **page_kwargs,
+            )
+        except BaseException:
+            self._teardown()
+            raise
         self._stage = stage
         self._reset_run()
         self._quality.to(device)
@@ -240,6 +257,9 @@ class PagedMoECallback(Callback):
         if self.handle is not None:
             self.handle.restore()
             self.handle = None
+        if self._streaming is not None:  # after the restore: the experts are parameters of their blocks again
+            self._streaming.release_withheld()
+            self._streaming = None
 
 
 def _find_moe_model(pl_module: LightningModule) -> nn.Module:
@@ -250,6 +270,13 @@ def _find_moe_model(pl_module: LightningModule) -> nn.Module:
         f"{type(pl_module).__name__} contains no transformers model whose experts go through the experts "
         "interface (fused `@use_experts_implementation` experts); pass model_getter= to point at the model."
     )
+
+
+def _streaming_engine(trainer: Trainer) -> Any:
+    """The streaming engine of a ``SuperpipeStrategy`` trainer, else ``None``."""
+    from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
+
+    return trainer.strategy.engine if isinstance(trainer.strategy, SuperpipeStrategy) else None
 
 
 def _first_dataloader(trainer: Trainer, stage: str) -> Iterable[Any]:

@@ -768,8 +768,9 @@ def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
 
 
 def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """Host copy of ``tensor``; a CPU tensor that needs no pinning is used as it is (no copy)."""
-    if tensor.device.type == "cpu" and not pin:
+    """Host copy of ``tensor``; a CPU tensor that needs no pinning, or is pinned already (a streamed model's home
+    under ``SuperpipeStrategy``), is used as it is (no copy)."""
+    if tensor.device.type == "cpu" and (not pin or tensor.is_pinned()):
         return tensor
     host = _host_empty(tuple(tensor.shape), tensor.dtype, pin)
     host.copy_(tensor)

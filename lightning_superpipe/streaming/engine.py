@@ -37,7 +37,15 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.host import BlockHome, master_state, track_edits, untrack_edits
+from lightning_superpipe.memory.host import (
+    BlockHome,
+    DeviceLayout,
+    ParamSlice,
+    device_layout,
+    master_state,
+    track_edits,
+    untrack_edits,
+)
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, make_copier
@@ -105,6 +113,10 @@ class StreamingEngine:
             ]
             # A block's version grows whenever its masters change; a slot holding an older version is stale.
             self._block_version = [0] * num_blocks
+            # Parameters that do not stream for now (computed elsewhere: paged experts), and the device layout of
+            # each block that has some (the others use their home's layout).
+            self._withheld: frozenset[nn.Parameter] = frozenset()
+            self._layouts: dict[int, DeviceLayout] = {}
 
             self._resident: dict[int, Tensor] = {}
             self._resident_ready: dict[int, Event] = {}
@@ -168,13 +180,14 @@ class StreamingEngine:
         for index in resident:
             home = self.homes[index]
             if home is not None:
-                self._resident[index] = torch.empty(home.numel, dtype=home.transfer_dtype, device=self.device)
-                self.ledger.add("block_weights", home.transfer_bytes)
+                buffer = torch.empty(self._streamed_numel(index), dtype=home.transfer_dtype, device=self.device)
+                self._resident[index] = buffer
+                self.ledger.add("block_weights", buffer.numel() * buffer.element_size())
         self.resident_indices = frozenset(self._resident)
         streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
         if not streamed:
             return
-        slot_numel = max(self.homes[i].numel for i in streamed)  # type: ignore[union-attr]
+        slot_numel = max(self._streamed_numel(i) for i in streamed)
         dtypes = {self.homes[i].transfer_dtype for i in streamed}  # type: ignore[union-attr]
         if len(dtypes) > 1:
             raise TypeError(
@@ -348,7 +361,7 @@ class StreamingEngine:
         autograd engine still reads its recomputed weights after the recomputation returns.
         """
         flat = self.acquire_flat(index)
-        return [piece.view_of(flat) for piece in self.homes[index].slices]  # type: ignore[union-attr]
+        return [piece.view_of(flat) for piece in self.streamed_slices(index)]
 
     @torch.compiler.disable
     def acquire_flat(self, index: int) -> Tensor:
@@ -383,7 +396,7 @@ class StreamingEngine:
         """Block ``index``'s weights where they are for the current computation (see :meth:`held_flat`)."""
         flat = self.held_flat(index)
         assert flat is not None, f"block {index} is not on the device"
-        return [piece.view_of(flat) for piece in self.homes[index].slices]  # type: ignore[union-attr]
+        return [piece.view_of(flat) for piece in self.streamed_slices(index)]
 
     def held_flat(self, index: int) -> Optional[Tensor]:
         """Block ``index``'s flat device buffer if it is on the device for the current computation (resident, or in
@@ -472,18 +485,84 @@ class StreamingEngine:
         for slot in sorted(self._slots, key=self._holds_current):  # stale slots first
             if slot is self._busy or (self._holds_current(slot) and slot.block in avoid):
                 continue
-            home = self.homes[index]
             slot.block, slot.version = index, self._block_version[index]
-            slot.ready = self._copy_in(slot.flat[: home.numel], index, slot.free, f"slot {slot.number} (block {index})")
+            dst = slot.flat[: self._streamed_numel(index)]
+            slot.ready = self._copy_in(dst, index, slot.free, f"slot {slot.number} (block {index})")
             return slot
         return None
 
     def _copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
         """Copies block ``index``'s weights into the device buffer ``dst``: from its host home, or read from the
-        disk tier (cast on the fly)."""
-        if self.tier is None:
+        disk tier (cast on the fly); with withheld parameters, one copy per run of the others."""
+        if self.tier is not None:
+            return self.tier.copy_in(dst, index, after, what)
+        layout = self._layouts.get(index)
+        if layout is None:
             return self.copier.to_device(dst, self.homes[index].transfer, after, what)  # type: ignore[union-attr]
-        return self.tier.copy_in(dst, index, after, what)
+        transfer = self.homes[index].transfer  # type: ignore[union-attr]
+        done = after  # nothing to copy: the buffer is ready when it is free
+        for host, device, numel in layout.ranges:  # one stream: the last copy's event covers the others
+            done = self.copier.to_device(dst[device : device + numel], transfer[host : host + numel], after, what)
+        return done
+
+    # ------------------------------------------------------------------ withheld parameters
+
+    def withhold(self, params: Iterable[nn.Parameter]) -> None:
+        """Stops streaming ``params`` until :meth:`release_withheld`: something else computes with them for a while
+        (``PagedMoECallback`` pages the experts on the device for an evaluation). Their bytes no longer cross the
+        link and the block buffers shrink to what the other parameters need; the hooks neither bind nor check them,
+        nor deliver gradients for them. The parameters' masters stay where they are.
+
+        Args:
+            params: Parameters of the streamed blocks.
+
+        Raises:
+            ValueError: A parameter does not stream with a block (outside the blocks, or tied).
+            RuntimeError: With the disk tier, whose blocks are read from files whole.
+        """
+        params = frozenset(params)
+        outside = [param for param in params if param not in self._home_of]
+        if outside:
+            raise ValueError(
+                f"{len(outside)} of the {len(params)} parameters to withhold do not stream with a block (e.g. one of"
+                f" shape {tuple(outside[0].shape)}): only block parameters can stop streaming. Put the modules that"
+                " hold them inside the streamed blocks (`SuperpipeStrategy(blocks=...)`)."
+            )
+        if params and self.tier is not None:
+            raise RuntimeError(
+                "SuperpipeStrategy(offload_device='disk') streams each block from its files whole and cannot leave"
+                " parameters out of it (e.g. experts paged by PagedMoECallback); evaluate with offload_device='cpu'."
+            )
+        self._relayout(self._withheld | params)
+
+    def release_withheld(self) -> None:
+        """Streams every block parameter again (after :meth:`withhold`)."""
+        self._relayout(frozenset())
+
+    def is_withheld(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is withheld from streaming now (:meth:`withhold`)."""
+        return param in self._withheld
+
+    def streamed_slices(self, index: int) -> Sequence[ParamSlice]:
+        """Block ``index``'s streamed parameters and where each sits in its device buffer."""
+        layout = self._layouts.get(index)
+        return layout.slices if layout is not None else self.homes[index].slices  # type: ignore[union-attr]
+
+    def _streamed_numel(self, index: int) -> int:
+        layout = self._layouts.get(index)
+        return layout.numel if layout is not None else self.homes[index].numel  # type: ignore[union-attr]
+
+    def _relayout(self, withheld: frozenset[nn.Parameter]) -> None:
+        """Lays the blocks' device buffers out anew for ``withheld`` and makes them again (placement unchanged)."""
+        if withheld == self._withheld:
+            return
+        self._withheld = withheld
+        self._layouts = {
+            index: device_layout(home.slices, withheld)
+            for index, home in enumerate(self.homes)
+            if home is not None and any(piece.param in withheld for piece in home.slices)
+        }
+        self.replan(sorted(self.resident_indices), self.prefetch, self.activation_modes)
 
     def arm_overlap(self, trainer: Any, optimizer: Any, only_where_it_pays: bool, overlap: bool = True) -> None:
         """Before the backward inside the optimizer step (the last micro-batch of an accumulation): arms the
@@ -566,7 +645,11 @@ class StreamingEngine:
         return sum(t.numel() * t.element_size() for t in self._trunk.values())
 
     def largest_block_bytes(self) -> int:
-        return max((home.transfer_bytes for home in self.homes if home is not None), default=0)
+        """Bytes of the largest block's device copy (what streams of it: without withheld parameters)."""
+        return max(
+            (self._streamed_numel(i) * home.transfer_dtype.itemsize for i, home in enumerate(self.homes) if home),
+            default=0,
+        )
 
 
 def check_knobs(

@@ -102,9 +102,8 @@ class BlockStreamingHook:
         self.block = block
         self._bindings = _bindings(block, recurse=True)
         self._home = engine.homes[index]
-        self._streamed = [piece.param for piece in self._home.slices] if self._home is not None else []
         # Parameters the block uses but does not stream (tied to the trunk or to another block): resident.
-        streamed = set(self._streamed)
+        streamed = {piece.param for piece in self._home.slices} if self._home is not None else set()
         self._resident = list({param: None for _, _, param in self._bindings if param not in streamed})
         self._buffer_bindings = [
             (owner, name) for owner in block.modules() for name, buffer in owner._buffers.items() if buffer is not None
@@ -226,12 +225,14 @@ class BlockStreamingHook:
         assert self._original_forward is not None
         # A block whose parameters are all shared with others has nothing to stream: all of it is resident.
         tensors: dict[nn.Parameter, Tensor] = {}
-        if self._streamed:
+        if self._home is not None:
             fetch = self.engine.held if self._census_running else self.engine.acquire
-            tensors = dict(zip(self._streamed, fetch(self.index)))
+            # Read at every call, as what streams may change between passes (withheld parameters).
+            pieces = self.engine.streamed_slices(self.index)
+            tensors = {piece.param: tensor for piece, tensor in zip(pieces, fetch(self.index))}
         if torch.is_grad_enabled() and self._home is not None:
             # Read at every call: which parameters train may change between steps (e.g. ``BaseFinetuning``).
-            trainable = self._home.trainable
+            trainable = [piece for piece in self._home.trainable if piece.param in tensors]
             if trainable:
                 if first_run:
                     self.engine.gradients.expect_block(self.index)
@@ -245,7 +246,7 @@ class BlockStreamingHook:
         if profiler is not None and first_run:
             profiler.enter("forward", self.index)
         try:
-            with _bound(self._bindings, tensors):
+            with _bound(self._live_bindings(), tensors):
                 return self._original_forward(*args, **kwargs)
         finally:
             if profiler is not None and first_run:
@@ -256,8 +257,13 @@ class BlockStreamingHook:
         if self.engine.profiler is not None:
             self.engine.profiler.enter("trunk")  # the block's backward ends with its weights' gradients
 
+    def _live_bindings(self) -> list[_Binding]:
+        """The bindings of the parameters the block computes with now: not those the engine withholds (their
+        owners compute with them some other way, e.g. paged experts, and no longer list them)."""
+        return [binding for binding in self._bindings if not self.engine.is_withheld(binding[2])]
+
     def _check_bindings(self) -> None:
-        for owner, name, param in self._bindings:
+        for owner, name, param in self._live_bindings():
             if owner._parameters.get(name) is not param:
                 raise RuntimeError(
                     f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"

@@ -1,0 +1,176 @@
+"""PagedMoECallback under SuperpipeStrategy: pages on the compute device, the paged experts no longer stream."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_superpipe import EmulatedLink, PagedMoECallback, SuperpipeStrategy
+from lightning_superpipe.moe import expert_parameters
+from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
+from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
+
+
+class LitMoE(pl.LightningModule):
+    def __init__(self, family: str = "qwen2_moe") -> None:
+        super().__init__()
+        self.model = tiny_moe(family).train()
+        self.val_losses: list[torch.Tensor] = []
+        self.streamed: list[dict[str, object]] = []
+        self.train_block_bytes: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.train_block_bytes.append(self.trainer.strategy.engine.largest_block_bytes())
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.val_losses.append(loss.detach().clone())
+        engine = self.trainer.strategy.engine
+        self.streamed.append({
+            "implementation": self.model.config._experts_implementation,
+            "largest_block_bytes": engine.largest_block_bytes(),
+            "device_bytes": engine.ledger.total_bytes,
+            "link_bytes": self.trainer.strategy.link.stats.bytes if self.trainer.strategy.link else None,
+        })
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def loader() -> DataLoader:
+    return DataLoader(byte_corpus()[: 6 * 4 * 64].view(-1, 64), batch_size=4)
+
+
+def _trainer(strategy, callbacks=(), **overrides) -> pl.Trainer:
+    settings = dict(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, val_check_interval=2,
+        check_val_every_n_epoch=None, limit_val_batches=2, num_sanity_val_steps=0, logger=False,
+        callbacks=list(callbacks), enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    settings.update(overrides)
+    return pl.Trainer(**settings)
+
+
+def _expert_bytes(module: LitMoE) -> int:
+    return sum(p.numel() * p.element_size() for p in expert_parameters(module.model))
+
+
+@pytest.mark.parametrize("link", [None, "lazy", "thread"])
+def test_at_a_full_budget_validation_equals_unpaged_streaming_and_the_experts_stop_streaming(loader, link) -> None:
+    """Full budget: the paged forward computes with the original weights, now from pages on the compute device,
+    so the losses are bit for bit the unpaged streamed model's, while the link carries only the other weights."""
+    links = {}
+
+    def strategy(name: str) -> SuperpipeStrategy:
+        links[name] = EmulatedLink(mode=link, seed=3) if link else None
+        # One slot: every block streams in again at every batch.
+        return SuperpipeStrategy(resident_blocks=0, prefetch=0, link=links[name])
+
+    torch.manual_seed(0)
+    plain = LitMoE()
+    paged = LitMoE()
+    paged.load_state_dict(plain.state_dict())
+    _trainer(strategy("plain")).validate(plain, loader, verbose=False)
+    callback = PagedMoECallback(budget_bytes=None, calibration_batches=1)
+    _trainer(strategy("paged"), [callback]).validate(paged, loader, verbose=False)
+
+    assert [r["implementation"] for r in paged.streamed] == [PAGED_EXPERTS_IMPLEMENTATION] * 2
+    assert all(torch.equal(a, b) for a, b in zip(paged.val_losses, plain.val_losses, strict=True))
+    # Each block's device copy lost exactly its experts (both blocks are alike; alignment keeps offsets whole).
+    experts_per_block = _expert_bytes(paged) // 2
+    full_block, paged_block = plain.streamed[0]["largest_block_bytes"], paged.streamed[0]["largest_block_bytes"]
+    assert full_block - paged_block == pytest.approx(experts_per_block, rel=0.02)
+    assert paged_block < full_block / 2  # the experts are most of a MoE block
+    assert paged.streamed[0]["device_bytes"] == plain.streamed[0]["device_bytes"] - experts_per_block  # one slot
+    # On the device now: the fp32 originals, as many bytes as stopped streaming.
+    assert callback.handle is None and callback.reports["validate"]["expert_bytes_device"] == _expert_bytes(paged)
+    if link:
+        assert not links["paged"].stats.violations and not links["plain"].stats.violations
+        # What one batch's forward streamed: its 2 blocks, without their experts when paged.
+        per_batch = {name: m.streamed[1]["link_bytes"] - m.streamed[0]["link_bytes"] for name, m in (("plain", plain), ("paged", paged))}
+        assert per_batch["plain"] == 2 * full_block
+        assert per_batch["paged"] == 2 * paged_block
+
+
+def test_fit_with_paged_validations_trains_exactly_as_without_them(loader) -> None:
+    """Paging for validation and handing the experts back to streaming afterwards changes no training step."""
+    torch.manual_seed(0)
+    reference = LitMoE()
+    paged = LitMoE()
+    paged.load_state_dict(reference.state_dict())
+    _trainer(SuperpipeStrategy(resident_blocks=1, prefetch=1)).fit(reference, loader, loader)
+    callback = PagedMoECallback(budget_fraction=0.3, calibration_batches=1)
+    _trainer(SuperpipeStrategy(resident_blocks=1, prefetch=1), [callback]).fit(paged, loader, loader)
+
+    assert [r["implementation"] for r in paged.streamed] == [PAGED_EXPERTS_IMPLEMENTATION] * 4
+    assert not torch.equal(paged.val_losses[0], reference.val_losses[0])  # below full budget: really paged
+    # Training streams the experts again after each paged validation.
+    assert paged.train_block_bytes == reference.train_block_bytes
+    assert paged.streamed[0]["largest_block_bytes"] < reference.streamed[0]["largest_block_bytes"]
+    for (name, a), b in zip(paged.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert callback.reports["validate"]["expert_bytes_device_max"] <= 0.3 * callback.reports["validate"]["expert_bytes_16bit"]
+
+
+def test_pages_go_to_the_strategys_device_not_the_host_masters_device(loader, monkeypatch) -> None:
+    seen = {}
+    import lightning_superpipe.moe.callback as callback_module
+
+    original = callback_module.page_experts
+
+    def recording(model, **kwargs):
+        handle = original(model, **kwargs)
+        seen["device"] = handle.store.device
+        seen["expert_device"] = next(iter(expert_parameters_of(handle))).device
+        return handle
+
+    def expert_parameters_of(handle):
+        return handle._params.values()
+
+    monkeypatch.setattr(callback_module, "page_experts", recording)
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
+    _trainer(strategy, [PagedMoECallback(budget_fraction=0.5, calibration_batches=1)]).validate(LitMoE(), loader)
+    assert seen["device"] == strategy.root_device
+    assert seen["expert_device"].type == "cpu"  # the masters stay home
+
+
+def test_the_disk_tier_refuses_paged_experts_and_loses_nothing(loader, tmp_path) -> None:
+    module = LitMoE()
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    strategy = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path, resident_blocks=0, prefetch=1)
+    callback = PagedMoECallback(budget_fraction=0.5, calibration_batches=1)
+    with pytest.raises(RuntimeError, match="offload_device='disk'"):
+        _trainer(strategy, [callback]).validate(module, loader)
+    assert callback.handle is None
+    assert module.model.config._experts_implementation != PAGED_EXPERTS_IMPLEMENTATION
+    for name, param in module.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+
+def test_only_block_parameters_can_be_withheld(loader) -> None:
+    module = LitMoE()
+    trainer = _trainer(SuperpipeStrategy(resident_blocks=0, prefetch=1), limit_val_batches=1)
+    trainer.validate(module, loader, verbose=False)
+    strategy = trainer.strategy
+    strategy.model_to_device()  # streaming again, as inside a stage
+    try:
+        with pytest.raises(ValueError, match="do not stream with a block"):
+            strategy.engine.withhold([module.model.model.embed_tokens.weight])
+        assert not strategy.engine.is_withheld(module.model.model.embed_tokens.weight)
+    finally:
+        strategy.teardown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host(loader) -> None:
+    module = LitMoE()
+    callback = PagedMoECallback(budget_fraction=0.5, calibration_batches=1)
+    trainer = _trainer(SuperpipeStrategy(resident_blocks=0, prefetch=1), [callback], accelerator="gpu")
+    trainer.validate(module, loader, verbose=False)
+    assert callback.reports["validate"]["expert_bytes_device_max"] > 0
+    assert all(p.device.type == "cpu" for p in module.parameters())
