@@ -57,6 +57,22 @@ def test_thread_copies_run_on_their_own_stream_threads() -> None:
         assert {t.name for t in threading.enumerate()} >= {"emulated-h2d", "emulated-d2h"}
 
 
+def test_thread_copies_keep_the_issuers_inference_mode_and_a_failed_copy_raises_in_the_waiter() -> None:
+    with _copier(mode="thread", max_delay_s=0.01, check=False) as copier:
+        with torch.inference_mode():  # buffers made in evaluation loops are inference tensors, and so is the mode
+            dst = torch.zeros(8)
+            copier.wait_on_compute(copier.to_device(dst, torch.arange(8.0), copier.mark_compute(), "slot"))
+        assert torch.equal(dst, torch.arange(8.0))
+        # Outside inference mode the same copy is refused on the issuing thread, as torch refuses it there.
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            copier.to_device(dst, torch.ones(8), copier.mark_compute(), "slot")
+        # A copy that fails on its stream's thread (shapes that do not broadcast) raises in the waiter instead of
+        # leaving it waiting for ever.
+        event = copier.to_device(torch.zeros(8), torch.ones(3), copier.mark_compute(), "bad")
+        with pytest.raises(RuntimeError, match="emulated h2d stream failed"):
+            copier.wait_on_compute(event)
+
+
 def test_reading_a_copied_buffer_without_waiting_is_a_violation() -> None:
     with _copier() as copier:
         src, dst = torch.arange(8.0), torch.zeros(8)

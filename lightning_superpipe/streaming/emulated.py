@@ -137,6 +137,7 @@ class _Copy:
     what: str
     done_at: float  # when the modelled link finishes it (0: no bandwidth model)
     not_before: float  # thread mode: the random delay
+    inference: bool  # issued under inference mode (a CUDA copy may write an inference tensor from any stream)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,7 @@ class EmulatedCopier(Copier):
         # Compute's accesses by storage: start -> (end, clock, operator), for write-after-read checks.
         self._history: dict[int, tuple[int, int, str]] = {}
         self._closed = False
+        self._failure: Optional[BaseException] = None  # thread mode: a copy that raised on its stream's thread
         self._checker = _Checker(self) if link.check else None
         self._main_thread = threading.get_ident()
         if self._checker is not None:
@@ -233,7 +235,8 @@ class EmulatedCopier(Copier):
 
     def close(self) -> None:
         try:
-            self.synchronize()
+            if self._failure is None:  # else a waiter raised it already, and the failed stream runs nothing more
+                self.synchronize()
         finally:
             with self._lock:
                 self._closed = True
@@ -258,7 +261,10 @@ class EmulatedCopier(Copier):
                 start = max(now, self._busy_until[stream])
                 done_at = self._busy_until[stream] = start + nbytes / self.link.bandwidth
             delay = self._random.uniform(0.0, self.link.max_delay_s) if self.link.mode == "thread" else 0.0
-            copy = _Copy(stream, self._issued[stream], dst, src, snapshot, what or "a buffer", done_at, now + delay)
+            copy = _Copy(
+                stream, self._issued[stream], dst, src, snapshot, what or "a buffer", done_at, now + delay,
+                torch.is_inference_mode_enabled(),
+            )
             self._queues[stream].append(copy)
             self._ran.notify_all()  # wakes the stream's thread
             self._range_of(dst, copy.what).last_copy = (stream, copy.seq)
@@ -278,7 +284,8 @@ class EmulatedCopier(Copier):
                 if changed
                 else ""
             )
-            copy.dst.copy_(copy.snapshot)
+            with torch.inference_mode(copy.inference):  # the issuer's mode: it is thread-local, and so was its check
+                copy.dst.copy_(copy.snapshot)
         self._executed[stream] = copy.seq
         self._ran.notify_all()
 
@@ -294,7 +301,12 @@ class EmulatedCopier(Copier):
                 if pause > 0:
                     self._ran.wait(pause)
                     continue
-                self._run_one(stream)
+                try:
+                    self._run_one(stream)
+                except BaseException as error:  # waiters raise it instead of waiting for ever
+                    self._failure = error
+                    self._ran.notify_all()
+                    return
 
     def _wait(self, event: Event, count: bool = True) -> None:
         if event is None:
@@ -304,6 +316,8 @@ class EmulatedCopier(Copier):
         with self._lock:
             if event.stream != _COMPUTE:
                 while self._executed[event.stream] < event.seq:
+                    if self._failure is not None:
+                        raise RuntimeError(f"a copy on the emulated {event.stream} stream failed") from self._failure
                     if self.link.mode == "lazy":
                         self._run_one(event.stream)
                     else:
