@@ -7,7 +7,8 @@
 #   launch_blocking  the same fit under CUDA_LAUNCH_BLOCKING=1, bitwise equal                         (60 s)
 #   sanitizer        a 2-step fit under TORCH_CUDA_SANITIZER=1                                        (60 s)
 #   profiler         engine copies pinned, on side streams, overlapping kernels; GB/s vs a plain copy (60 s)
-#   cuda_tests       tests/test_strategy_cuda.py tests/test_host_arena.py tests/test_moe_cuda.py      (100 s)
+#   cuda_tests       tests/test_strategy_cuda.py, test_host_arena.py, test_moe_cuda.py, MoE paging under
+#                    superpipe on the GPU (test_moe_streaming.py's CUDA test)                         (100 s)
 #   benchmark        bench_streaming.py at one setting: step time and peak memory against plain      (75 s)
 #
 # Results: $OUT (default benchmarks/results/gpu) gets summary.json (per part: passed / failed / timed_out /
@@ -57,7 +58,8 @@ part race "${RACE_S:-150}" "$py" "$race" race --device "$device" --json "$logs/r
 part launch_blocking "${LAUNCH_BLOCKING_S:-60}" "$py" "$race" launch-blocking --device "$device" --json "$logs/launch_blocking.json" --log-dir "$logs"
 part sanitizer "${SANITIZER_S:-60}" "$py" "$race" sanitizer --device "$device" --json "$logs/sanitizer.json" --log-dir "$logs"
 part profiler "${PROFILER_S:-60}" "$py" "$race" profile --device "$device" --json "$logs/profiler.json" --log-dir "$logs"
-part cuda_tests "${CUDA_TESTS_S:-100}" "$py" -m pytest -q -p no:cacheprovider tests/test_strategy_cuda.py tests/test_host_arena.py tests/test_moe_cuda.py --junitxml="$logs/cuda_tests.xml"
+part cuda_tests "${CUDA_TESTS_S:-100}" "$py" -m pytest -q -p no:cacheprovider tests/test_strategy_cuda.py tests/test_host_arena.py tests/test_moe_cuda.py \
+  tests/test_moe_streaming.py::test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host --junitxml="$logs/cuda_tests.xml"
 if [ "$device" = cuda ]; then
   # One point, not a sweep: the 24-block Llama preset, bf16-mixed, 8192 tokens per micro-batch, resident 1,
   # prefetch 1 against plain; writes streaming_cuda.{md,json} into the logs.

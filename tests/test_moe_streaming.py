@@ -92,7 +92,8 @@ def test_at_a_full_budget_validation_equals_unpaged_streaming_and_the_experts_st
     if link:
         assert not links["paged"].stats.violations and not links["plain"].stats.violations
         # What one batch's forward streamed: its 2 blocks, without their experts when paged.
-        per_batch = {name: m.streamed[1]["link_bytes"] - m.streamed[0]["link_bytes"] for name, m in (("plain", plain), ("paged", paged))}
+        per_batch = {name: m.streamed[1]["link_bytes"] - m.streamed[0]["link_bytes"]
+                     for name, m in (("plain", plain), ("paged", paged))}
         assert per_batch["plain"] == 2 * full_block
         assert per_batch["paged"] == 2 * paged_block
 
@@ -114,29 +115,32 @@ def test_fit_with_paged_validations_trains_exactly_as_without_them(loader) -> No
     assert paged.streamed[0]["largest_block_bytes"] < reference.streamed[0]["largest_block_bytes"]
     for (name, a), b in zip(paged.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b), name
-    assert callback.reports["validate"]["expert_bytes_device_max"] <= 0.3 * callback.reports["validate"]["expert_bytes_16bit"]
+    report = callback.reports["validate"]
+    assert report["expert_bytes_device_max"] <= 0.3 * report["expert_bytes_16bit"]
 
 
-def test_pages_go_to_the_strategys_device_not_the_host_masters_device(loader, monkeypatch) -> None:
-    seen = {}
+@pytest.fixture
+def paged_devices(monkeypatch) -> dict[str, torch.device]:
+    """Where page_experts, as the callback calls it, put the pages and left the experts' masters."""
     import lightning_superpipe.moe.callback as callback_module
 
+    seen: dict[str, torch.device] = {}
     original = callback_module.page_experts
 
     def recording(model, **kwargs):
         handle = original(model, **kwargs)
-        seen["device"] = handle.store.device
-        seen["expert_device"] = next(iter(expert_parameters_of(handle))).device
+        seen["pages"] = handle.store.device
+        seen["masters"] = next(iter(handle._params.values())).device
         return handle
 
-    def expert_parameters_of(handle):
-        return handle._params.values()
-
     monkeypatch.setattr(callback_module, "page_experts", recording)
+    return seen
+
+
+def test_pages_go_to_the_strategys_device_not_the_host_masters_device(loader, paged_devices) -> None:
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
     _trainer(strategy, [PagedMoECallback(budget_fraction=0.5, calibration_batches=1)]).validate(LitMoE(), loader)
-    assert seen["device"] == strategy.root_device
-    assert seen["expert_device"].type == "cpu"  # the masters stay home
+    assert paged_devices == {"pages": strategy.root_device, "masters": torch.device("cpu")}
 
 
 def test_the_disk_tier_refuses_paged_experts_and_loses_nothing(loader, tmp_path) -> None:
@@ -167,10 +171,12 @@ def test_only_block_parameters_can_be_withheld(loader) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host(loader) -> None:
+def test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host(loader, paged_devices) -> None:
     module = LitMoE()
     callback = PagedMoECallback(budget_fraction=0.5, calibration_batches=1)
     trainer = _trainer(SuperpipeStrategy(resident_blocks=0, prefetch=1), [callback], accelerator="gpu")
     trainer.validate(module, loader, verbose=False)
-    assert callback.reports["validate"]["expert_bytes_device_max"] > 0
+    assert paged_devices["pages"].type == "cuda" and paged_devices["masters"].type == "cpu"
+    report = callback.reports["validate"]
+    assert 0 < report["expert_bytes_device_max"] <= 0.5 * report["expert_bytes_16bit"]
     assert all(p.device.type == "cpu" for p in module.parameters())
