@@ -225,8 +225,6 @@ def test_a_disk_too_small_or_unwritable_is_refused_before_training(tmp_path: Pat
         locked.mkdir(mode=0o500)
         with pytest.raises(MisconfigurationException, match="is not writable"):
             models.trainer(SuperpipeStrategy(offload_device="disk", offload_path=locked)).fit(task, models.data("lm"))
-    with pytest.raises(MisconfigurationException, match=r"gradient_clip_algorithm='value' is not supported"):
-        models.trainer(_disk(tmp_path / "tier"), gradient_clip_algorithm="value").fit(task, models.data("lm"))
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
 
 
@@ -262,3 +260,104 @@ def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     with pytest.raises(OrderingViolation, match="while it was in flight"):
         strategy = _disk(tmp_path / "tier", resident_blocks=0, link=EmulatedLink(mode="lazy", seed=1))
         models.fit("llama", strategy, max_steps=3)
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_clipping_by_value_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
+    """``gradient_clip_algorithm="value"`` with accumulation 2: the trunk's gradients are clamped in memory, each
+    block's spilled (accumulated) gradients as the block is stepped from disk."""
+    options = dict(gradient_clip_algorithm="value", gradient_clip_val=0.02)
+    host = models.fit("llama", "superpipe", **options)
+    streamed = models.fit("llama", _disk(tmp_path / "tier"), **options)
+    _assert_same(streamed, host)
+    unclipped = models.fit("llama", "superpipe", gradient_clip_val=None)
+    assert models.max_relative_difference(host, unclipped) > 1e-4  # the clamp changed the steps
+    assert streamed.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
+
+
+class _Manual(models.Task):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self(batch)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class _Adagrad(models.Task):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+class _StepHook(models.Task):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.1)
+        optimizer.register_step_post_hook(lambda *args: None)
+        return optimizer
+
+
+def _refusal_cases() -> list[Any]:
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    call = r"SuperpipeStrategy\(offload_device='disk', offload_path='[^']+', host_buffer_bytes=None\): "
+    return [
+        pytest.param(models.Task, dict(callbacks=[EMAWeightAveraging()]),
+                     call + r"the callback EMAWeightAveraging is not supported: .* files .*"
+                     r" with offload_device='cpu'\.$",
+                     id="ema"),
+        pytest.param(models.Task, dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
+                     call + r"the callback StochasticWeightAveraging is not supported", id="swa"),
+        pytest.param(_Manual, dict(gradient_clip_val=None, accumulate_grad_batches=1),
+                     call + r"manual optimization is not supported .* Use offload_device='cpu' for this run\.$",
+                     id="manual"),
+        pytest.param(_Adagrad, {}, call + r"Adagrad is not known to update each parameter on its own.*"
+                     r"\(supported: SGD, Adam, AdamW\)", id="adagrad"),
+        pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
+        pytest.param(models.Task, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
+                     call + r"a gradient scaler \(16-mixed\) needs every gradient in memory", id="16-mixed"),
+    ]
+
+
+@pytest.mark.parametrize(("task_class", "options", "message"), _refusal_cases())
+def test_what_the_tier_cannot_train_is_refused_with_the_users_call_before_training(
+    tmp_path: Path, task_class: type, options: dict[str, Any], message: str
+) -> None:
+    """Each refusal is one MisconfigurationException quoting the strategy's call and saying what to do, raised
+    before any file is written or any weight changes."""
+    build, kind = models.FAMILIES["llama"]
+    models.pl.seed_everything(7, verbose=False)
+    task = task_class(build, kind)
+    before = {name: p.detach().clone() for name, p in task.named_parameters()}
+    tier = tmp_path / "tier"
+    with pytest.raises(MisconfigurationException, match=message):
+        models.trainer(_disk(tier), **options).fit(task, models.data(kind))
+    assert task.losses == []  # not one training step
+    assert not list(tier.iterdir())  # not one file
+    assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
+
+
+def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_there(tmp_path: Path) -> None:
+    """An overridden ``on_before_optimizer_step`` (e.g. logging gradient norms) gets one warning naming it; it sees
+    the trunk's gradients and ``None`` for the blocks'. Without such a hook, no warning."""
+    seen: list[tuple[int, int]] = []
+
+    class Logging(models.Task):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            layers = list(self.model.model.layers.parameters())
+            seen.append((sum(p.grad is not None for p in layers), int(self.model.lm_head.weight.grad is not None)))
+
+    build, kind = models.FAMILIES["llama"]
+    with pytest.warns(UserWarning, match=r"offload_device='disk'.*Logging\.on_before_optimizer_step will see"):
+        models.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(Logging(build, kind), models.data(kind))
+    assert seen == [(0, 1), (0, 1)]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*will see `p.grad is None`")
+        models.trainer(_disk(tmp_path / "tier"), max_steps=1).fit(models.build_task("llama"), models.data("lm"))

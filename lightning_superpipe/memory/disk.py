@@ -42,7 +42,8 @@ How the engine is meant to use it (``offload_device="disk"``)::
     #  commit and the whole optimizer step must be redone)
     with _restricted(optimizer, trunk_params): optimizer.step()   # the rest (the trunk) stays in memory
     scheduler.step()                                  # param groups and LR live in the optimizer, in memory
-    # Checkpoint: manifest = store.snapshot(checkpoint_folder(ckpt_path)) (hard links, no RAM), put it in the .ckpt.
+    # Checkpoint: manifest = store.snapshot(checkpoint_folder(ckpt_path) / unique_name) (hard links, no RAM), put
+    #   it in the .ckpt; a fresh folder per save, so a kill mid-save leaves the previous .ckpt its copy.
     # Resume: DiskStore.restore(checkpoint_folder(ckpt_path), offload_path, blocks, optimizer).
     # Inference export: store.export_safetensors("model.safetensors", extra=trunk_state_dict).
 
@@ -1038,6 +1039,7 @@ class DiskStore:
         blocks: Optional[Sequence[int]] = None,
         commit: bool = True,
         grad_scale: Optional[Tensor] = None,
+        grad_clip_value: Optional[float] = None,
     ) -> None:
         """Steps ``optimizer`` over the blocks with gradients, block by block, and commits the new step.
 
@@ -1058,6 +1060,8 @@ class DiskStore:
                 the last block of the optimizer step) makes them the new step.
             grad_scale: Multiplies every gradient before the step (``clip_grad_norm_``'s clamped coefficient, a
                 0-dim tensor, for clipping by global norm with spilled gradients; see :meth:`grad_norms`).
+            grad_clip_value: Clamps every gradient to ``[-grad_clip_value, grad_clip_value]`` before the step (after
+                ``grad_scale``), as ``torch.nn.utils.clip_grad_value_`` does: clipping by value, element by element.
         """
         if grads not in ("param", "disk"):
             raise ValueError(f"grads must be 'param' or 'disk', not {grads!r}.")
@@ -1091,7 +1095,8 @@ class DiskStore:
                     record_read.result()
                     if grad_read is not None:
                         grad_read.result()
-                    record, holder = self._step_block(optimizer, index, buffer, grads == "disk", owned, grad_scale)
+                    record, holder = self._step_block(optimizer, index, buffer, grads == "disk", owned, grad_scale,
+                                                      grad_clip_value)
                 except BaseException:
                     self.pool.release(buffer)
                     raise
@@ -1172,6 +1177,7 @@ class DiskStore:
         grads_on_disk: bool,
         owned: set[nn.Parameter],
         grad_scale: Optional[Tensor],
+        grad_clip_value: Optional[float] = None,
     ) -> tuple[Record, Tensor]:
         """Steps block ``index`` in ``buffer`` (its committed record) and lays the new record out in it (or, if it
         outgrew the buffer, in a new one). Returns the record and the buffer that holds it."""
@@ -1198,6 +1204,10 @@ class DiskStore:
                 for param in params:
                     if param in stepped:
                         param.grad.mul_(grad_scale)  # type: ignore[union-attr]
+            if grad_clip_value is not None:
+                for param in params:
+                    if param in stepped:
+                        param.grad.clamp_(min=-grad_clip_value, max=grad_clip_value)  # type: ignore[union-attr]
             with _restricted(optimizer, stepped):
                 optimizer.step()
             states = [_own_state(optimizer, p) for p in params]

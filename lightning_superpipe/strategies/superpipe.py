@@ -289,6 +289,8 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         if self._engine is not None and self._engine.tier is not None:  # the files first: a .ckpt implies them
             self._engine.tier.add_to_checkpoint(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self._engine is not None and self._engine.tier is not None:  # the .ckpt is in place: older copies go
+            self._engine.tier.checkpoint_saved(checkpoint, filepath)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

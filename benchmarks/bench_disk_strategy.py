@@ -1,0 +1,277 @@
+"""``Trainer.fit`` through ``SuperpipeStrategy(offload_device="disk")`` against the host tier and the raw disk, in one
+run.
+
+A Llama-style causal LM built from a ``transformers`` config (nothing downloaded: wide layers, a small vocabulary)
+whose training state is at least 3 GB (fp32 masters, gradients and AdamW's two moments: 16 bytes per parameter) is
+trained for a few steps with ``torch.optim.AdamW(fused=True)``, clipping by norm 1.0 (so the disk tier spills every
+block's gradients and steps the blocks from disk after backward), three ways, each in a process of its own so that
+each peak RSS is its own:
+
+* ``host``: ``SuperpipeStrategy()`` (``offload_device="cpu"``: masters, gradients and moments in host memory);
+* ``disk``: ``SuperpipeStrategy(offload_device="disk", offload_path=..., host_buffer_bytes=...)``;
+* ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
+  stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``).
+
+Reported: peak RSS (``VmHWM`` from ``/proc/self/status``) of each over the whole process, and over training alone
+(``VmHWM`` reset through ``/proc/self/clear_refs`` when training starts: the model is built in host memory first,
+4 bytes per parameter, in both runs), and their ratios; step time of each (the steps after the first, which creates
+the moments) and their ratio; the tier's read and write GB/s over the timed steps (bytes over the time a read, or a
+write, was in flight; they share the disk) against the raw figures, and the step's I/O against the raw disk (the
+time the raw disk would take for the step's bytes, read and written one after the other, over the step's wall time).
+
+Both training processes call :func:`~lightning_superpipe.memory.disk.limit_heap_retention` first, as the disk tier
+does when it is built: without it glibc kept freed block-sized tensors in its heap and the host tier's steps took
+12.4 s here instead of 4.7 s.
+
+Usage:
+    python benchmarks/bench_disk_strategy.py                                 # ~3.4 GB of state, files in /tmp
+    python benchmarks/bench_disk_strategy.py --path /nvme/scratch --layers 48 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_disk import GB, peak_rss_bytes, run_raw, union_seconds  # noqa: E402
+
+
+def llama_config(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=args.seq, tie_word_embeddings=False, attention_dropout=0.0,
+    )
+
+
+def count_params(args: argparse.Namespace) -> tuple[int, int]:
+    """The model's parameters, and one decoder layer's (from the config on the meta device)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(args))
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def reset_peak_rss() -> bool:
+    """Resets ``VmHWM`` to the current RSS (Linux 4.0+); whether it applied."""
+    try:
+        with open("/proc/self/clear_refs", "w") as out:
+            out.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run_fit(args: argparse.Namespace) -> dict[str, Any]:
+    """One ``Trainer.fit`` through the strategy, ``args.role`` being ``"host"`` or ``"disk"``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import LlamaForCausalLM
+
+    from lightning_superpipe import SuperpipeStrategy
+
+    class Task(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(llama_config(args))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.step_s: list[float] = []
+            self.losses: list[float] = []
+            self.io: list[list[tuple[str, float, float, int]]] = []
+            self.rss_before_training = 0
+            self.rss_training = 0
+            self.cleared = False
+            self.direct_io: Any = None
+            self._began = 0.0
+
+        def _files(self, trainer: pl.Trainer) -> Any:
+            tier = trainer.strategy._engine.tier  # the disk tier's writer keeps (kind, start, end, bytes) per file
+            return None if tier is None else tier.store.files
+
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            self.rss_before_training = peak_rss_bytes()  # the model built, the tier set up
+            self.cleared = reset_peak_rss()
+            files = self._files(trainer)
+            self.direct_io = None if files is None else files.direct
+
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            # Before teardown, where the disk tier reads the masters back into the parameters (4 B per parameter).
+            self.rss_training = peak_rss_bytes() if self.cleared else 0
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
+            files = self._files(trainer)
+            if files is not None:
+                files.intervals = []
+            self._began = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
+            self.step_s.append(time.perf_counter() - self._began)
+            self.losses.append(float(outputs["loss"]))
+            files = self._files(trainer)
+            if files is not None:
+                self.io.append(list(files.intervals))
+
+    if args.role == "disk":
+        strategy = SuperpipeStrategy(offload_device="disk", offload_path=args.folder,
+                                     host_buffer_bytes=args.host_buffer_bytes)
+    else:
+        strategy = SuperpipeStrategy()
+    probe = Probe()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, gradient_clip_val=1.0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, callbacks=[probe],
+    )
+    began = time.perf_counter()
+    pl.seed_everything(0, verbose=False)
+    task = Task()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.steps * args.batch, args.seq), generator=generator)
+    trainer.fit(task, DataLoader(TensorDataset(tokens), batch_size=args.batch))
+    report = trainer.strategy.memory_report()
+    return {
+        "step_s": probe.step_s, "losses": probe.losses, "io_intervals": probe.io, "fit_s": time.perf_counter() - began,
+        "peak_rss_before_training_bytes": probe.rss_before_training,
+        "peak_rss_training_bytes": probe.rss_training or None,
+        # Since the reset (or the start, without one): training and the teardown after it.
+        "peak_rss_bytes": peak_rss_bytes(),
+        "disk_bytes": report.get("disk_bytes"), "peak_disk_pool_host_bytes": report.get("peak_disk_pool_host_bytes"),
+        "disk_bytes_read": report.get("disk_bytes_read"), "disk_bytes_written": report.get("disk_bytes_written"),
+        "direct_io": probe.direct_io,
+    }
+
+
+def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--role", role, "--folder", str(args.folder)]
+    for name in ("layers", "hidden", "intermediate", "vocab", "seq", "batch", "steps", "threads"):
+        command += [f"--{name}", str(getattr(args, name))]
+    command += ["--raw-bytes", str(args.raw_bytes)]
+    if args.host_buffer_bytes is not None:
+        command += ["--host-buffer-bytes", str(args.host_buffer_bytes)]
+    print(f"[{role}] ...", file=sys.stderr, flush=True)
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the {role} run failed:\n{done.stderr[-4000:]}")
+    print(f"[{role}] {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", type=Path, default=Path(tempfile.gettempdir()),
+                        help="a folder on the disk to measure (a scratch folder is made in it and removed)")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--buffers", type=int, default=3,
+                        help="host_buffer_bytes as this many buffers of one layer's record and gradients")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--role", choices=["host", "disk", "raw"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--host-buffer-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.role is not None:
+        from lightning_superpipe.memory.disk import limit_heap_retention
+
+        limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike (see bench_disk.py)
+        runner = run_raw if args.role == "raw" else run_fit
+        print(json.dumps(runner(args)))
+        return
+
+    params, layer = count_params(args)
+    # fp32 master + two moments (12 B) and the spilled gradient (4 B) of one layer, page-rounded, per buffer.
+    args.host_buffer_bytes = args.buffers * (-(-16 * layer // 4096) * 4096 + 4096)
+    args.raw_bytes = max(12 * (params - 2 * args.vocab * args.hidden), 1 << 30)  # one step's records, >= 1 GiB
+    needed = 28 * params + args.raw_bytes  # two slots of 12 B, 4 B of gradients, then the raw file
+    free = shutil.disk_usage(args.path).free
+    if needed * 1.1 > free:
+        raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
+    args.folder = Path(tempfile.mkdtemp(prefix="superpipe-bench-disk-strategy-", dir=args.path))
+    try:
+        host = child("host", args)
+        disk = child("disk", args)
+        shutil.rmtree(args.folder)
+        args.folder.mkdir()
+        raw = child("raw", args)
+    finally:
+        shutil.rmtree(args.folder, ignore_errors=True)
+
+    later = slice(1, None) if args.steps > 1 else slice(None)
+    disk_step = sum(disk["step_s"][later]) / len(disk["step_s"][later])
+    host_step = sum(host["step_s"][later]) / len(host["step_s"][later])
+    intervals = [i for step in disk["io_intervals"][later] for i in step]
+    read_bytes = sum(n for kind, _, _, n in intervals if kind == "read")
+    write_bytes = sum(n for kind, _, _, n in intervals if kind == "write")
+    read_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "read"])
+    write_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "write"])
+    raw_read = max(raw["bytes"] / raw["read_1_s"], raw["bytes"] / raw["read_4_s"])
+    raw_write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
+    steps_counted = len(disk["step_s"][later])
+    raw_time = (read_bytes / raw_read + write_bytes / raw_write) / steps_counted
+    figures: dict[str, Any] = {
+        "params": params, "training_state_bytes": 16 * params, "layers": args.layers,
+        "tokens_per_step": args.batch * args.seq, "threads": args.threads,
+        "host_buffer_bytes": args.host_buffer_bytes, "peak_disk_pool_host_bytes": disk["peak_disk_pool_host_bytes"],
+        "disk_file_bytes": disk["disk_bytes"], "direct_io": disk["direct_io"],
+        "peak_rss_before_training_host_bytes": host["peak_rss_before_training_bytes"],
+        "peak_rss_before_training_disk_bytes": disk["peak_rss_before_training_bytes"],
+        "peak_rss_training_host_bytes": host["peak_rss_training_bytes"],
+        "peak_rss_training_disk_bytes": disk["peak_rss_training_bytes"],
+        "step_s_host": host_step, "step_s_disk": disk_step, "step_time_ratio": disk_step / host_step,
+        "first_step_s_host": host["step_s"][0], "first_step_s_disk": disk["step_s"][0],
+        "fit_s_host": host["fit_s"], "fit_s_disk": disk["fit_s"],
+        "losses_host": host["losses"], "losses_disk": disk["losses"],
+        "step_read_bytes": read_bytes / steps_counted, "step_write_bytes": write_bytes / steps_counted,
+        "step_read_gbps": read_bytes / read_busy / GB, "step_write_gbps": write_bytes / write_busy / GB,
+        "raw_read_gbps": {"1x64MiB": raw["bytes"] / raw["read_1_s"] / GB,
+                          "4x16MiB": raw["bytes"] / raw["read_4_s"] / GB},
+        "raw_write_fsync_gbps": {"1x64MiB": raw["bytes"] / raw["write_1_s"] / GB,
+                                 "4x16MiB": raw["bytes"] / raw["write_4_s"] / GB},
+        "step_read_vs_raw": read_bytes / read_busy / raw_read,
+        "step_write_vs_raw": write_bytes / write_busy / raw_write,
+        "step_io_vs_raw": raw_time / disk_step,
+    }
+    for phase in ("before_training", "training"):
+        host_bytes, disk_bytes = figures[f"peak_rss_{phase}_host_bytes"], figures[f"peak_rss_{phase}_disk_bytes"]
+        if host_bytes and disk_bytes:
+            figures[f"peak_rss_{phase}_ratio"] = disk_bytes / host_bytes
+    whole = [max(filter(None, (r["peak_rss_before_training_bytes"], r["peak_rss_training_bytes"],
+                               r["peak_rss_bytes"]))) for r in (host, disk)]
+    figures.update(peak_rss_host_bytes=whole[0], peak_rss_disk_bytes=whole[1], peak_rss_ratio=whole[1] / whole[0])
+    print(json.dumps(figures, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
