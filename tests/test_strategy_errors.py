@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -24,9 +25,14 @@ def test_registered_under_its_name_and_usable_as_an_instance() -> None:
     assert (trainer.strategy.resident_blocks, trainer.strategy.prefetch) == (3, 2)
 
 
-def test_several_devices_are_refused_with_the_users_call() -> None:
-    with pytest.raises(MisconfigurationException, match=r"strategy='superpipe'.*resolved 2.*devices=1"):
-        models.trainer("superpipe", devices=2)
+def test_several_devices_resolve_to_one_rank_each() -> None:
+    # Runs on several devices are tested end to end in tests/test_strategy_ddp.py; here only what the Trainer
+    # resolves: two CPU processes launched by Lightning's subprocess launcher, each streaming through one device.
+    trainer = models.trainer("superpipe", devices=2)
+    assert isinstance(trainer.strategy, SuperpipeStrategy)
+    assert trainer.strategy.parallel_devices == [torch.device("cpu")] * 2
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+    assert models.trainer("superpipe").strategy.launcher is None  # one device: this process, no process group
 
 
 def test_a_model_without_blocks_says_how_to_name_them() -> None:

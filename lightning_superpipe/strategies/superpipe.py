@@ -1,10 +1,12 @@
-"""``SuperpipeStrategy``: train and evaluate models larger than the accelerator's memory on one device.
+"""``SuperpipeStrategy``: train and evaluate models larger than the accelerator's memory, on one device or several.
 
 The model's home is host memory. Its blocks (decoder layers, vision stages) stream through the device just in
 time, in forward and again in backward; gradients return to the host block by block; the optimizer steps the
 host parameters, so its state never occupies the device. This module is thin glue between Lightning's hooks and
 the streaming engine in :mod:`lightning_superpipe.streaming`. With ``offload_device="disk"`` the blocks' masters and
-optimizer state live in files instead (:mod:`lightning_superpipe.streaming.disk_tier`).
+optimizer state live in files instead (:mod:`lightning_superpipe.streaming.disk_tier`). On several devices or nodes
+it is Lightning's ``DDPStrategy`` without the ``DistributedDataParallel`` wrapper: each rank streams its own copy and
+the gradients are averaged block by block on the way back (:mod:`lightning_superpipe.streaming.distributed`).
 """
 
 from __future__ import annotations
@@ -13,19 +15,19 @@ import os
 import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -34,23 +36,24 @@ from typing_extensions import override
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.setup import KNOBS, install_clipping, single_device, start_streaming, strategy_report
+from lightning_superpipe.streaming.setup import KNOBS, install_clipping, start_streaming, strategy_report
+from lightning_superpipe.strategies.ranks import RanksStrategy
 
-_RNG_KEY = "superpipe_rng_states"
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-class SuperpipeStrategy(SingleDeviceStrategy):
-    """Streams a host-resident model's blocks through one device; optimizer and masters stay on the host.
+class SuperpipeStrategy(RanksStrategy):
+    """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
-    The knobs are described, with what each costs, in the README's table.
+    The knobs are described, with what each costs, in the README's table. With one device on one node it runs in
+    this process, with no process group; with more, Lightning launches one process per device (its subprocess
+    launcher, ``torchrun``, SLURM) and each streams its own copy, the gradients averaged across ranks.
 
     Args:
         memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a fraction of free device memory, ``"auto"``):
@@ -67,9 +70,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's).
-        accelerator: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        checkpoint_io: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
-        precision_plugin: Passed to :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        shard_optimizer: On several ranks, keep each block's gradients and optimizer state on one rank, which steps it
+            and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank.
+        accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
+            :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
+        timeout: How long a collective waits for the other ranks before it fails (DDP's ``timeout``).
     """
 
     strategy_name = "superpipe"
@@ -90,9 +95,15 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         offload_device: str = "cpu",
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
+        shard_optimizer: bool = False,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
         super().__init__(
-            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            accelerator=accelerator, parallel_devices=[torch.device(device)] if device is not None else None,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout,
         )
         self.memory_budget = memory_budget
         self.resident_blocks = resident_blocks
@@ -104,31 +115,14 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         self.offload_device = offload_device
         self.offload_path = offload_path
         self.host_buffer_bytes = host_buffer_bytes
+        self.shard_optimizer = shard_optimizer
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
-        # Empty until the accelerator connector fills it with the devices the Trainer resolved.
-        self._parallel_devices: list[torch.device] = [torch.device(device)] if device is not None else []
         self._engine: Optional[StreamingEngine] = None
         self._hooks: list[Hook] = []
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
         self._streamed_stacks: list[str] = []
         self._planner: Optional[BudgetPlanner] = None
-
-    # ------------------------------------------------------------------ device selection
-
-    @property
-    def parallel_devices(self) -> list[torch.device]:
-        """The devices the Trainer resolved; Lightning's connector sets them, and this strategy uses one."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[Union[int, str, torch.device]]) -> None:
-        try:
-            self._parallel_devices = single_device(devices)
-        except ValueError as error:
-            raise MisconfigurationException(str(error)) from error
-        if self._parallel_devices:
-            self._root_device = self._parallel_devices[0]
 
     # ------------------------------------------------------------------ set-up and tear-down
 
@@ -139,11 +133,11 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS})  # several: same model and knobs
         early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
         if early:
             self.setup_optimizers(trainer)
-        self.model_to_device()
-        self.model = self._setup_model(self.model)
+        self.on_every_rank(self.model_to_device, "start streaming")
         if self._fitting and not early:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -160,7 +154,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         streaming = start_streaming(
             model, self.root_device, transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
             fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers), resume=self._resume,
-            **{knob: getattr(self, knob) for knob in KNOBS},
+            ranks=self.world_size if self.several_ranks else 1, **{knob: getattr(self, knob) for knob in KNOBS},
         )
         self._resume = None
         self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner
@@ -238,7 +232,9 @@ class SuperpipeStrategy(SingleDeviceStrategy):
         planner = self._planner
         # The closure's backward steps block by block where that is exact; not while the planner times the step.
         assert self._lightning_module is not None
+        # With shard_optimizer each rank steps its share after backward, then the ranks exchange the new weights.
         overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None)
+        overlap = overlap and self.sharded_optimizer is None
         self.engine.arm_overlap(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto", overlap)
         start = time.perf_counter()
         try:
@@ -247,6 +243,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             self.engine.disarm_overlap()
         if self.engine.tier is not None:  # the blocks: committed, or stepped from their spilled gradients
             self.engine.tier.finish_step(optimizer)
+        self.share_stepped(optimizer)  # shard_optimizer: every block's new masters from its owner
         stepped = time.perf_counter()
         # The next forward must stream the weights this step produced.
         self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
@@ -284,8 +281,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        # Plain Lightning does not save the RNG state, so dropout after a resume differs from an uninterrupted run.
-        checkpoint[_RNG_KEY] = rng_states()
+        self.add_rng_states(checkpoint)
         if self._engine is not None and self._engine.tier is not None:  # the files first: a .ckpt implies them
             self._engine.tier.add_to_checkpoint(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -301,8 +297,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if _RNG_KEY in checkpoint:
-            set_rng_states(checkpoint[_RNG_KEY])
+        self.restore_rng_states(checkpoint)
         if disk_tier.DISK_KEY in checkpoint:
             self._resume = disk_tier.resume_folder(checkpoint_path, checkpoint[disk_tier.DISK_KEY], self.offload_device)
         return checkpoint
@@ -326,6 +321,7 @@ class SuperpipeStrategy(SingleDeviceStrategy):
             if self._engine is not None and self._engine.tier is not None and disk_tier.DISK_KEY not in checkpoint:
                 self._engine.tier.check_optimizer_state(optimizer, state)
             optimizer.load_state_dict(state)
+            self.keep_own_optimizer_state(optimizer)  # shard_optimizer: this rank's share only
 
     # ------------------------------------------------------------------ memory report
 

@@ -1,7 +1,8 @@
 """Starting to stream: the strategy's knobs checked, the blocks found, the homes (host or disk) and the engine built.
 
 This is the body of :meth:`SuperpipeStrategy.model_to_device`, kept here so that the strategy stays glue: every
-check runs before anything is allocated, so a bad knob leaves the model as it was.
+check runs before anything is allocated, so a bad knob leaves the model as it was. Under several devices
+:func:`join_ranks` runs first, and the engine averages gradients across ranks (:mod:`.distributed`).
 """
 
 from __future__ import annotations
@@ -30,13 +31,20 @@ from lightning_superpipe.streaming.disk_tier import (
     disk_host_bytes,
     offload_call,
 )
+from lightning_superpipe.streaming.distributed import (
+    GradientAverager,
+    assign_owners,
+    broadcast_from_rank_zero,
+    check_same_setup,
+    fingerprint,
+)
 from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
 from lightning_superpipe.streaming.hooks import Hook, attach_hooks
 
 
 #: The strategy's knobs that :func:`start_streaming` takes, by attribute name.
 KNOBS = ("memory_budget", "resident_blocks", "prefetch", "activations", "overlap_optimizer", "block_policy", "link",
-         "offload_device", "offload_path", "host_buffer_bytes")
+         "offload_device", "offload_path", "host_buffer_bytes", "shard_optimizer")
 
 
 @dataclass
@@ -65,13 +73,17 @@ def start_streaming(
     offload_device: str = "cpu",
     offload_path: Optional[Union[str, os.PathLike[str]]] = None,
     host_buffer_bytes: Optional[int] = None,
+    shard_optimizer: bool = False,
     trainer: Any = None,
     optimizers: tuple[Optimizer, ...] = (),
     resume: Optional[Path] = None,
+    ranks: int = 1,
 ) -> Streaming:
     """Finds the blocks, checks the knobs, builds the homes and the engine, and hooks the blocks.
 
-    Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier).
+    Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
+    ``ranks`` above one, the engine averages the gradients across them (with ``shard_optimizer``, each block's to
+    its owner rank only).
 
     Raises:
         MisconfigurationException: A knob the user gave is wrong (the message quotes it); nothing was allocated.
@@ -84,6 +96,11 @@ def start_streaming(
     # Checked here rather than in the strategy's __init__: LightningCLI reports a constructor's error as a type
     # mismatch.
     try:
+        if disk and ranks > 1:  # before the tier's own checks, which would probe one folder from every rank
+            raise ValueError(f"{call} streams through one device for now: run it with `Trainer(devices=1)`, or use"
+                             " `offload_device='cpu'` on several devices (each rank's masters in its host memory).")
+        if shard_optimizer not in (True, False):
+            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True or False.")
         check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
         check_offload(offload_device, offload_path, host_buffer_bytes)
         if disk and memory_budget is not None:
@@ -91,6 +108,7 @@ def start_streaming(
                              " and prefetch instead.")
         if disk and fitting:
             check_training(trainer, optimizers, call)
+
     except ValueError as error:
         raise MisconfigurationException(str(error)) from error
     stacks = describe_stacks(model, blocks)
@@ -135,6 +153,11 @@ def start_streaming(
         block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead,
         transfer_dtype=transfer_dtype, link=link, activations=modes, tier=tier,
     )
+    if ranks > 1:
+        parts = [(params, sum(p.numel() * p.element_size() for p in params)) for params in block_params if params]
+        parts += [([param], param.numel() * param.element_size()) for param in trunk_params]
+        owners = assign_owners(parts, ranks) if shard_optimizer else None
+        engine.gradients.averager = GradientAverager(device, owners)
     return Streaming(engine, attach_hooks(engine, model, blocks), planner, stacks)
 
 
@@ -142,19 +165,35 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def single_device(devices: Sequence[Union[int, str, torch.device]]) -> list[torch.device]:
-    """The devices the Trainer resolved, as ``torch.device``\\ s (an int is a CUDA index).
+def as_devices(devices: Sequence[Union[int, str, torch.device]]) -> list[torch.device]:
+    """The devices the Trainer resolved, as ``torch.device``\\ s (an int is a CUDA index)."""
+    return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+
+
+def join_ranks(model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, Any]) -> None:
+    """Before a run on several ranks streams: the same model and knobs everywhere (else one error on every rank),
+    what is not supported there yet refused, and rank 0's parameters and buffers given to every rank.
 
     Raises:
-        ValueError: More than one: the strategy streams through one device.
+        RanksDisagreeError: The ranks differ (the message names what and where).
+        MisconfigurationException: ``sync_batchnorm``, which converts no layers here.
     """
-    if len(devices) > 1:
-        raise ValueError(
-            f"`Trainer(strategy='superpipe')` streams through one device, but the Trainer resolved {len(devices)}"
-            f" ({', '.join(str(d) for d in devices)}). Use `Trainer(devices=1)`; several devices are not"
-            " supported yet."
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    call = (f"`Trainer(strategy=SuperpipeStrategy(...), devices={len(strategy.parallel_devices)},"
+            f" num_nodes={strategy.num_nodes})`")
+    check_same_setup(fingerprint(model, knobs, str(strategy.precision_plugin.precision)), call)
+    if strategy._layer_sync is not None and trainer.state.fn == "fit":
+        raise MisconfigurationException(
+            "`Trainer(strategy='superpipe', sync_batchnorm=True)` is not supported yet: each rank keeps its own"
+            " BatchNorm statistics. Leave `sync_batchnorm` off."
         )
-    return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+    if knobs.get("shard_optimizer") and str(strategy.precision_plugin.precision) == "16-mixed":
+        raise MisconfigurationException(
+            "`SuperpipeStrategy(shard_optimizer=True)` does not support `precision='16-mixed'` yet (its gradient"
+            " scaler checks every gradient, and each rank keeps only its share); use 'bf16-mixed' or fp32."
+        )
+    broadcast_from_rank_zero(model, strategy.root_device)
 
 
 def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
@@ -167,10 +206,28 @@ def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
     """
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
+    averager = engine.gradients.averager if engine is not None else None
     if engine is not None and engine.tier is not None:
         plugin.clip_gradients = engine.tier.clip_gradients
+    elif averager is not None and averager.sharded:  # each rank holds only its share of the gradients
+        plugin.clip_gradients = partial(_clip_shared, plugin, averager)
     elif isinstance(plugin, MixedPrecision) and plugin.scaler is None:
         plugin.clip_gradients = partial(Precision.clip_gradients, plugin)
+
+
+def _clip_shared(plugin: Any, averager: GradientAverager, optimizer: Optimizer, clip_val: float = 0.0,
+                 gradient_clip_algorithm: Any = "norm") -> None:
+    """``Precision.clip_gradients`` for gradients sharded across ranks: by value as usual (each rank its own), by
+    norm with the global norm (:meth:`GradientAverager.clip_by_norm`)."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    if clip_val <= 0:
+        return
+    if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        Precision.clip_grad_by_value(plugin, optimizer, clip_val)
+    else:
+        averager.clip_by_norm(list(plugin.main_params(optimizer)), clip_val)
 
 
 def strategy_report(

@@ -1,0 +1,151 @@
+"""Lightning's DDP machinery for a strategy that does not wrap the model in ``DistributedDataParallel``.
+
+:class:`RanksStrategy` is the base of :class:`~lightning_superpipe.SuperpipeStrategy`, as ``DDPStrategy`` is the base
+of Lightning's DeepSpeed strategy: Lightning's launchers (its subprocess launcher for ``devices=N``, ``torchrun``,
+SLURM through the cluster environments), ``DistributedSampler``, ``barrier``, ``broadcast``, ``reduce`` and
+``sync_dist`` work unchanged, while the gradients are averaged by the streaming engine, block by block
+(:mod:`lightning_superpipe.streaming.distributed`). With one device on one node nothing of that runs: no launcher,
+no process group, no ``DistributedSampler``, as under a single-device strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.streaming.distributed import (
+    GradientAverager,
+    every_ranks_rng_states,
+    gather_optimizer_state,
+    on_every_rank,
+    share_stepped,
+)
+from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.setup import as_devices, join_ranks
+
+_RNG_KEY = "superpipe_rng_states"
+_RANKS_RNG_KEY = "superpipe_rng_states_per_rank"
+
+
+class RanksStrategy(DDPStrategy):
+    """One process per device (devices times nodes ranks), or this process alone for one device on one node."""
+
+    _engine: Optional[StreamingEngine]
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device]:
+        """The devices the Trainer resolved (empty until Lightning's connector sets them); each rank uses one."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[Union[int, str, torch.device]]]) -> None:
+        self._parallel_devices = as_devices(devices or [])
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        devices = self._parallel_devices
+        return devices[self.local_rank] if len(devices) > 1 else devices[0] if devices else torch.device("cpu")
+
+    @property
+    def several_ranks(self) -> bool:
+        """Whether the run has more than one rank (devices per node times nodes)."""
+        return self.num_nodes * max(1, len(self._parallel_devices)) > 1
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.several_ranks:
+            super()._configure_launcher()
+        else:  # one device: this process, as under a single-device strategy
+            self._launcher = None
+
+    @override
+    def setup_environment(self) -> None:
+        if self.several_ranks:
+            super().setup_environment()  # and the process group
+        else:
+            Strategy.setup_environment(self)
+
+    def join_ranks(self, trainer: Trainer, knobs: dict[str, Any]) -> None:
+        """Before streaming starts: on several ranks the same model and knobs everywhere and rank 0's weights given
+        to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
+        sees it."""
+        assert self.model is not None
+        if self.several_ranks:
+            join_ranks(self.model, self, trainer, knobs)
+        else:  # Lightning would put a DistributedSampler of one replica (another data order) in every DataLoader
+            trainer._accelerator_connector.use_distributed_sampler = False
+
+    def on_every_rank(self, work: Callable[[], None], what: str) -> None:
+        """Runs ``work``; on several ranks a failure on any is an error on every rank instead of a hang."""
+        on_every_rank(work, what) if self.several_ranks else work()
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
+        return model  # not wrapped in DistributedDataParallel: the engine averages the gradients
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """The micro-batches of an accumulation before the last: gradients accumulate locally, unreduced (DDP's
+        ``no_sync``)."""
+        averager = self._engine.gradients.averager if self._engine is not None else None
+        if averager is None:
+            yield
+            return
+        averager.sync = False
+        try:
+            yield
+        finally:
+            averager.sync = True
+
+    @property
+    def sharded_optimizer(self) -> Optional[GradientAverager]:
+        """The engine's averager where each rank keeps and steps only its share (``shard_optimizer``), else ``None``."""
+        averager = self._engine.gradients.averager if self._engine is not None else None
+        return averager if averager is not None and averager.sharded else None
+
+    def share_stepped(self, optimizer: Optimizer) -> None:
+        """After the optimizer step with ``shard_optimizer``: every rank gets the new weights from their owners."""
+        averager = self.sharded_optimizer
+        if averager is not None and self._engine is not None:
+            params = {p for group in optimizer.param_groups for p in group["params"]}
+            share_stepped(self._engine.homes, self._engine.trunk_parameters(), params, averager)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict; with ``shard_optimizer`` every rank's share, gathered on rank 0 (it writes)."""
+        state = super().optimizer_state(optimizer)
+        return gather_optimizer_state(state) if self.sharded_optimizer is not None else state
+
+    def keep_own_optimizer_state(self, optimizer: Optimizer) -> None:
+        """After loading a whole optimizer state with ``shard_optimizer``: only this rank's share stays."""
+        averager = self.sharded_optimizer
+        if averager is not None:
+            for param in [p for p in optimizer.state if not averager.owns(p)]:
+                del optimizer.state[param]
+
+    def add_rng_states(self, checkpoint: dict[str, Any]) -> None:
+        """Puts the RNG states into ``checkpoint`` (plain Lightning does not, so dropout after a resume would differ
+        from an uninterrupted run); on several ranks every rank's, gathered (this runs on every rank, rank 0 writes)."""
+        checkpoint[_RNG_KEY] = rng_states()
+        if self.several_ranks:
+            checkpoint[_RANKS_RNG_KEY] = every_ranks_rng_states(checkpoint[_RNG_KEY])
+
+    def restore_rng_states(self, checkpoint: dict[str, Any]) -> None:
+        """This rank's RNG states from ``checkpoint``: its own if it was saved by as many ranks, else rank 0's."""
+        per_rank = checkpoint.get(_RANKS_RNG_KEY, [])
+        if self.several_ranks and len(per_rank) == self.world_size:
+            set_rng_states(per_rank[self.global_rank])
+        elif _RNG_KEY in checkpoint:
+            set_rng_states(checkpoint[_RNG_KEY])

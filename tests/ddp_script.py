@@ -1,0 +1,156 @@
+"""Runs on two CPU processes (gloo) for tests/test_strategy_ddp.py: ``python tests/ddp_script.py MODE OUT_DIR``.
+
+Lightning's subprocess launcher starts this script again for rank 1 at the first ``fit``; both processes then run
+every fit below in the same process group. Each rank saves what it saw to ``OUT_DIR/<name>_rank<r>.pt``.
+
+Modes:
+    ``exact``: ``strategy="ddp"`` and ``"superpipe"`` on the same seed (AdamW in two groups with a schedule, clipping by
+    norm, accumulation 2, dropout), with a ``sync_dist`` metric, also on the emulated asynchronous link; the
+    overlapped optimizer step (no clipping) against DDP; then a run checkpointed after one epoch and resumed.
+    ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
+    too small (its own error there, one naming rank 1 on rank 0); the disk tier and ``sync_batchnorm`` on two devices
+    (refused on both).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+
+import lightning_superpipe  # noqa: E402, F401
+from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
+from lightning_superpipe.streaming.distributed import rss_bytes  # noqa: E402
+from tests import models  # noqa: E402
+
+TIMEOUT = timedelta(seconds=60)  # a collective that waits longer fails instead of hanging the test
+
+
+class SyncedTask(models.Task):
+    """The tests' task on a tiny Llama with dropout, logging a rank-dependent value with ``sync_dist``."""
+
+    def __init__(self) -> None:
+        super().__init__(models.llama, "lm")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("synced_rank", float(self.global_rank), sync_dist=True, on_step=False, on_epoch=True)
+        self.log("synced_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
+        return loss
+
+
+class Record(Callback):
+    """Keeps the strategy's memory report and its all-reduce count, read before teardown closes the engine."""
+
+    def __init__(self) -> None:
+        self.report: dict[str, Any] = {}
+        self.reductions = -1
+        self.trunk_params = -1
+        self.slot_references: list[int] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, SuperpipeStrategy):
+            self.report = strategy.memory_report()
+            self.reductions = strategy.engine.gradients.averager.reductions
+            self.trunk_params = len(strategy.engine.trunk_parameters())
+            self.slot_references = models.extra_slot_references(strategy.engine)
+
+
+def rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def fit(
+    name: str, out: Path, strategy: Any, ckpt_path: Any = None, callbacks: tuple[Callback, ...] = (), **options: Any
+) -> None:
+    pl.seed_everything(7, verbose=False)
+    task = SyncedTask()
+    pl.seed_everything(8, verbose=False)
+    record = Record()
+    trainer = models.trainer(strategy, devices=2, callbacks=[record, *callbacks], **options)
+    trainer.fit(task, models.data("lm"), ckpt_path=ckpt_path)
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    rss, peak_rss = rss_bytes()
+    torch.save(
+        {
+            "losses": task.losses,
+            "weights": {key: value.detach().clone() for key, value in task.state_dict().items()},
+            "metrics": metrics,
+            "report": {k: v for k, v in record.report.items() if isinstance(v, (int, float))},
+            "reductions": record.reductions,
+            "trunk_params": record.trunk_params,
+            "slot_references": record.slot_references,
+            "steps": trainer.global_step,
+            "rss": rss,
+            "peak_rss": peak_rss,
+            "sampler": type(trainer.train_dataloader.sampler).__name__,
+        },
+        out / f"{name}_rank{trainer.global_rank}.pt",
+    )
+
+
+def exact(out: Path) -> None:
+    fit("ddp", out, "ddp", max_steps=6)
+    fit("superpipe", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=6)
+    fit("sharded", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_steps=6)
+    # The CUDA code paths (staging, the gradient worker, events) on deferred copies, with the ordering checker.
+    fit("emulated", out, SuperpipeStrategy(link=EmulatedLink(mode="thread", seed=1), timeout=TIMEOUT), max_steps=6)
+    # The overlapped optimizer step (blocks stepped during backward, as soon as their averaged gradients are in).
+    fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
+    fit("overlapped", out, SuperpipeStrategy(overlap_optimizer=True, timeout=TIMEOUT), max_steps=4, gradient_clip_val=None)
+    epochs = dict(max_steps=-1, limit_train_batches=8)
+    fit("uninterrupted", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, **epochs)
+    checkpoint = ModelCheckpoint(dirpath=out, save_last=True)
+    fit("first", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=1, enable_checkpointing=True,
+        callbacks=(checkpoint,), **epochs)
+    fit("resumed", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, ckpt_path=out / "last.ckpt", **epochs)
+    # The same with each rank keeping its share of the optimizer state: one .ckpt with all of it, resumed.
+    sharded = out / "sharded"
+    checkpoint = ModelCheckpoint(dirpath=sharded, save_last=True)
+    fit("sharded_first", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_epochs=1,
+        enable_checkpointing=True, callbacks=(checkpoint,), **epochs)
+    fit("sharded_resumed", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_epochs=2,
+        ckpt_path=sharded / "last.ckpt", **epochs)
+
+
+def disagree(out: Path) -> None:
+    from lightning_superpipe.memory import host
+
+    (out / "tier").mkdir(exist_ok=True)
+    attempts = {
+        "knobs": SuperpipeStrategy(prefetch=1 + rank(), timeout=TIMEOUT),
+        "host": SuperpipeStrategy(timeout=TIMEOUT),  # rank 1's host is too small
+        "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
+        "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
+    }
+    available = host.available_host_bytes
+    for name, strategy in attempts.items():
+        host.available_host_bytes = (lambda: 1024) if name == "host" and rank() == 1 else available
+        try:
+            fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm")
+        except Exception as error:  # noqa: BLE001 - what each rank saw is the test's evidence
+            (out / f"{name}_rank{rank()}.txt").write_text(f"{type(error).__name__}: {error}")
+        else:
+            (out / f"{name}_rank{rank()}.txt").write_text("no error")
+
+
+if __name__ == "__main__":
+    mode, folder = sys.argv[1], Path(sys.argv[2])
+    try:
+        {"exact": exact, "disagree": disagree}[mode](folder)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    # Both ranks leave the process group together, not each in its own exit handler while the other still talks.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
