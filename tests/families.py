@@ -290,6 +290,18 @@ def _mixtral_config(layers: int) -> Any:
     )
 
 
+def _jamba_config(layers: int) -> Any:
+    from transformers import JambaConfig
+
+    # A hybrid: Mamba layers and attention layers (different classes in one stack), MoE every other layer.
+    return JambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=max(layers, 2), num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2 * SEQ, num_experts=4, num_experts_per_tok=1,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8,
+        mamba_dt_rank=8, use_mamba_kernels=False,
+    )
+
+
 def _qwen2_moe_config(layers: int) -> Any:
     from transformers import Qwen2MoeConfig
 
@@ -331,6 +343,10 @@ CAUSAL_LMS: dict[str, tuple[Callable[[int], Any], frozenset[str], str]] = {
     "qwen2_moe": (
         _qwen2_moe_config, frozenset({"moe"}),
         "8 experts top-1 plus a gated shared expert, fused 3-D expert parameters",
+    ),
+    "jamba": (
+        _jamba_config, frozenset({"moe"}),
+        "hybrid: a Mamba layer then an attention layer (two classes in one stack), experts in the first",
     ),
 }
 
@@ -662,6 +678,7 @@ def _registry() -> dict[str, Family]:
         causal_lm("falcon", padding="left"),
         causal_lm("mixtral"),
         causal_lm("qwen2_moe"),
+        causal_lm("jamba"),
         moe_modulelist(),
         t5(),
         t5(padding="right"),

@@ -11,6 +11,7 @@ from lightning_superpipe import EmulatedLink, PagedMoECallback, SuperpipeStrateg
 from lightning_superpipe.moe import expert_parameters
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
+from tests import moe_families
 
 
 class LitMoE(pl.LightningModule):
@@ -180,3 +181,39 @@ def test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host(loader, p
     report = callback.reports["validate"]
     assert 0 < report["expert_bytes_device_max"] <= 0.5 * report["expert_bytes_16bit"]
     assert all(p.device.type == "cpu" for p in module.parameters())
+
+
+class _FamilyModule(pl.LightningModule):
+    """A fused-experts family as a user builds it (its default experts implementation), validated on fixed inputs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.logits: list[torch.Tensor] = []
+        self.unstreamed: list[int] = []  # elements of the blocks' homes that do not stream now
+
+    def validation_step(self, batch, batch_idx):
+        self.logits.append(self.model(input_ids=batch).logits.detach().clone())
+        engine = self.trainer.strategy.engine
+        blocks = [i for i, home in enumerate(engine.homes) if home is not None]
+        at_home = sum(piece.numel for i in blocks for piece in engine.homes[i].slices)
+        self.unstreamed.append(at_home - sum(piece.numel for i in blocks for piece in engine.streamed_slices(i)))
+
+
+@pytest.mark.parametrize("model_type", moe_families.buildable_model_types())
+def test_every_fused_experts_family_pages_under_superpipe_exactly_at_a_full_budget(model_type) -> None:
+    """Each family streamed with its experts paged at a full budget computes the unstreamed, unpaged model's logits
+    bit for bit, and its blocks stream without exactly the paged weights."""
+    model = moe_families.build(model_type).eval()
+    inputs = torch.randint(0, 256, (1, 2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = [model(input_ids=batch).logits for batch in inputs]
+    module = _FamilyModule(model)
+    paged = sum(p.numel() for p in expert_parameters(model))
+    callback = PagedMoECallback(budget_bytes=None, calibration_batches=0)  # calibration places pages: none here
+    strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
+    _trainer(strategy, [callback]).validate(module, DataLoader(list(inputs), batch_size=None), verbose=False)
+    assert len(module.logits) == 1
+    for got, want in zip(module.logits, reference):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert module.unstreamed == [paged]

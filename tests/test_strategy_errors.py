@@ -87,6 +87,9 @@ def test_an_error_inside_a_block_leaves_the_parameters_in_place() -> None:
 def test_block_discovery_and_policies() -> None:
     llama = models.llama()
     assert find_blocks(llama) == list(llama.model.layers)
+    # A list of modules of several classes is a stack only if they are transformers decoder layers (hybrids).
+    with pytest.raises(NoBlocksFoundError, match="same-type"):
+        find_blocks(nn.ModuleDict({"mixed": nn.ModuleList([nn.Linear(4, 4), nn.Conv1d(4, 4, 1)])}))
     decoder_layer = type(llama.model.layers[0])
     assert find_blocks(llama, {decoder_layer}) == list(llama.model.layers)
     assert find_blocks(llama, lambda m: isinstance(m, decoder_layer)) == list(llama.model.layers)

@@ -47,6 +47,7 @@ def test_validation_between_steps_matches_plain(name: str) -> None:
         ("t5", ["model.encoder.block: 2 x T5Block", "model.decoder.block: 3 x T5Block"]),
         ("bart", ["model.model.encoder.layers: 2 x BartEncoderLayer", "model.model.decoder.layers: 2 x BartDecoderLayer"]),
         ("llama-1layer", ["model.model.layers: 1 x LlamaDecoderLayer"]),
+        ("jamba", ["model.model.layers: 2 x JambaAttentionDecoderLayer/JambaMambaDecoderLayer"]),
         ("dropout-list", ["model.blocks: 3 x _Residual"]),
     ],
 )

@@ -20,7 +20,8 @@ def find_blocks(model: nn.Module, policy: BlockPolicy | None = None) -> list[nn.
     """Returns the model's blocks in execution order.
 
     By default the blocks are the members of every *stack* of the model: an ``nn.ModuleList`` or ``nn.Sequential``
-    of one or more same-type modules that holds parameters (the decoder layers of a ``transformers`` model; the
+    of one or more same-type modules, or of ``transformers`` decoder layers of several types (a hybrid model's
+    attention and state-space layers), that holds parameters (the decoder layers of a ``transformers`` model; the
     encoder's and the decoder's layers of an encoder-decoder; the vision tower's and the language model's layers
     of a vision-language model; the stages of a vision model; a user's stack). Only outermost stacks count (a stack
     inside a block streams with its block), except that a stack whose single member is a stack itself is looked
@@ -62,7 +63,19 @@ def _is_stack(module: nn.Module) -> bool:
     if not isinstance(module, (nn.ModuleList, nn.Sequential)):
         return False
     children = list(module.children())
-    return bool(children) and len({type(child) for child in children}) == 1 and _has_parameters(module)
+    if not children or not _has_parameters(module):
+        return False
+    # Hybrid models (Jamba: attention and Mamba layers) mix layer classes in one stack; transformers marks every
+    # decoder layer as a GradientCheckpointingLayer, which says they run one after another.
+    return len({type(child) for child in children}) == 1 or all(_is_decoder_layer(child) for child in children)
+
+
+def _is_decoder_layer(module: nn.Module) -> bool:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # an older transformers: same-type stacks only
+        return False
+    return isinstance(module, GradientCheckpointingLayer)
 
 
 def _outermost_stacks(model: nn.Module) -> list[list[nn.Module]]:
