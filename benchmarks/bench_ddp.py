@@ -5,12 +5,15 @@ Lightning's subprocess launcher starts this script again for rank 1; both ranks 
 each, and rank 0 reports:
 
 * the median step time of each after warm-up, and superpipe's as a ratio of DDP's;
-* host memory per node, with the optimizer state replicated (the default) and sharded (``shard_optimizer=True``):
-  the sum over both ranks of the training state (fp32 masters, the ``.grad`` each rank keeps, optimizer state, from
-  the strategy's report), of the strategy's own count of host bytes (``host_bytes``: homes, transfer copies,
-  staging), and of each process's resident set growth during the run, against the same figures of one process
-  training the same model with ``devices=1`` (run first, in a subprocess of its own). Only the first variant's
-  resident set growth is measured (``--first``): a later run reuses the memory an earlier one freed.
+* host memory per node, with the optimizer state replicated (the default), sharded (``shard_optimizer=True``) and
+  sharded with one shared copy of the blocks per node (``shard_optimizer="node"``): the sum over both ranks of the
+  training state (fp32 masters, the ``.grad`` each rank keeps, optimizer state, from the strategy's report), of the
+  strategy's own count of host bytes (``host_bytes``: homes, transfer copies, staging), and of each process's
+  resident set growth during the run, against the same figures of one process training the same model with
+  ``devices=1`` (run first, in a subprocess of its own). What the ranks share (the ``/dev/shm`` region of
+  ``"node"``: its ``shared_host_bytes``, the masters in it, the resident pages of it, ``RssShmem``) is counted once
+  per node, not once per rank. Only the first variant's resident set growth is measured (``--first``): a later run
+  reuses the memory an earlier one freed.
 
 On the CPU both ranks share the machine's cores, so the ratio says what streaming and the per-block reduction cost
 against DDP's bucketed one, not how either scales.
@@ -40,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.distributed import rss_bytes
+from lightning_superpipe.streaming.distributed import rss_bytes, shared_rss_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6, vocab_size=4096)
 RESULTS = Path(__file__).with_name("results")
@@ -83,6 +86,11 @@ class StepTimes(Callback):
             self.report = {k: v for k, v in report.items() if isinstance(v, (int, float))}
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             self.report["grad_bytes"] = sum(g.numel() * g.element_size() for g in grads)
+            # The masters in the node's shared homes (shard_optimizer="node"): every rank's param_bytes counts them.
+            shared = report["shared_host_bytes"] > 0
+            homes = [home for home in trainer.strategy.engine.homes if home is not None] if shared else []
+            self.report["shared_param_bytes"] = sum(p.param.numel() * p.param.element_size()
+                                                    for home in homes for p in home.slices)
 
 
 def train(strategy: Any, devices: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +99,7 @@ def train(strategy: Any, devices: int, args: argparse.Namespace) -> dict[str, An
     data = torch.randint(0, CONFIG["vocab_size"], (args.batch * devices * (args.steps + args.warmup), args.seq))
     times = StepTimes()
     before, _ = rss_bytes()
+    shared_before = shared_rss_bytes()
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.steps + args.warmup,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -98,14 +107,27 @@ def train(strategy: Any, devices: int, args: argparse.Namespace) -> dict[str, An
     )
     trainer.fit(model, DataLoader(TensorDataset(data), batch_size=args.batch))
     after, _ = rss_bytes()
+    shared_after = shared_rss_bytes()
     report = times.report
     return {
         "step_s": statistics.median(times.times[args.warmup :]),
         "host_bytes": report.get("host_bytes", 0),
+        "shared_host_bytes": report.get("shared_host_bytes", 0),
         "optimizer_state_bytes": report.get("optimizer_state_bytes", 0),
         "state_bytes": sum(report.get(key, 0) for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes")),
+        "shared_state_bytes": report.get("shared_param_bytes", 0),
         "rss_growth_bytes": after - before,
+        "shared_rss_growth_bytes": shared_after - shared_before,
     }
+
+
+def per_node(ranks: list[dict[str, Any]], key: str) -> int:
+    """The node's figure ``key`` from its ranks': each rank's own part, plus what they share once."""
+    shared_key = {"host_bytes": "shared_host_bytes", "state_bytes": "shared_state_bytes",
+                  "rss_growth_bytes": "shared_rss_growth_bytes"}.get(key)
+    if shared_key is None:
+        return sum(rank[key] for rank in ranks)
+    return sum(rank[key] - rank[shared_key] for rank in ranks) + max(rank[shared_key] for rank in ranks)
 
 
 def main() -> None:
@@ -115,7 +137,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--first", choices=("sharded", "superpipe"), default="sharded",
+    parser.add_argument("--first", choices=("node", "sharded", "superpipe"), default="node",
                         help="the superpipe variant run first: only its resident set growth is measured")
     parser.add_argument("--single", action="store_true", help="internal: the one-process baseline, printed as JSON")
     args = parser.parse_args()
@@ -126,7 +148,11 @@ def main() -> None:
     if "LOCAL_RANK" not in os.environ:  # rank 0, before it launches rank 1: the one-process baseline
         out = subprocess.run([sys.executable, __file__, "--single", *sys.argv[1:]], capture_output=True, text=True)
         single = json.loads(out.stdout.strip().splitlines()[-1])
-    variants = {"superpipe": lambda: SuperpipeStrategy(), "sharded": lambda: SuperpipeStrategy(shard_optimizer=True)}
+    variants = {
+        "superpipe": lambda: SuperpipeStrategy(),
+        "sharded": lambda: SuperpipeStrategy(shard_optimizer=True),
+        "node": lambda: SuperpipeStrategy(shard_optimizer="node"),
+    }
     order = [args.first] + [name for name in variants if name != args.first]
     runs = {name: train(variants[name](), 2, args) for name in order}
     runs["ddp"] = train("ddp", 2, args)
@@ -142,10 +168,10 @@ def main() -> None:
     for name in runs:
         result[name] = {
             "step_s": max(rank[name]["step_s"] for rank in everyone),
-            **{f"node_{key}": sum(rank[name][key] for rank in everyone)
+            **{f"node_{key}": per_node([rank[name] for rank in everyone], key)
                for key in ("state_bytes", "host_bytes", "optimizer_state_bytes", "rss_growth_bytes")},
         }
-    for name in ("superpipe", "sharded"):
+    for name in variants:
         result[name]["step_ratio_vs_ddp"] = result[name]["step_s"] / result["ddp"]["step_s"]
         for key in ("state_bytes", "host_bytes", "rss_growth_bytes"):
             result[name][f"{key}_ratio_vs_single"] = result[name][f"node_{key}"] / max(1, single[key])

@@ -6,10 +6,17 @@ every fit below in the same process group. Each rank saves what it saw to ``OUT_
 Modes:
     ``exact``: ``strategy="ddp"`` and ``"superpipe"`` on the same seed (AdamW in two groups with a schedule, clipping by
     norm, accumulation 2, dropout), with a ``sync_dist`` metric, also on the emulated asynchronous link; the
-    overlapped optimizer step (no clipping) against DDP; then a run checkpointed after one epoch and resumed.
+    overlapped optimizer step (no clipping) against DDP; then a run checkpointed after one epoch and resumed; then the
+    same with ``shard_optimizer=True`` and with ``shard_optimizer="node"`` (the blocks' homes shared by both ranks),
+    also under ``bf16-mixed`` against ``shard_optimizer=True``.
+    ``node``: only the ``shard_optimizer="node"`` runs (with ``ddp`` to compare against).
+    ``nodes``: two nodes of one device each (this script started once per node, with ``NODE_RANK``): ``"ddp"`` and
+    ``shard_optimizer="node"`` (each node's copy stepped by its own rank, from the gradients all-reduced across
+    nodes), each checkpointed at the end.
     ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
-    too small (its own error there, one naming rank 1 on rank 0); the disk tier and ``sync_batchnorm`` on two devices
-    (refused on both).
+    too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
+    ``/dev/shm`` too small for the node's shared homes; the disk tier and ``sync_batchnorm`` on two devices (refused on
+    both).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint  # noqa: E402
 
 import lightning_superpipe  # noqa: E402, F401
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
@@ -56,6 +63,8 @@ class Record(Callback):
         self.reductions = -1
         self.trunk_params = -1
         self.slot_references: list[int] = []
+        self.shared_maps: list[tuple[str, int, int]] = []
+        self.leftover_shm: list[str] = []
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
@@ -64,6 +73,22 @@ class Record(Callback):
             self.reductions = strategy.engine.gradients.averager.reductions
             self.trunk_params = len(strategy.engine.trunk_parameters())
             self.slot_references = models.extra_slot_references(strategy.engine)
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self.report["grad_bytes"] = sum(g.numel() * g.element_size() for g in grads)
+            self.shared_maps = shared_mappings()
+            self.leftover_shm = sorted(name for name in os.listdir("/dev/shm") if name.startswith("superpipe-"))
+
+
+def shared_mappings() -> list[tuple[str, int, int]]:
+    """This process's mappings of the node's shared homes: (path as the kernel shows it, inode, bytes)."""
+    found = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and "/superpipe-" in fields[5]:
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                found.append((fields[5].strip(), int(fields[4]), end - start))
+    return found
 
 
 def rank() -> int:
@@ -77,7 +102,8 @@ def fit(
     task = SyncedTask()
     pl.seed_everything(8, verbose=False)
     record = Record()
-    trainer = models.trainer(strategy, devices=2, callbacks=[record, *callbacks], **options)
+    options.setdefault("devices", 2)
+    trainer = models.trainer(strategy, callbacks=[record, *callbacks], **options)
     trainer.fit(task, models.data("lm"), ckpt_path=ckpt_path)
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     rss, peak_rss = rss_bytes()
@@ -90,6 +116,8 @@ def fit(
             "reductions": record.reductions,
             "trunk_params": record.trunk_params,
             "slot_references": record.slot_references,
+            "shared_maps": record.shared_maps,
+            "leftover_shm": record.leftover_shm,
             "steps": trainer.global_step,
             "rss": rss,
             "peak_rss": peak_rss,
@@ -121,23 +149,59 @@ def exact(out: Path) -> None:
         enable_checkpointing=True, callbacks=(checkpoint,), **epochs)
     fit("sharded_resumed", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_epochs=2,
         ckpt_path=sharded / "last.ckpt", **epochs)
+    node(out, ddp=False)
+
+
+def node(out: Path, ddp: bool = True) -> None:
+    """``shard_optimizer="node"``: against DDP (the ``exact`` mode ran that already), then checkpointed and resumed
+    against the uninterrupted run of ``exact`` (or of its own here)."""
+    if ddp:
+        fit("ddp", out, "ddp", max_steps=6)
+    fit("node", out, SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT), max_steps=6)
+    # The CUDA code paths (staging, the gradient worker) reading the shared homes.
+    fit("node_emulated", out, SuperpipeStrategy(shard_optimizer="node", link=EmulatedLink(mode="thread", seed=1),
+                                                timeout=TIMEOUT), max_steps=6)
+    # Mixed precision: the homes' bf16 transfer copies are shared too (written by each block's owner after its step).
+    for name, value in (("sharded_bf16", True), ("node_bf16", "node")):
+        fit(name, out, SuperpipeStrategy(shard_optimizer=value, timeout=TIMEOUT), max_steps=6, precision="bf16-mixed")
+    epochs = dict(max_steps=-1, limit_train_batches=8)
+    if ddp:
+        fit("uninterrupted", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, **epochs)
+    folder = out / "node"
+    checkpoint = ModelCheckpoint(dirpath=folder, save_last=True)
+    fit("node_first", out, SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT), max_epochs=1,
+        enable_checkpointing=True, callbacks=(checkpoint,), **epochs)
+    fit("node_resumed", out, SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT), max_epochs=2,
+        ckpt_path=folder / "last.ckpt", **epochs)
+
+
+def nodes(out: Path) -> None:
+    """Two nodes of one rank each: ``strategy="ddp"`` and ``shard_optimizer="node"``, each checkpointed at the end."""
+    two = dict(devices=1, num_nodes=2, enable_checkpointing=True)
+    for name, strategy in (("ddp", "ddp"), ("node", SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT))):
+        fit(name, out, strategy, max_steps=6, callbacks=(ModelCheckpoint(dirpath=out / name, save_last=True),), **two)
 
 
 def disagree(out: Path) -> None:
-    from lightning_superpipe.memory import host
+    from lightning_superpipe.memory import host, pinned
 
     (out / "tier").mkdir(exist_ok=True)
     attempts = {
         "knobs": SuperpipeStrategy(prefetch=1 + rank(), timeout=TIMEOUT),
         "host": SuperpipeStrategy(timeout=TIMEOUT),  # rank 1's host is too small
+        "node_host": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # the same, rank 0 goes on to share
+        "shm": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # rank 0's /dev/shm is too small
         "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
         "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
+        "ema": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),
     }
-    available = host.available_host_bytes
+    available, shared_space = host.available_host_bytes, pinned.shared_space
     for name, strategy in attempts.items():
-        host.available_host_bytes = (lambda: 1024) if name == "host" and rank() == 1 else available
+        host.available_host_bytes = (lambda: 1024) if name in ("host", "node_host") and rank() == 1 else available
+        pinned.shared_space = (lambda: 4096) if name == "shm" and rank() == 0 else shared_space
         try:
-            fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm")
+            callbacks = (EMAWeightAveraging(),) if name == "ema" else ()
+            fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm", callbacks=callbacks)
         except Exception as error:  # noqa: BLE001 - what each rank saw is the test's evidence
             (out / f"{name}_rank{rank()}.txt").write_text(f"{type(error).__name__}: {error}")
         else:
@@ -147,7 +211,7 @@ def disagree(out: Path) -> None:
 if __name__ == "__main__":
     mode, folder = sys.argv[1], Path(sys.argv[2])
     try:
-        {"exact": exact, "disagree": disagree}[mode](folder)
+        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes}[mode](folder)
     except BaseException:
         traceback.print_exc()
         raise

@@ -1,7 +1,8 @@
 """``Trainer(strategy="superpipe", accelerator="cpu", devices=2)``: Lightning's DDP, gradients averaged per block.
 
 Each fixture runs tests/ddp_script.py once (two gloo processes launched by Lightning's subprocess launcher, several
-fits each, about ten seconds); the tests read what every rank saved.
+fits each, ten to forty seconds), or once per "node" (two nodes of one process each, as torchrun would start them);
+the tests read what every rank saved.
 """
 
 from __future__ import annotations
@@ -37,6 +38,30 @@ def _load(out: Path, name: str) -> list[dict[str, Any]]:
 def exact_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_exact")
     _launch("exact", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nodes_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two "nodes" of one CPU rank each on this machine: the script started once per node, as torchrun would."""
+    import os
+    import socket
+
+    out = tmp_path_factory.mktemp("ddp_nodes")
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "nodes", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, cwd=SCRIPT.parent.parent,
+            env={**os.environ, "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        )
+        for node in (0, 1)
+    ]
+    outputs = [process.communicate(timeout=240)[0] for process in processes]
+    for node, (process, output) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"{SCRIPT.name} nodes failed on node {node}:\n{output[-8000:]}"
     return out
 
 
@@ -130,22 +155,104 @@ def test_resume_from_one_checkpoint_continues_like_an_uninterrupted_run(exact_ru
         assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
 
 
-def test_host_bytes_per_node_are_one_copy_per_rank(exact_run: Path) -> None:
-    """Each rank holds the whole host state: a node of two ranks holds twice one process's (the issue's target of
-    1.25x needs a shared copy per node, not done yet). Measured here so that the figure is known."""
+def _node_bytes(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    """A node's host bytes from its ranks' reports: each rank's own, plus the shared region once (all ranks map it)."""
+    shared = {rank["report"]["shared_host_bytes"] for rank in ranks}
+    assert len(shared) == 1
+    private = sum(rank["report"]["host_bytes"] - rank["report"]["shared_host_bytes"] for rank in ranks)
+    return {
+        "host_bytes": private + shared.pop(),
+        "optimizer_state_bytes": sum(rank["report"]["optimizer_state_bytes"] for rank in ranks),
+        "grad_bytes": sum(rank["report"]["grad_bytes"] for rank in ranks),
+    }
+
+
+def test_host_bytes_per_node_one_copy_per_rank_by_default_one_per_node_with_shard_optimizer_node(
+    exact_run: Path,
+) -> None:
+    """By default each rank holds the whole host state: a node of two ranks holds twice one process's. With
+    ``shard_optimizer="node"`` the blocks' homes are one shared copy and gradients and optimizer state are split: the
+    issue's target is a node of two ranks at most 1.25x one process."""
     single = models.build_task("llama")
 
     class Report(models.pl.Callback):
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.report = trainer.strategy.memory_report()
+            self.report["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in pl_module.parameters()
+                                            if p.grad is not None)
 
     report = Report()
     models.pl.seed_everything(8, verbose=False)
     models.trainer(SuperpipeStrategy(), max_steps=6, callbacks=[report]).fit(single, models.data("lm"))
-    ranks = _load(exact_run, "superpipe")
-    node = sum(rank["report"]["host_bytes"] for rank in ranks)
-    assert node == 2 * report.report["host_bytes"]
-    assert all(rank["report"]["optimizer_state_bytes"] == report.report["optimizer_state_bytes"] for rank in ranks)
+    one = report.report
+    assert one["shared_host_bytes"] == 0 and one["host_bytes"] > 0 and one["grad_bytes"] > 0
+    replicated = _node_bytes(_load(exact_run, "superpipe"))
+    assert replicated["host_bytes"] == 2 * one["host_bytes"]
+    assert replicated["optimizer_state_bytes"] == 2 * one["optimizer_state_bytes"]
+    node = _node_bytes(_load(exact_run, "node"))
+    assert node["host_bytes"] == one["host_bytes"]  # the homes once per node (on the CPU there is no staging)
+    assert node["optimizer_state_bytes"] == one["optimizer_state_bytes"]
+    assert node["grad_bytes"] == one["grad_bytes"]
+    total = lambda figures: sum(figures[k] for k in ("host_bytes", "optimizer_state_bytes", "grad_bytes"))  # noqa: E731
+    assert total(node) <= 1.25 * total(one) < total(replicated)
+
+
+def test_shard_optimizer_node_equals_plain_ddp_streaming_both_ranks_from_one_shared_copy(exact_run: Path) -> None:
+    replicated = _load(exact_run, "superpipe")[0]["report"]
+    ranks = _load(exact_run, "node")
+    for plain, rank, emulated in zip(_load(exact_run, "ddp"), ranks, _load(exact_run, "node_emulated")):
+        assert rank["losses"] == plain["losses"] and emulated["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+        assert _max_difference(emulated["weights"], plain["weights"]) == 0.0
+        assert 0 < rank["report"]["optimizer_state_bytes"] < replicated["optimizer_state_bytes"]
+        # Every block's home is in the one shared region: on the CPU, all the host bytes the engine holds.
+        assert rank["report"]["shared_host_bytes"] == rank["report"]["host_bytes"] == replicated["host_bytes"]
+        # The region is one file both ranks map, unlinked once both had it: nothing left in /dev/shm.
+        ((path, inode, nbytes),) = rank["shared_maps"]
+        assert path.startswith("/dev/shm/superpipe-") and path.endswith("(deleted)")
+        assert nbytes == rank["report"]["shared_host_bytes"]
+        assert rank["leftover_shm"] == []
+    assert ranks[0]["shared_maps"] == ranks[1]["shared_maps"]  # the same file (path and inode) on both ranks
+    assert sum(rank["report"]["optimizer_state_bytes"] for rank in ranks) == replicated["optimizer_state_bytes"]
+    # Under bf16-mixed the homes' bf16 transfer copies are in the shared region too, written by each block's owner.
+    for plain, sharded, shared in zip(_load(exact_run, "ddp"), _load(exact_run, "sharded_bf16"),
+                                      _load(exact_run, "node_bf16")):
+        assert shared["losses"] == sharded["losses"]
+        assert _max_difference(shared["weights"], sharded["weights"]) == 0.0
+        assert _max_difference(shared["weights"], plain["weights"]) > 0  # bf16 compute indeed
+        assert shared["report"]["shared_host_bytes"] == sharded["report"]["host_bytes"] > replicated["host_bytes"]
+
+
+def test_shard_optimizer_node_checkpoints_all_of_its_state_in_one_file_and_resumes(exact_run: Path) -> None:
+    whole = torch.load(exact_run / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    gathered = torch.load(exact_run / "node" / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert list(gathered) == list(whole)
+    for index, state in whole.items():
+        assert all(torch.equal(state[key], gathered[index][key]) for key in state)
+    runs = ("uninterrupted", "node_first", "node_resumed")
+    for uninterrupted, first, resumed in zip(*(_load(exact_run, name) for name in runs)):
+        assert first["losses"] == uninterrupted["losses"][:8]
+        assert resumed["losses"] == uninterrupted["losses"][8:]
+        assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
+
+
+def test_shard_optimizer_node_on_two_nodes_steps_each_nodes_copy_alike_and_equals_plain_ddp(nodes_run: Path) -> None:
+    ranks = _load(nodes_run, "node")
+    for plain, rank in zip(_load(nodes_run, "ddp"), ranks):
+        assert rank["sampler"] == "DistributedSampler" and rank["steps"] == plain["steps"] == 6
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    # Each node its own shared copy (one rank per node here), stepped alike from the all-reduced gradients.
+    assert all(len(rank["shared_maps"]) == 1 for rank in ranks)
+    assert ranks[0]["shared_maps"][0][0] != ranks[1]["shared_maps"][0][0]
+    # The node's one rank owns every block, and holds the whole optimizer state.
+    assert ranks[0]["report"]["optimizer_state_bytes"] == ranks[1]["report"]["optimizer_state_bytes"]
+    # The checkpoint holds the whole optimizer state, as plain DDP's does, bit for bit.
+    plain, node = (torch.load(nodes_run / name / "last.ckpt", weights_only=False)["optimizer_states"][0]
+                   for name in ("ddp", "node"))
+    assert list(node["state"]) == list(plain["state"]) and node["param_groups"] == plain["param_groups"]
+    for index, state in plain["state"].items():
+        assert all(torch.equal(state[key], node["state"][index][key]) for key in state)
 
 
 def test_ranks_with_different_knobs_fail_with_one_clear_error_on_every_rank(disagree_run: Path) -> None:
@@ -163,6 +270,22 @@ def test_a_failure_on_one_rank_is_an_error_on_every_rank(disagree_run: Path) -> 
     assert "HostMemoryError: SuperpipeStrategy needs about" in message
 
 
+def test_with_shard_optimizer_node_a_failure_before_or_while_sharing_is_one_error_on_every_rank(
+    disagree_run: Path,
+) -> None:
+    # Rank 1 fails before the homes; rank 0, already waiting to share them with it, hears of it and stops too.
+    assert (disagree_run / "node_host_rank1.txt").read_text().startswith("HostMemoryError: SuperpipeStrategy needs")
+    message = (disagree_run / "node_host_rank0.txt").read_text()
+    assert message.startswith("RanksDisagreeError: SuperpipeStrategy could not start streaming on rank 1:")
+    # Rank 0's /dev/shm cannot hold the node's copy: the bytes needed and free, on rank 0, and named on rank 1.
+    mine = (disagree_run / "shm_rank0.txt").read_text()
+    call = "`SuperpipeStrategy(shard_optimizer='node')` on devices=2, num_nodes=1"
+    assert mine.startswith(f"HostMemoryError: {call} needs 120 KiB (122880 bytes) of /dev/shm for the node's shared")
+    assert "but only 4 KiB (4096 bytes) is free" in mine
+    theirs = (disagree_run / "shm_rank1.txt").read_text()
+    assert theirs == f"RanksDisagreeError: SuperpipeStrategy could not share the blocks' host memory on rank 0: {mine}"
+
+
 def test_what_several_devices_do_not_support_yet_is_refused_on_every_rank(disagree_run: Path) -> None:
     for rank in (0, 1):
         message = (disagree_run / f"disk_rank{rank}.txt").read_text()
@@ -170,16 +293,81 @@ def test_what_several_devices_do_not_support_yet_is_refused_on_every_rank(disagr
         assert "streams through one device for now: run it with `Trainer(devices=1)`" in message
         message = (disagree_run / f"batchnorm_rank{rank}.txt").read_text()
         assert "`Trainer(strategy='superpipe', sync_batchnorm=True)` is not supported yet" in message
+        message = (disagree_run / f"ema_rank{rank}.txt").read_text()
+        assert "shard_optimizer='node')` does not support the callback EMAWeightAveraging" in message
 
 
 def test_shard_optimizer_is_checked_and_changes_nothing_on_one_device() -> None:
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(shard_optimizer='yes'\) must be True or"):
+    message = r"SuperpipeStrategy\(shard_optimizer='yes'\) must be True, False or 'node'"
+    with pytest.raises(MisconfigurationException, match=message):
         models.trainer(SuperpipeStrategy(shard_optimizer="yes"), max_steps=1).fit(
             models.build_task("sequential"), models.data("vector")
         )
     plain = models.fit("sequential", SuperpipeStrategy(), max_steps=4)
-    sharded = models.fit("sequential", SuperpipeStrategy(shard_optimizer=True), max_steps=4)
-    assert sharded.losses == plain.losses
-    assert models.max_relative_difference(sharded, plain) == 0.0
+    for value in (True, "node"):
+        sharded = models.fit("sequential", SuperpipeStrategy(shard_optimizer=value), max_steps=4)
+        assert sharded.losses == plain.losses
+        assert models.max_relative_difference(sharded, plain) == 0.0
+
+
+class _FakeNode:
+    """A node's ranks for one process (:class:`~lightning_superpipe.memory.pinned.NodeRanks`): every agreement is
+    this rank's alone; ``on_agree`` runs at each (the test plays the other rank there)."""
+
+    call = "`SuperpipeStrategy(shard_optimizer='node')`"
+
+    def __init__(self, local_rank: int, path: Any = None, on_agree: Any = None) -> None:
+        self.local_rank, self.path, self.on_agree, self.agreements = local_rank, path, on_agree, 0
+
+    def agree(self, error: Any, payload: Any = None) -> list[Any]:
+        self.agreements += 1
+        if self.on_agree is not None:
+            self.on_agree(self.agreements, payload)
+        if error is not None:
+            raise error
+        return [payload if self.local_rank == 0 else self.path]
+
+
+def test_a_shared_arena_gives_both_ranks_one_copy_written_by_local_rank_zero_and_unlinks_its_file() -> None:
+    import os
+    from contextlib import ExitStack
+
+    from lightning_superpipe.memory import host, pinned
+
+    def block(seed: int) -> list[torch.nn.Parameter]:
+        torch.manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(70))]
+
+    written, other = block(0), block(1)  # the reader's own values differ: it must not write them
+    reader_arena, writer_arena = pinned.HostArena(pin=False), pinned.HostArena(pin=False)
+    nbytes = host.home_bytes(written, torch.float32)
+    seen: dict[str, Any] = {}
+    with ExitStack() as reader:
+        def play_reader(step: int, payload: Any) -> None:
+            if step == 1:  # the file exists now: the other rank maps it before local rank 0 unlinks it
+                seen["path"] = payload
+                reader.enter_context(reader_arena.shared(nbytes, _FakeNode(1, path=payload)))
+                seen["existed"] = os.path.exists(payload)
+
+        with writer_arena.shared(nbytes, _FakeNode(0, on_agree=play_reader)):
+            assert not os.path.exists(seen["path"])  # unlinked once every rank mapped it
+            assert writer_arena.writable and not reader_arena.writable  # only local rank 0 writes the region
+            mine = host.BlockHome(written, torch.float32, writer_arena)
+        theirs = host.BlockHome(other, torch.float32, reader_arena)
+    assert seen["existed"]
+    assert reader_arena.shared_bytes == writer_arena.shared_bytes == nbytes == writer_arena.allocated_bytes
+    assert all(torch.equal(a, b) for a, b in zip(other, written))  # the reader's parameters show rank 0's values
+    with torch.no_grad():
+        written[1].add_(1.0)  # a step of the owner, seen by the other rank without a copy
+    assert torch.equal(other[1], written[1]) and torch.equal(theirs.master, mine.master)
+    assert writer_arena.writable and reader_arena.writable  # outside the region each process writes its own again
+    with pytest.raises(host.HostMemoryError, match=r"needs 4 KiB \(4096 bytes\) of /dev/shm .* only 0 B \(0 bytes\)"):
+        original = pinned.shared_space
+        pinned.shared_space = lambda: 0
+        try:
+            with pinned.HostArena(pin=False).shared(10, _FakeNode(0)):
+                pass
+        finally:
+            pinned.shared_space = original

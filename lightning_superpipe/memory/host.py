@@ -5,18 +5,23 @@ copies to the device are truly asynchronous) and the ``nn.Parameter`` objects be
 buffer per block turns a block's transfer into a single large copy instead of dozens of small ones. When the
 device computes in a narrower dtype than the fp32 masters (``bf16-mixed``, ``16-mixed``), a second flat
 buffer holds the weights in that dtype, so only half the bytes cross the link.
+
+With ``shard_optimizer="node"`` every rank of a node builds its homes in one region of shared memory
+(:func:`build_homes`, :meth:`.HostArena.shared`): local rank 0 writes them, the others point their parameters at the
+same pages, so a node holds one copy of the blocks whatever its number of ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
 from lightning_superpipe.units import format_bytes
 
 
@@ -133,10 +138,15 @@ class BlockHome:
             self.slices.append(ParamSlice(param, offset, param.numel(), param.shape))
             offset += _aligned(param.numel())
         self.numel = offset
+        # A home shared by the node's ranks is written by local rank 0 only; the others' parameters (equal to rank
+        # 0's, broadcast before) just point at it.
+        writes = arena.writable
         self.master = arena.empty(self.numel, self.master_dtype)
-        self.master.zero_()  # the alignment gaps are copied too; keep them defined
+        if writes:
+            self.master.zero_()  # the alignment gaps are copied too; keep them defined
         for piece in self.slices:
-            piece.view_of(self.master).copy_(piece.param.detach())
+            if writes:
+                piece.view_of(self.master).copy_(piece.param.detach())
             # The optimizer, checkpoints and the user keep using the same Parameter objects; only their storage
             # moves into the flat buffer.
             piece.param.data = piece.view_of(self.master)
@@ -145,7 +155,8 @@ class BlockHome:
             self.transfer = self.master
         else:
             self.transfer = arena.empty(self.numel, transfer_dtype)
-            self.transfer.copy_(self.master)
+            if writes:
+                self.transfer.copy_(self.master)
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
 
     @property
@@ -196,6 +207,28 @@ class BlockHome:
         """Gives the parameters back their plain class (their storage stays in the flat buffer)."""
         for piece in self.slices:
             untrack_edits(piece.param)
+
+
+def build_homes(
+    block_params: Sequence[Sequence[nn.Parameter]],
+    transfer_dtype: Optional[torch.dtype],
+    arena: HostArena,
+    node: Optional[NodeRanks] = None,
+) -> list[Optional[BlockHome]]:
+    """The blocks' homes (``None`` for a block with nothing to stream), from ``arena``; with ``node``, all in one region
+    that every rank of the node maps (:meth:`.HostArena.shared`), written by local rank 0.
+
+    Args:
+        block_params: The parameters that stream with each block.
+        transfer_dtype: The dtype the weights travel in (``None``: the parameters' own).
+        arena: Where the buffers come from.
+        node: The node's ranks that share the homes (``shard_optimizer="node"``), or ``None``.
+    """
+    nbytes = sum(home_bytes(params, transfer_dtype or params[0].dtype) for params in block_params if params)
+    with arena.shared(nbytes, node) if node is not None else nullcontext():
+        return [
+            BlockHome(params, transfer_dtype or params[0].dtype, arena) if params else None for params in block_params
+        ]
 
 
 #: Every parameter starts on a multiple of this many elements (256 bytes in fp32): kernels take the same aligned

@@ -5,7 +5,8 @@ of Lightning's DeepSpeed strategy: Lightning's launchers (its subprocess launche
 SLURM through the cluster environments), ``DistributedSampler``, ``barrier``, ``broadcast``, ``reduce`` and
 ``sync_dist`` work unchanged, while the gradients are averaged by the streaming engine, block by block
 (:mod:`lightning_superpipe.streaming.distributed`). With one device on one node nothing of that runs: no launcher,
-no process group, no ``DistributedSampler``, as under a single-device strategy.
+no process group, no ``DistributedSampler``, as under a single-device strategy. With ``shard_optimizer="node"`` the
+ranks of each node share one host copy of the blocks (:class:`~lightning_superpipe.streaming.distributed.NodeShare`).
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from typing_extensions import override
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
+    NodeShare,
     every_ranks_rng_states,
     gather_optimizer_state,
     on_every_rank,
     share_stepped,
+    share_stepped_on_node,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.setup import as_devices, join_ranks
@@ -40,6 +43,8 @@ class RanksStrategy(DDPStrategy):
     """One process per device (devices times nodes ranks), or this process alone for one device on one node."""
 
     _engine: Optional[StreamingEngine]
+    #: The node's ranks, which share the blocks' host homes (``shard_optimizer="node"`` on several ranks).
+    node: Optional[NodeShare] = None
 
     @property
     @override
@@ -81,8 +86,13 @@ class RanksStrategy(DDPStrategy):
         to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
         sees it."""
         assert self.model is not None
+        self.node = None
         if self.several_ranks:
             join_ranks(self.model, self, trainer, knobs)
+            if knobs.get("shard_optimizer") == "node":  # every rank makes the node groups, in the same order
+                call = (f"`SuperpipeStrategy(shard_optimizer='node')` on devices={len(self.parallel_devices)},"
+                        f" num_nodes={self.num_nodes}")
+                self.node = NodeShare(self.local_rank, len(self.parallel_devices), self.node_rank, self.num_nodes, call)
         else:  # Lightning would put a DistributedSampler of one replica (another data order) in every DataLoader
             trainer._accelerator_connector.use_distributed_sampler = False
 
@@ -116,11 +126,15 @@ class RanksStrategy(DDPStrategy):
         return averager if averager is not None and averager.sharded else None
 
     def share_stepped(self, optimizer: Optimizer) -> None:
-        """After the optimizer step with ``shard_optimizer``: every rank gets the new weights from their owners."""
+        """After the optimizer step with ``shard_optimizer``: every rank gets the new weights from their owners (with
+        ``"node"``: the trunk's; the blocks' are in the node's shared homes, which the owners wrote)."""
         averager = self.sharded_optimizer
         if averager is not None and self._engine is not None:
             params = {p for group in optimizer.param_groups for p in group["params"]}
-            share_stepped(self._engine.homes, self._engine.trunk_parameters(), params, averager)
+            if averager.node is not None:
+                share_stepped_on_node(self._engine, params, averager)
+            else:
+                share_stepped(self._engine.homes, self._engine.trunk_parameters(), params, averager)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

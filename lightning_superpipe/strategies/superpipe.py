@@ -71,7 +71,9 @@ class SuperpipeStrategy(RanksStrategy):
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's).
         shard_optimizer: On several ranks, keep each block's gradients and optimizer state on one rank, which steps it
-            and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank.
+            and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank. ``"node"``: one copy of the
+            blocks' masters per node besides, in shared memory that the node's ranks stream from, each block stepped
+            by one rank of each node.
         accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
             :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
         timeout: How long a collective waits for the other ranks before it fails (DDP's ``timeout``).
@@ -95,7 +97,7 @@ class SuperpipeStrategy(RanksStrategy):
         offload_device: str = "cpu",
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
-        shard_optimizer: bool = False,
+        shard_optimizer: Union[bool, str] = False,
         cluster_environment: Optional[ClusterEnvironment] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -154,7 +156,8 @@ class SuperpipeStrategy(RanksStrategy):
         streaming = start_streaming(
             model, self.root_device, transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
             fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers), resume=self._resume,
-            ranks=self.world_size if self.several_ranks else 1, **{knob: getattr(self, knob) for knob in KNOBS},
+            ranks=self.world_size if self.several_ranks else 1, node=self.node,
+            **{knob: getattr(self, knob) for knob in KNOBS},
         )
         self._resume = None
         self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner

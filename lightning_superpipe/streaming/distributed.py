@@ -23,6 +23,17 @@ Clipping by norm gathers the owners' per-parameter norms into the global norm as
 (:meth:`GradientAverager.clip_by_norm`), and a checkpoint gathers the optimizer state to rank 0
 (:func:`gather_optimizer_state`). The masters stay replicated: every rank streams every block.
 
+With ``shard_optimizer="node"`` the masters are not replicated within a node either: the ranks of each node
+(:class:`NodeShare`) build the blocks' homes in one region of shared memory (:meth:`.HostArena.shared`, written by
+local rank 0) and stream from it. Each block, and each trunk parameter, has one owner among the node's local ranks
+(the same on every node); the gradients are averaged over all ranks (reduced to the owner on one node, all-reduced
+on several, so that every node's owner holds them) and only the owner keeps them, and optimizer state. Each node's
+owner then applies the same update to the one shared copy: nodes stay equal without broadcasting masters.
+:func:`share_stepped_on_node` then waits for the node's owners (a barrier) and tells each engine which blocks changed
+under it (:meth:`.StreamingEngine.mark_stepped`): the owners wrote the masters and transfer copies, the others only
+make their device copies again; trunk parameters, one copy per rank as before, are broadcast from their owner within
+the node. Clipping by norm sums the per-parameter norms over the node (every node holds the same gradients).
+
 Collectives are issued in the order backward delivers gradients, which the model's structure fixes, so every rank
 must run the same model with the same knobs: :func:`check_same_setup` compares them before anything is allocated,
 and :func:`on_every_rank` turns an error on one rank into one on every rank instead of a hang.
@@ -45,9 +56,75 @@ class RanksDisagreeError(RuntimeError):
     """The ranks of a distributed run were set up differently, or failed to set up on some of them."""
 
 
+#: Set on an error every rank of the run already raised together (:func:`agree`): :func:`on_every_rank` lets it through
+#: instead of exchanging errors a second time, which the ranks that failed first would never join.
+_AGREED = "_superpipe_agreed_on_every_rank"
+
+
 def is_distributed() -> bool:
     """Whether a process group with more than one rank is running."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class NodeShare:
+    """The ranks of one node, which share one host copy of the blocks (``shard_optimizer="node"``).
+
+    Lightning numbers the ranks node by node (``global_rank = node_rank * devices + local_rank``); each node's ranks
+    form a process group (created identically on every rank; on one node, the run's own group).
+
+    Args:
+        local_rank: This rank's index on its node.
+        local_size: The ranks per node.
+        node_rank: This node's index.
+        num_nodes: The number of nodes.
+        call: How the user wrote the strategy, for messages.
+
+    Raises:
+        RanksDisagreeError: The global ranks are not numbered node by node.
+    """
+
+    def __init__(self, local_rank: int, local_size: int, node_rank: int, num_nodes: int, call: str) -> None:
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.num_nodes = num_nodes
+        self.call = call
+        self.base = node_rank * local_size
+        if dist.get_rank() != self.base + local_rank or dist.get_world_size() != local_size * num_nodes:
+            raise RanksDisagreeError(
+                f"{call} shares host memory between the ranks of a node and needs them numbered node by node, but"
+                f" global rank {dist.get_rank()} of {dist.get_world_size()} is local rank {local_rank} of"
+                f" {local_size} on node {node_rank} of {num_nodes}."
+            )
+        self.group = _node_group(local_size, num_nodes, node_rank)
+        self.ranks = list(range(self.base, self.base + local_size))
+
+    def global_rank(self, local_rank: int) -> int:
+        """The global rank of this node's ``local_rank``."""
+        return self.base + local_rank
+
+    def agree(self, error: Optional[BaseException], payload: Any = None) -> list[Any]:
+        """A step every rank of the node took (:func:`agree`): raises on all of them if it failed on any, else returns
+        every local rank's ``payload``."""
+        return agree(error, "share the blocks' host memory", self.group, self.ranks, payload)
+
+    def barrier(self) -> None:
+        """Waits for every rank of the node."""
+        dist.barrier(group=self.group)
+
+
+_node_groups: list[Any] = []  # [the run's default group, (ranks per node, nodes), one group per node]
+
+
+def _node_group(local_size: int, num_nodes: int, node_rank: int) -> Any:
+    """The process group of ``node_rank``'s ranks (``None``, the run's own, on one node), made once per run:
+    ``new_group`` must be called by every rank for every group, in the same order."""
+    if num_nodes == 1:
+        return None
+    world = dist.group.WORLD
+    if not _node_groups or _node_groups[0] is not world or _node_groups[1] != (local_size, num_nodes):
+        groups = [dist.new_group(list(range(n * local_size, (n + 1) * local_size))) for n in range(num_nodes)]
+        _node_groups[:] = [world, (local_size, num_nodes), groups]
+    return _node_groups[2][node_rank]
 
 
 class Reduction:
@@ -100,18 +177,23 @@ class GradientAverager:
     Args:
         device: The compute device, where the reduction buffers live.
         owners: With ``shard_optimizer``, each parameter's owner rank (:func:`assign_owners`); ``None``: every rank
-            keeps every averaged gradient.
+            keeps every averaged gradient. With ``node``, owners are local ranks, the same on every node.
         group: The process group (``None``: the default one).
+        node: The node's ranks, which share the blocks' homes (``shard_optimizer="node"``), or ``None``.
     """
 
     def __init__(
-        self, device: torch.device, owners: Optional[dict[nn.Parameter, int]] = None, group: Any = None
+        self, device: torch.device, owners: Optional[dict[nn.Parameter, int]] = None, group: Any = None,
+        node: Optional[NodeShare] = None,
     ) -> None:
         self.device = device
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.owners = owners
+        self.node = node
+        #: The rank numbering the owners use: on the node with ``node``, else in ``group``.
+        self._me = node.local_rank if node is not None else self.rank
         #: Off during the micro-batches of an accumulation before the last (Lightning's ``block_backward_sync``).
         self.sync = True
         nccl = device.type == "cuda" and dist.get_backend(group) == "nccl"
@@ -128,12 +210,23 @@ class GradientAverager:
         return self.owners is not None
 
     def owner(self, param: nn.Parameter) -> Optional[int]:
-        """The rank that keeps ``param``'s averaged gradient (``None``: every rank)."""
-        return self.owners.get(param, self.rank) if self.owners is not None else None
+        """The rank to reduce ``param``'s averaged gradient to (``None``: every rank gets it). With ``node`` on
+        several nodes every node's owner needs it: all of them."""
+        if self.owners is None:
+            return None
+        if self.node is None:
+            return self.owners.get(param, self.rank)
+        return self.node.global_rank(self.owners.get(param, self._me)) if self.node.num_nodes == 1 else None
 
     def owns(self, param: nn.Parameter) -> bool:
         """Whether this rank keeps (and steps) ``param``'s averaged gradient."""
-        return self.owners is None or self.owners.get(param, self.rank) == self.rank
+        return self.owners is None or self.owners.get(param, self._me) == self._me
+
+    def source(self, param: nn.Parameter) -> int:
+        """The global rank whose stepped value of ``param`` the others take: its owner (on this node, with ``node``)."""
+        assert self.owners is not None
+        owner = self.owners.get(param, self._me)
+        return self.node.global_rank(owner) if self.node is not None else owner
 
     def start(
         self, grads: Sequence[Optional[Tensor]], priors: Sequence[Optional[Tensor]], shapes: Sequence[torch.Size],
@@ -198,12 +291,14 @@ class GradientAverager:
         for param, norm in zip(present, norms):
             carrier[position[param]] = norm.double()
             carrier[len(params) + position[param]] = 1.0
-        if dist.get_backend(self.group) == "nccl":
+        # With ``node`` every node holds the same gradients: the node's owners have each parameter's norm once.
+        group = self.node.group if self.node is not None else self.group
+        if dist.get_backend(group) == "nccl":
             on_device = carrier.to(self.device)
-            dist.all_reduce(on_device, group=self.group)
+            dist.all_reduce(on_device, group=group)
             carrier = on_device.cpu()
         else:
-            dist.all_reduce(carrier, group=self.group)
+            dist.all_reduce(carrier, group=group)
         # clip_grad_norm_ groups the gradients by dtype (all on the host here), in order of first appearance.
         groups: dict[torch.dtype, list[Tensor]] = {}
         for i, param in enumerate(params):
@@ -239,25 +334,54 @@ def assign_owners(parts: Sequence[tuple[Sequence[nn.Parameter], int]], world_siz
 
 def share_stepped(homes: Sequence[Any], trunk: Sequence[nn.Parameter], params: set[nn.Parameter],
                   averager: GradientAverager) -> None:
-    """After each rank stepped its share (``shard_optimizer``): broadcasts every block's masters, and every trunk
+    """After each rank stepped its share (``shard_optimizer=True``): broadcasts every block's masters, and every trunk
     parameter, of the optimizer's ``params`` from its owner, so that all ranks stream the same new weights."""
     for home in homes:
         pieces = [] if home is None else [piece for piece in home.slices if piece.param in params]
         if pieces:
-            _broadcast_host(home.master, averager.owner(pieces[0].param), averager.device)  # type: ignore[arg-type]
+            _broadcast_host(home.master, averager.source(pieces[0].param), averager.device)
     for param in trunk:
         if param in params:
-            _broadcast_host(param.data, averager.owner(param), averager.device)  # type: ignore[arg-type]
+            _broadcast_host(param.data, averager.source(param), averager.device)
 
 
-def _broadcast_host(tensor: Tensor, src: int, device: torch.device) -> None:
-    """Broadcasts a host tensor in place (through the device under NCCL)."""
-    if dist.get_backend() == "nccl":
+def share_stepped_on_node(engine: Any, params: set[nn.Parameter], averager: GradientAverager) -> None:
+    """After each rank stepped its share (``shard_optimizer="node"``): the owners bring the shared homes of the blocks
+    they stepped up to date (their transfer copies), the trunk parameters of ``params`` are broadcast from their
+    owners within the node, and once the node's owners are all done (a barrier), every rank counts the blocks the
+    others stepped as changed, so that its device copies are made again from the shared homes, which it does not
+    write.
+
+    Args:
+        engine: The rank's :class:`~.engine.StreamingEngine`.
+        params: The optimizer's parameters.
+        averager: The engine's averager, with ``node``.
+    """
+    node = averager.node
+    assert node is not None
+    elsewhere: list[int] = []
+    for index, home in enumerate(engine.homes):
+        stepped = [] if home is None else [piece.param for piece in home.slices if piece.param in params]
+        if stepped and averager.owns(stepped[0]):
+            engine.mark_stepped(index, stepped)
+        elif stepped:
+            elsewhere.append(index)
+    for param in engine.trunk_parameters():
+        if param in params:
+            _broadcast_host(param.data, averager.source(param), averager.device, node.group)
+    node.barrier()  # no rank copies a block in before its owner finished writing it
+    for index in elsewhere:
+        engine.mark_stepped(index)
+
+
+def _broadcast_host(tensor: Tensor, src: int, device: torch.device, group: Any = None) -> None:
+    """Broadcasts a host tensor in place from global rank ``src`` over ``group`` (through the device under NCCL)."""
+    if dist.get_backend(group) == "nccl":
         carrier = tensor.to(device)
-        dist.broadcast(carrier, src=src)
+        dist.broadcast(carrier, src=src, group=group)
         tensor.copy_(carrier)
     else:
-        dist.broadcast(tensor, src=src)
+        dist.broadcast(tensor, src=src, group=group)
 
 
 def gather_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -333,6 +457,64 @@ def check_same_setup(mine: dict[str, Any], call: str) -> None:
             )
 
 
+def _exchange(
+    error: Optional[BaseException], group: Any = None, payload: Any = None
+) -> list[tuple[Optional[str], Any]]:
+    """Every rank's error message (``None``: none) and ``payload``, gathered over ``group``."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(everyone, (message, payload), group=group)
+    return everyone
+
+
+def _failures(what: str, everyone: Sequence[tuple[Optional[str], Any]], ranks: Sequence[int]) -> RanksDisagreeError:
+    failed = [(rank, message) for rank, (message, _) in zip(ranks, everyone) if message is not None]
+    return RanksDisagreeError(
+        f"SuperpipeStrategy could not {what} on " + "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+    )
+
+
+def agree(
+    error: Optional[BaseException], what: str, group: Any = None, ranks: Optional[Sequence[int]] = None,
+    payload: Any = None,
+) -> list[Any]:
+    """One step that every rank of ``group`` took: raises on all of them if it failed on any, else returns every
+    rank's ``payload``.
+
+    Args:
+        error: This rank's failure in the step, or ``None``.
+        what: The step, for the message (e.g. ``"share the blocks' host memory"``).
+        group: The ranks (``None``: every rank of the run).
+        ranks: Their global ranks, for the message (default: ``0 ..``).
+        payload: What this rank tells the others.
+
+    Raises:
+        BaseException: This rank's own ``error``.
+        RanksDisagreeError: Quoting the failed ranks' errors, on the others.
+    """
+    everyone = _exchange(error, group, payload)
+    if all(message is None for message, _ in everyone):
+        return [payload for _, payload in everyone]
+    failure = error if error is not None else _failures(what, everyone, ranks or range(len(everyone)))
+    if group is None:  # every rank of the run raises now: on_every_rank must not exchange errors again
+        setattr(failure, _AGREED, True)
+    raise failure
+
+
+def ready_on_every_rank(what: str) -> None:
+    """Before a step with collectives of its own inside :func:`on_every_rank`'s ``work``: every rank got this far, or
+    every rank raises now (the ranks that failed earlier, in :func:`on_every_rank`, hear of no new failure).
+
+    Raises:
+        RanksDisagreeError: Quoting the errors of the ranks that failed before getting here.
+    """
+    everyone = _exchange(None)
+    if any(message is not None for message, _ in everyone):
+        failure = _failures(what, everyone, range(len(everyone)))
+        setattr(failure, _AGREED, True)
+        raise failure
+
+
 def on_every_rank(work: Callable[[], T], what: str) -> T:
     """Runs ``work`` on every rank and raises on every rank if it failed on any, instead of leaving the others
     waiting in their first collective.
@@ -350,16 +532,10 @@ def on_every_rank(work: Callable[[], T], what: str) -> T:
     try:
         result = work()
     except Exception as caught:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+        if getattr(caught, _AGREED, False):  # every rank raised it together already
+            raise
         error = caught
-    messages: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-    if failed:
-        raise RanksDisagreeError(
-            f"SuperpipeStrategy could not {what} on " + "; ".join(f"rank {rank}: {message}" for rank, message in failed)
-        )
+    agree(error, what)
     return result
 
 
@@ -388,6 +564,19 @@ def every_ranks_rng_states(states: dict[str, Any]) -> list[dict[str, Any]]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, states)
     return everyone
+
+
+def shared_rss_bytes() -> int:
+    """Bytes of this process's resident set in shared memory (``RssShmem``: e.g. a node's shared homes, which every
+    rank of the node maps and a sum of the ranks' resident sets counts once per rank), 0 where not reported."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssShmem:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
 
 
 def rss_bytes() -> tuple[int, int]:

@@ -38,9 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import (
-    BlockHome,
     DeviceLayout,
     ParamSlice,
+    build_homes,
     device_layout,
     master_state,
     track_edits,
@@ -80,6 +80,7 @@ class StreamingEngine:
         activations: Where each block's activations live between forward and backward (:mod:`.activations`).
         tier: A :class:`~.disk_tier.DiskTier` whose store holds the blocks' masters (``offload_device="disk"``);
             ``None``: the host tier, the blocks' homes in host memory.
+        node: The node's ranks, with which the blocks' homes are shared (``shard_optimizer="node"``), or ``None``.
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class StreamingEngine:
         link: Any = None,
         activations: ActivationsPolicy = "recompute",
         tier: Any = None,
+        node: Any = None,
     ) -> None:
         self.device = device
         self.tier = tier
@@ -107,10 +109,7 @@ class StreamingEngine:
             self.prefetch = _clamp("prefetch", prefetch, num_blocks - len(resident), "the number of streamed blocks")
             pin = self.copier.pin_memory
             self.arena = HostArena(pin=pin)
-            self.homes = tier.homes if tier is not None else [
-                BlockHome(params, transfer_dtype or params[0].dtype, self.arena) if params else None
-                for params in block_params
-            ]
+            self.homes = tier.homes if tier is not None else build_homes(block_params, transfer_dtype, self.arena, node)
             # A block's version grows whenever its masters change; a slot holding an older version is stale.
             self._block_version = [0] * num_blocks
             # Parameters that do not stream for now (computed elsewhere: paged experts), and the device layout of
@@ -349,6 +348,15 @@ class StreamingEngine:
             home.mark_changed(param)  # CPU fused optimizers write without bumping the version counter
         home.sync(home.changed())
         self._synced_in_backward.add(index)
+
+    def mark_stepped(self, index: int, params: Optional[list[nn.Parameter]] = None) -> None:
+        """Block ``index``'s masters were stepped after backward: by this process (``params``, whose new values go into
+        the home's transfer copy now), or (``None``) by another rank sharing the home (``shard_optimizer="node"``),
+        which wrote it. Either way the next pass makes the block's device copies again, without writing the home."""
+        if params is not None:
+            self._sync_stepped_block(index, params)
+        else:
+            self._synced_in_backward.add(index)
 
     # ------------------------------------------------------------------ weights
 
@@ -609,7 +617,9 @@ class StreamingEngine:
             ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
             once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
             ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
-            the host: homes, transfer copies, staging), ``pinned_host_bytes`` (the page-locked part of it),
+            the host: homes, transfer copies, staging), ``shared_host_bytes`` (the part of it every rank of the node
+            maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
+            of it),
             ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
             ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
             ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
@@ -628,6 +638,7 @@ class StreamingEngine:
             "prefetch": self.prefetch,
             "trunk_device_bytes": self.trunk_device_bytes(),
             "host_bytes": self.host_bytes(),
+            "shared_host_bytes": self.arena.shared_bytes,
             "pinned_host_bytes": self.pinned_bytes(),
             "peak_activation_bytes": self.ledger.peaks["activations"],
             "host_activation_bytes": self.activations.peak_host_bytes,

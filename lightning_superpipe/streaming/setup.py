@@ -33,10 +33,12 @@ from lightning_superpipe.streaming.disk_tier import (
 )
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
+    NodeShare,
     assign_owners,
     broadcast_from_rank_zero,
     check_same_setup,
     fingerprint,
+    ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
 from lightning_superpipe.streaming.hooks import Hook, attach_hooks
@@ -73,17 +75,18 @@ def start_streaming(
     offload_device: str = "cpu",
     offload_path: Optional[Union[str, os.PathLike[str]]] = None,
     host_buffer_bytes: Optional[int] = None,
-    shard_optimizer: bool = False,
+    shard_optimizer: Union[bool, str] = False,
     trainer: Any = None,
     optimizers: tuple[Optimizer, ...] = (),
     resume: Optional[Path] = None,
     ranks: int = 1,
+    node: Optional[NodeShare] = None,
 ) -> Streaming:
     """Finds the blocks, checks the knobs, builds the homes and the engine, and hooks the blocks.
 
     Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
     ``ranks`` above one, the engine averages the gradients across them (with ``shard_optimizer``, each block's to
-    its owner rank only).
+    its owner rank only; with ``node``, ``shard_optimizer="node"``, the homes shared by the node's ranks).
 
     Raises:
         MisconfigurationException: A knob the user gave is wrong (the message quotes it); nothing was allocated.
@@ -99,8 +102,8 @@ def start_streaming(
         if disk and ranks > 1:  # before the tier's own checks, which would probe one folder from every rank
             raise ValueError(f"{call} streams through one device for now: run it with `Trainer(devices=1)`, or use"
                              " `offload_device='cpu'` on several devices (each rank's masters in its host memory).")
-        if shard_optimizer not in (True, False):
-            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True or False.")
+        if shard_optimizer not in (True, False, "node"):
+            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
         check_offload(offload_device, offload_path, host_buffer_bytes)
         if disk and memory_budget is not None:
@@ -149,15 +152,18 @@ def start_streaming(
         if tier is not None:
             tier.close()
         raise
+    if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
+        ready_on_every_rank("start streaming")
     engine = StreamingEngine(
         block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead,
-        transfer_dtype=transfer_dtype, link=link, activations=modes, tier=tier,
+        transfer_dtype=transfer_dtype, link=link, activations=modes, tier=tier, node=node,
     )
     if ranks > 1:
         parts = [(params, sum(p.numel() * p.element_size() for p in params)) for params in block_params if params]
         parts += [([param], param.numel() * param.element_size()) for param in trunk_params]
-        owners = assign_owners(parts, ranks) if shard_optimizer else None
-        engine.gradients.averager = GradientAverager(device, owners)
+        # Owners among the node's ranks (the same on every node) when they share the homes, else among all.
+        owners = assign_owners(parts, node.local_size if node is not None else ranks) if shard_optimizer else None
+        engine.gradients.averager = GradientAverager(device, owners, node=node)
     return Streaming(engine, attach_hooks(engine, model, blocks), planner, stacks)
 
 
@@ -190,10 +196,29 @@ def join_ranks(model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, A
         )
     if knobs.get("shard_optimizer") and str(strategy.precision_plugin.precision) == "16-mixed":
         raise MisconfigurationException(
-            "`SuperpipeStrategy(shard_optimizer=True)` does not support `precision='16-mixed'` yet (its gradient"
-            " scaler checks every gradient, and each rank keeps only its share); use 'bf16-mixed' or fp32."
+            f"`SuperpipeStrategy(shard_optimizer={knobs['shard_optimizer']!r})` does not support"
+            " `precision='16-mixed'` yet (its gradient scaler checks every gradient, and each rank keeps only its"
+            " share); use 'bf16-mixed' or fp32."
+        )
+    averaging = weight_averaging_callbacks(trainer) if knobs.get("shard_optimizer") == "node" else []
+    if averaging and trainer.state.fn == "fit":
+        raise MisconfigurationException(
+            f"`SuperpipeStrategy(shard_optimizer='node')` does not support the callback {type(averaging[0]).__name__}:"
+            " it writes the averaged weights into the parameters on every rank, and the node's ranks share one copy of"
+            " the blocks. Use `shard_optimizer=True` (each rank its own copy of the masters) with it."
         )
     broadcast_from_rank_zero(model, strategy.root_device)
+
+
+def weight_averaging_callbacks(trainer: Any) -> list[Any]:
+    """The trainer's callbacks that keep an average of the weights and swap it into the parameters
+    (``EMAWeightAveraging``, any ``WeightAveraging``, ``StochasticWeightAveraging``)."""
+    from lightning.pytorch import callbacks
+
+    # WeightAveraging (and EMAWeightAveraging) came with Lightning 2.6.
+    names = ("WeightAveraging", "StochasticWeightAveraging")
+    kinds = tuple(getattr(callbacks, name) for name in names if hasattr(callbacks, name))
+    return [c for c in trainer.callbacks if isinstance(c, kinds)]
 
 
 def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
