@@ -70,7 +70,8 @@ class Record(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, SuperpipeStrategy):
             self.report = strategy.memory_report()
-            self.reductions = strategy.engine.gradients.averager.reductions
+            averager = strategy.engine.gradients.averager  # None on one device
+            self.reductions = averager.reductions if averager is not None else 0
             self.trunk_params = len(strategy.engine.trunk_parameters())
             self.slot_references = models.extra_slot_references(strategy.engine)
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]

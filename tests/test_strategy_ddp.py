@@ -371,3 +371,27 @@ def test_a_shared_arena_gives_both_ranks_one_copy_written_by_local_rank_zero_and
                 pass
         finally:
             pinned.shared_space = original
+
+
+def test_a_checkpoint_of_two_ranks_loads_on_one_device_as_plain_lightning_loads_it(
+    exact_run: Path, tmp_path: Path
+) -> None:
+    """The one ``.ckpt`` rank 0 wrote for two ranks is a plain Lightning checkpoint: on one device (in this process)
+    the strategy resumes from it exactly as plain single-device Lightning does, weights, optimizer state and RNG."""
+    from lightning.pytorch import Callback
+
+    from lightning_superpipe.rng import set_rng_states
+    from tests import ddp_script
+
+    class RestoreRng(Callback):  # what the strategy restores from the .ckpt, where it does; plain Lightning does not
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            set_rng_states(checkpoint["superpipe_rng_states"])
+
+    checkpoint = torch.load(exact_run / "last.ckpt", weights_only=False)
+    epochs = dict(devices=1, max_epochs=2, max_steps=-1, limit_train_batches=8, ckpt_path=exact_run / "last.ckpt")
+    ddp_script.fit("plain", tmp_path, "auto", callbacks=(RestoreRng(),), **epochs)
+    ddp_script.fit("streamed", tmp_path, SuperpipeStrategy(), **epochs)
+    plain, streamed = (torch.load(tmp_path / f"{name}_rank0.pt", weights_only=False) for name in ("plain", "streamed"))
+    assert streamed["steps"] == plain["steps"] == checkpoint["global_step"] + 4  # 8 micro-batches, accumulation 2
+    assert len(streamed["losses"]) == 8 and streamed["losses"] == plain["losses"]
+    assert _max_difference(streamed["weights"], plain["weights"]) == 0.0
