@@ -10,12 +10,19 @@ Three measurements, in one run, on the CPU (no download: models from small confi
    bytes per FLOP match a T4 (12.89 GB/s host-to-device over 4.3 TFLOP/s decode matmuls, FlexGen's fitted
    figures): the CPU's matmul rate is measured first and the link set to ``rate * 12.89 / 4300`` bytes/s.
    Serialized is Accelerate's order: each copy issued when needed and waited for.
-3. **Compression**: a small Llama trained here on Python's documentation; held-out perplexity exact, with 4-bit
-   weights, with a 4-bit KV cache (the text fed in chunks, so later chunks attend to the compressed cache), and
-   both; and the bytes ``generate`` moves with both compressed against none.
+   Also FlexGen's other placements on the same run: half the blocks resident, hidden states in host memory.
+3. **Compression**: a small Llama (4 x 128, two heads of 64) trained here on Python's documentation, once per
+   training seed (``--seeds``); held-out perplexity exact, with 4-bit weights, with a 4-bit KV cache, and both,
+   measured three ways: inside ``generate`` itself (:class:`TeacherForcing`: a 32-token prompt prefilled, the next
+   96 held-out tokens forced and scored, each decode step against the cache as ``generate`` keeps it), fed in
+   chunks of 32 against a round-tripped cache within the trained context of 128, and the first version's way
+   (256 positions, twice the trained context, and a round trip that also compressed the chunk's own keys); the
+   keys' and values' quantization errors and channel outliers; and the bytes ``generate`` moves with both
+   compressed against none.
 
 Usage:
-    python benchmarks/bench_generation.py              # about 2 minutes on one core
+    python benchmarks/bench_generation.py              # about 15 minutes on one core (5 training seeds)
+    python benchmarks/bench_generation.py --parts compression --seeds 2
     python benchmarks/bench_generation.py --json out.json --train-steps 400
 """
 
@@ -28,7 +35,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lightning_superpipe import EmulatedLink, generate
 from lightning_superpipe.generation import compression
@@ -116,6 +123,19 @@ def bytes_per_token(args: argparse.Namespace) -> dict[str, Any]:
     mask = torch.ones_like(ids)
     ours = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8)
     generated = batch * new
+    # FlexGen's other placements: half the blocks resident (copied once), hidden states in host memory.
+    half = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8,
+                    weights_device_fraction=0.5)
+    hosted = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8,
+                      activations_on_host=True)
+    placements = {
+        name: {"h2d_by_kind_per_token": {k: v / generated for k, v in out.stats["h2d_bytes"].items()},
+               "d2h_by_kind_per_token": {k: v / generated for k, v in out.stats["d2h_bytes"].items()},
+               "peak_device_bytes": out.stats["peak_device_bytes"],
+               "peak_device_bytes_by_kind": out.stats["peak_device_bytes_by_kind"],
+               "same_tokens": bool(torch.equal(out.sequences, ours.sequences))}
+        for name, out in (("streamed", ours), ("half_blocks_resident", half), ("hidden_states_on_host", hosted))
+    }
     fresh = llama(hidden=256, layers=4, heads=4, kv_heads=2, inter=688, vocab=260)
     accelerate = count_accelerate(fresh, ids, mask, new)
     formula = flexgen_formula(model, batch, prompt, new)
@@ -148,6 +168,7 @@ def bytes_per_token(args: argparse.Namespace) -> dict[str, Any]:
         "ours_peak_device_bytes": budget,
         "accelerate_same_budget_batch": same_budget_batch,
         "accelerate_same_budget_h2d_per_token": same_budget["h2d_bytes"] / (same_budget_batch * new),
+        "placements": placements,
     }
 
 
@@ -195,13 +216,18 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------ 3. compression
 
 
-def train_small_model(steps: int, seq: int = 128, batch: int = 16) -> tuple[Any, torch.Tensor]:
+def train_small_model(steps: int, seq: int = 128, batch: int = 16, seed: int = 0) -> tuple[Any, torch.Tensor]:
+    """Trains the Llama 4 x 128 (two heads of 64) on Python's documentation; ``seed`` sets its init and data order.
+
+    Returns:
+        The model (eval mode) and the held-out last 5% of the bytes as tokens.
+    """
     data = torch.tensor(list(documentation_bytes()), dtype=torch.long) + VOCAB_OFFSET
     split = int(len(data) * 0.95)
     train, held_out = data[:split], data[split:]
-    model = llama(hidden=128, layers=4, heads=2, kv_heads=2, inter=384, vocab=260, seed=0).train()
+    model = llama(hidden=128, layers=4, heads=2, kv_heads=2, inter=384, vocab=260, seed=seed).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
         starts = torch.randint(0, len(train) - seq - 1, (batch,), generator=generator)
         rows = torch.stack([train[s : s + seq] for s in starts.tolist()])
@@ -214,9 +240,29 @@ def train_small_model(steps: int, seq: int = 128, batch: int = 16) -> tuple[Any,
     return model.eval(), held_out
 
 
+def _round_trip(tensor: torch.Tensor) -> torch.Tensor:
+    return compression.decompress(compression.compress(tensor, -1))
+
+
 class _RoundTripCache(DynamicCache):
-    """A DynamicCache whose new keys/values go through FlexGen's 4-bit form before they are kept (what the host
-    store of ``generate(compress_kv=True)`` holds); the current chunk attends to itself exactly."""
+    """A DynamicCache that keeps new keys/values in FlexGen's 4-bit form (round-tripped) while the chunk that made
+    them attends to them exactly, as ``generate(compress_kv=True)`` and FlexGen do (the new token's own keys and
+    values are used uncompressed, the stored past is decompressed)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        q = key_states.shape[-2]
+        # New tensors for what is kept: ``keys``/``values`` (returned to attention) keep the exact tail.
+        layer.keys = torch.cat([keys[..., :-q, :], _round_trip(keys[..., -q:, :])], dim=-2)
+        layer.values = torch.cat([values[..., :-q, :], _round_trip(values[..., -q:, :])], dim=-2)
+        return keys, values
+
+
+class _FirstVersionRoundTripCache(DynamicCache):
+    """The first version of this benchmark's cache, kept to reproduce its figure: it round-trips the new positions
+    in place, and since ``DynamicLayer.update`` returns the very tensors it keeps, the chunk attended to its own
+    compressed keys and values too (not what ``generate`` does)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -224,17 +270,20 @@ class _RoundTripCache(DynamicCache):
         q = key_states.shape[-2]
         for name in ("keys", "values"):
             stored = getattr(layer, name)
-            stored[..., -q:, :] = compression.decompress(compression.compress(stored[..., -q:, :], -1))
+            stored[..., -q:, :] = _round_trip(stored[..., -q:, :])
         return keys, values
 
 
 @torch.no_grad()
-def perplexity(model: Any, held_out: torch.Tensor, compress_kv: bool, seq: int = 256, chunk: int = 32,
-               rows: int = 24) -> float:
+def chunked_perplexity(model: Any, held_out: torch.Tensor, compress_kv: bool, seq: int = 128, chunk: int = 32,
+                       rows: int = 48, first_version: bool = False) -> float:
+    """Perplexity of every position, the text fed ``chunk`` tokens at a time against a round-tripped cache
+    (``first_version``: the first version's in-place round trip, see :class:`_FirstVersionRoundTripCache`)."""
     total, count = 0.0, 0
+    kind = _FirstVersionRoundTripCache if first_version else _RoundTripCache
     for r in range(rows):
         tokens = held_out[r * seq : (r + 1) * seq].unsqueeze(0)
-        cache = _RoundTripCache(config=model.config) if compress_kv else DynamicCache(config=model.config)
+        cache = kind(config=model.config) if compress_kv else DynamicCache(config=model.config)
         for start in range(0, seq - 1, chunk):
             inputs = tokens[:, start : min(start + chunk, seq - 1)]
             targets = tokens[:, start + 1 : start + 1 + inputs.shape[1]]
@@ -242,6 +291,125 @@ def perplexity(model: Any, held_out: torch.Tensor, compress_kv: bool, seq: int =
             total += torch.nn.functional.cross_entropy(logits[0], targets[0], reduction="sum").item()
             count += targets.shape[1]
     return math.exp(total / count)
+
+
+class TeacherForcing(LogitsProcessor):
+    """Scores the held-out continuation inside ``generate`` and forces it as the next token.
+
+    Each call adds ``-log p(target)`` from the raw logits of every row, then leaves only the target allowed, so
+    ``generate`` decodes exactly the held-out text: every decode step attends to the cache as ``generate`` keeps it
+    (compressed in host memory with ``compress_kv``), the prompt is prefilled as ``generate`` prefills it.
+
+    Args:
+        prompts: ``[rows, prompt]`` the prompts ``generate`` gets (rows are found by their prompt).
+        targets: ``[rows, new]`` the continuation to score.
+    """
+
+    def __init__(self, prompts: torch.Tensor, targets: torch.Tensor) -> None:
+        self.rows = {tuple(row.tolist()): index for index, row in enumerate(prompts)}
+        self.prompt = prompts.shape[1]
+        self.targets = targets
+        self.nll = 0.0
+        self.count = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt
+        rows = torch.tensor([self.rows[tuple(r.tolist())] for r in input_ids[:, : self.prompt].cpu()])
+        target = self.targets[rows, step].to(scores.device)
+        logp = torch.log_softmax(scores.float(), dim=-1).gather(1, target[:, None])
+        self.nll -= logp.sum().item()
+        self.count += target.numel()
+        forced = torch.full_like(scores, -math.inf)
+        forced.scatter_(1, target[:, None], 0.0)
+        return forced
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.count)
+
+
+def generate_perplexity(model: Any, held_out: torch.Tensor, compress_weights: bool, compress_kv: bool,
+                        prompt: int = 32, new: int = 96, rows: int = 48) -> float:
+    """Perplexity of the ``new`` tokens after a ``prompt``-token prefix, scored inside ``lightning_superpipe.generate``
+    (teacher-forced): exactly what ``generate(compress_weights=..., compress_kv=...)`` computes."""
+    text = held_out[: rows * (prompt + new)].view(rows, prompt + new)
+    forcing = TeacherForcing(text[:, :prompt], text[:, prompt:])
+    out = generate(model, text[:, :prompt], max_new_tokens=new, micro_batch_size=rows // 3,
+                   compress_weights=compress_weights, compress_kv=compress_kv,
+                   logits_processor=LogitsProcessorList([forcing]))
+    assert torch.equal(out.sequences, text), "the forced continuation must be what generate decoded"
+    return forcing.perplexity
+
+
+@torch.no_grad()
+def key_value_errors(model: Any, held_out: torch.Tensor, seq: int = 128) -> dict[str, Any]:
+    """FlexGen's relative RMS error of the 4-bit round trip of keys (after RoPE) and values, and how outlying the
+    largest channel of a 64-wide head group is (per-channel RMS, max over median), per layer."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=held_out[:seq].unsqueeze(0), past_key_values=cache, use_cache=True)
+    out: dict[str, Any] = {"keys_error": [], "values_error": [], "keys_channel_max_over_median": [],
+                           "values_channel_max_over_median": []}
+    for layer in cache.layers:
+        for name, tensor in (("keys", layer.keys), ("values", layer.values)):
+            rebuilt = compression.decompress(compression.compress(tensor, -1))
+            out[f"{name}_error"].append(compression.relative_rms_error(rebuilt, tensor))
+            channel_rms = tensor.float().pow(2).mean(dim=(0, 2)).sqrt()  # [heads, head_dim]
+            ratio = (channel_rms.max(dim=-1).values / channel_rms.median(dim=-1).values).max().item()
+            out[f"{name}_channel_max_over_median"].append(ratio)
+    return out
+
+
+def compression_quality(args: argparse.Namespace) -> dict[str, Any]:
+    """Perplexity with FlexGen's 4-bit weights and cache, over training seeds, measured as ``generate`` runs."""
+    per_seed = []
+    for seed in range(args.seeds):
+        started = time.perf_counter()
+        model, held_out = train_small_model(args.train_steps, seed=seed)
+        trained_s = time.perf_counter() - started
+        found: dict[str, Any] = {"seed": seed, "train_seconds": trained_s}
+        for name, cw, ckv in (("exact", False, False), ("weights", True, False), ("kv", False, True),
+                              ("both", True, True)):
+            found[f"generate_ppl_{name}"] = generate_perplexity(model, held_out, cw, ckv)
+        exact = chunked_perplexity(model, held_out, compress_kv=False)
+        quantized = compress_block_weights(model)
+        found["chunked_ppl_exact"] = exact
+        found["chunked_ppl_weights"] = chunked_perplexity(quantized, held_out, compress_kv=False)
+        found["chunked_ppl_kv"] = chunked_perplexity(model, held_out, compress_kv=True)
+        found["chunked_ppl_both"] = chunked_perplexity(quantized, held_out, compress_kv=True)
+        # The first version's measurement: rows of 256 positions (twice the 128 the model was trained on) and the
+        # in-place round trip.
+        old: dict[str, Any] = dict(seq=256, rows=24, first_version=True)
+        found["first_version_ppl_exact"] = chunked_perplexity(model, held_out, compress_kv=False, **old)
+        found["first_version_ppl_weights"] = chunked_perplexity(quantized, held_out, compress_kv=False, **old)
+        found["first_version_ppl_kv"] = chunked_perplexity(model, held_out, compress_kv=True, **old)
+        found["first_version_ppl_both"] = chunked_perplexity(quantized, held_out, compress_kv=True, **old)
+        for kind in ("generate", "chunked", "first_version"):
+            for name in ("weights", "kv", "both"):
+                found[f"{kind}_change_{name}"] = found[f"{kind}_ppl_{name}"] / found[f"{kind}_ppl_exact"] - 1
+        found.update(key_value_errors(model, held_out))
+        print(json.dumps({"seed": found}, default=float), flush=True)
+        per_seed.append(found)
+    summary: dict[str, Any] = {}
+    for kind in ("generate", "chunked", "first_version"):
+        for name in ("weights", "kv", "both"):
+            values = torch.tensor([f[f"{kind}_change_{name}"] for f in per_seed], dtype=torch.float64)
+            summary[f"{kind}_change_{name}_mean"] = values.mean().item()
+            summary[f"{kind}_change_{name}_std"] = values.std().item() if len(values) > 1 else 0.0
+            summary[f"{kind}_change_{name}_min"] = values.min().item()
+            summary[f"{kind}_change_{name}_max"] = values.max().item()
+    model, held_out = train_small_model(args.train_steps, seed=0)
+    ids = held_out[: 16 * 64].view(16, 64)
+    plain = generate(model, ids, max_new_tokens=16, micro_batch_size=8)
+    packed = generate(model, ids, max_new_tokens=16, micro_batch_size=8, compress_weights=True, compress_kv=True)
+    moved = lambda out: sum(out.stats["h2d_bytes"].values()) + sum(out.stats["d2h_bytes"].values())  # noqa: E731
+    return {
+        "model": "llama 4 x 128 (head_dim 64), fp32, trained here", "train_steps": args.train_steps,
+        "seeds": args.seeds, "per_seed": per_seed, **summary,
+        "bytes_moved_ratio": moved(packed) / moved(plain),
+        "h2d_weights_ratio": packed.stats["h2d_bytes"]["weights"] / plain.stats["h2d_bytes"]["weights"],
+        "h2d_cache_ratio": packed.stats["h2d_bytes"]["cache"] / plain.stats["h2d_bytes"]["cache"],
+        "greedy_token_agreement": (packed.sequences[:, 64:] == plain.sequences[:, 64:]).float().mean().item(),
+    }
 
 
 def compress_block_weights(model: Any) -> Any:
@@ -257,40 +425,20 @@ def compress_block_weights(model: Any) -> Any:
     return quantized
 
 
-def compression_quality(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.perf_counter()
-    model, held_out = train_small_model(args.train_steps)
-    trained_s = time.perf_counter() - started
-    exact = perplexity(model, held_out, compress_kv=False)
-    quantized = compress_block_weights(model)
-    weights_only = perplexity(quantized, held_out, compress_kv=False)
-    kv_only = perplexity(model, held_out, compress_kv=True)
-    both = perplexity(quantized, held_out, compress_kv=True)
-    ids = held_out[: 16 * 64].view(16, 64)
-    plain = generate(model, ids, max_new_tokens=16, micro_batch_size=8)
-    packed = generate(model, ids, max_new_tokens=16, micro_batch_size=8, compress_weights=True, compress_kv=True)
-    moved = lambda out: sum(out.stats["h2d_bytes"].values()) + sum(out.stats["d2h_bytes"].values())  # noqa: E731
-    return {
-        "model": "llama 4 x 128 (head_dim 64), fp32, trained here", "train_steps": args.train_steps,
-        "train_seconds": trained_s, "ppl_exact": exact, "ppl_4bit_weights": weights_only, "ppl_4bit_kv": kv_only,
-        "ppl_4bit_both": both, "ppl_change_both": both / exact - 1,
-        "bytes_moved_ratio": moved(packed) / moved(plain),
-        "h2d_weights_ratio": packed.stats["h2d_bytes"]["weights"] / plain.stats["h2d_bytes"]["weights"],
-        "h2d_cache_ratio": packed.stats["h2d_bytes"]["cache"] / plain.stats["h2d_bytes"]["cache"],
-        "greedy_token_agreement": (packed.sequences[:, 64:] == plain.sequences[:, 64:]).float().mean().item(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-steps", type=int, default=600)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=5, help="training seeds of the compression part")
+    parser.add_argument("--parts", default="bytes_per_token,overlap,compression", help="comma-separated parts to run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {}
     parts = (("bytes_per_token", bytes_per_token), ("overlap", overlap), ("compression", compression_quality))
     for name, part in parts:
+        if name not in args.parts.split(","):
+            continue
         started = time.perf_counter()
         report[name] = part(args)
         report[name]["wall_s"] = time.perf_counter() - started

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_superpipe import EmulatedLink, generate
 from lightning_superpipe.generation import GenerationError
+from lightning_superpipe.generation.policy import ModelShape, device_bytes
 
 VOCAB = 96
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -121,6 +122,83 @@ def test_compressed_weights_and_cache_move_a_fraction_of_the_bytes() -> None:
     assert (packed.sequences == plain.sequences).float().mean() > 0.6
 
 
+def shape_of(model: torch.nn.Module) -> ModelShape:
+    return ModelShape.of(model, list(model.model.layers))
+
+
+def test_resident_blocks_cross_the_link_once_and_fit_the_budget() -> None:
+    model = build("llama", layers=4)
+    ids, mask = prompts(batch=6, length=10)
+    new, block = 6, block_bytes(model)
+    expected = reference(model, ids, mask, new)
+    streamed = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2)
+    # A budget with room for one resident block beside the two streamed ones in flight (two resident and two in
+    # flight is as much as all four resident, which does not fit either); the cache and hidden states fixed.
+    budget = device_bytes(shape_of(model), 2, 6, 10, new, 0, False, False, resident_blocks=1) + 1
+    fixed = dict(micro_batch_size=2, cache_device_fraction=0.0, activations_on_host=False)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, **fixed)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats["policy"]["resident_blocks"] == 1 and out.stats["policy"]["weights_device_fraction"] == 0.25
+    # The resident block crosses once at the start, the other three once per token: one block's bytes fewer a token.
+    assert out.stats["h2d_bytes"]["weights"] == new * 3 * block + block
+    assert streamed.stats["h2d_bytes"]["weights"] - out.stats["h2d_bytes"]["weights"] == (new - 1) * block
+    assert out.stats["peak_device_bytes"] <= budget
+    assert out.stats["peak_device_bytes_by_kind"]["weights"] == 3 * block  # resident + installed + prefetched
+    # Every block resident: the weights cross once, no double buffer; compressed: packed on the device, the same
+    # tokens as streaming the packed blocks (the rebuild is the same).
+    whole = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2,
+                     weights_device_fraction=1.0)
+    assert torch.equal(whole.sequences, expected) and whole.stats["h2d_bytes"]["weights"] == 4 * block
+    packed = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2, compress_weights=True)
+    packed_resident = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2,
+                               compress_weights=True, weights_device_fraction=0.5)
+    assert torch.equal(packed_resident.sequences, packed.sequences)
+    packed_block = packed.stats["h2d_bytes"]["weights"] // (new * 4)
+    assert packed_resident.stats["h2d_bytes"]["weights"] == new * 2 * packed_block + 2 * packed_block
+
+
+def test_hidden_states_on_host_let_a_batch_fit_that_does_not_otherwise() -> None:
+    model = build("llama", layers=4)
+    batch, length, new = 24, 30, 5
+    ids, mask = prompts(batch=batch, length=length)
+    full = dict(min_new_tokens=new)  # no micro-batch stops early: every step's copies are counted below
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **full)
+    shape = shape_of(model)
+    on_device = min(device_bytes(shape, m, batch, length, new, 0, False, False) for m in range(1, batch + 1))
+    on_host = min(device_bytes(shape, m, batch, length, new, 0, False, False, activations_on_host=True)
+                  for m in range(1, batch + 1))
+    assert on_host < on_device
+    budget = (on_host + on_device) // 2  # no micro-batch size fits with every micro-batch's hidden states on device
+    with pytest.raises(GenerationError, match=r"activations_on_host=False.*cannot hold even one block"):
+        generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, activations_on_host=False)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, **full)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats["policy"]["activations_on_host"] and out.stats["peak_device_bytes"] <= budget
+    # Out after every block but the last and back before the next: (layers - 1) copies each way of every row's
+    # hidden states, the prompt's at prefill and one token's per decode step.
+    row = 64 * 4
+    moved = (4 - 1) * (batch * length * row + (new - 1) * batch * row)
+    assert out.stats["h2d_bytes"]["activations"] == out.stats["d2h_bytes"]["activations"] == moved
+    # The device holds a few micro-batches' hidden states, not the whole batch's.
+    assert out.stats["peak_device_bytes_by_kind"]["activations"] < batch * length * row / 2
+    kept = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=4)
+    assert kept.stats["peak_device_bytes_by_kind"]["activations"] >= batch * length * row
+    assert kept.stats["h2d_bytes"]["activations"] == 0
+
+
+@pytest.mark.parametrize("mode", ["lazy", "thread"])
+def test_resident_blocks_and_parked_hidden_states_keep_the_order_on_the_emulated_link(mode: str) -> None:
+    model = build("gpt2", layers=3)
+    ids, mask = prompts()
+    expected = reference(model, ids, mask, 5)
+    link = EmulatedLink(mode=mode, seed=1, max_delay_s=2e-4)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=5, micro_batch_size=2, link=link,
+                   weights_device_fraction=1 / 3, activations_on_host=True, compress_kv=False)
+    assert torch.equal(out.sequences, expected)
+    assert link.stats.copies > 0 and not link.stats.violations
+    assert out.stats["h2d_bytes"]["activations"] > 0 and out.stats["policy"]["resident_blocks"] == 1
+
+
 def test_errors_quote_the_call() -> None:
     model = build("llama")
     ids, mask = prompts()
@@ -130,6 +208,11 @@ def test_errors_quote_the_call() -> None:
         generate(model, ids, attention_mask=mask, max_new_tokens=4, memory_budget="100KiB")
     with pytest.raises(GenerationError, match=r"attention_mask` has shape"):
         generate(model, ids, attention_mask=mask[:, :3], max_new_tokens=4)
+    with pytest.raises(GenerationError, match=r"weights_device_fraction=1.5\).*`weights_device_fraction` must be a"
+                                              r" number between 0 and 1, got 1.5"):
+        generate(model, ids, max_new_tokens=4, weights_device_fraction=1.5)
+    with pytest.raises(GenerationError, match=r"`weights_device_fraction=0.5` needs `stream_weights=True`"):
+        generate(model, ids, max_new_tokens=4, weights_device_fraction=0.5, stream_weights=False)
     with pytest.raises(GenerationError, match=r"`cache` is set by the schedule"):
         generate(model, ids, max_new_tokens=4, cache=None)
     model.model.layers = torch.nn.ModuleList([model.model.layers[0], torch.nn.Linear(64, 64)])  # no uniform stack

@@ -68,11 +68,38 @@ def test_policy_keeps_cache_on_the_device_when_it_fits_and_streams_it_when_not()
     roomy = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, **exact)
     assert roomy.cache_device_fraction == 1.0 and not roomy.compress_kv and not roomy.compress_weights
     tight_budget = device_bytes(SHAPE, 1, 64, 512, 32, 4, False, False)  # room for 4 of 8 layers at best
-    tight = choose_policy(SHAPE, batch=64, prompt=512, new_tokens=32, budget=tight_budget, **exact)
+    placed = dict(weights_device_fraction=0.0, activations_on_host=False)  # blocks streamed, hidden on the device
+    tight = choose_policy(SHAPE, batch=64, prompt=512, new_tokens=32, budget=tight_budget, **exact, **placed)
     assert tight.device_bytes <= tight_budget
     assert tight.cache_device_fraction == 0.5 and tight.micro_batch_size == 1
-    # Compression allowed: over a slow link (weights dominate decode) the solver takes 4-bit weights.
+    # Compression allowed, the blocks streamed: over a slow link (weights dominate decode) the solver takes 4-bit
+    # weights.
     slow = Hardware(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
-    auto = choose_policy(SHAPE, batch=4, prompt=64, new_tokens=16, budget=4e9, hardware=slow)
-    plain = choose_policy(SHAPE, batch=4, prompt=64, new_tokens=16, budget=4e9, hardware=slow, **exact)
+    auto = choose_policy(SHAPE, batch=4, prompt=64, new_tokens=16, budget=4e9, hardware=slow, **placed)
+    plain = choose_policy(SHAPE, batch=4, prompt=64, new_tokens=16, budget=4e9, hardware=slow, **exact, **placed)
     assert auto.compress_weights and auto.tokens_per_s > 2 * plain.tokens_per_s
+
+
+def test_policy_keeps_blocks_resident_and_moves_hidden_states_to_the_host_only_where_it_pays() -> None:
+    exact = dict(compress_weights=False, compress_kv=False)
+    # Room for everything: every block resident (no weights cross per token), hidden states on the device.
+    roomy = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, **exact)
+    assert roomy.weights_device_fraction == 1.0 and not roomy.activations_on_host
+    streamed = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, weights_device_fraction=0.0,
+                             **exact)
+    assert roomy.tokens_per_s > 1.5 * streamed.tokens_per_s  # decode of a small batch is weight-bound
+    # Room for three resident blocks beside the two streamed ones in flight, the cache streamed: w = 3 exactly.
+    fixed = dict(micro_batch_size=1, cache_device_fraction=0.0, activations_on_host=False, **exact)
+    three = device_bytes(SHAPE, 1, 8, 128, 16, 0, False, False, resident_blocks=3)
+    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three, **fixed).weights_device_fraction \
+        == 3 / 8
+    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three - 1, **fixed) \
+        .weights_device_fraction == 2 / 8
+    # A batch whose hidden states alone overflow the device: only hidden states on the host fit.
+    big = dict(batch=512, prompt=512, new_tokens=8)
+    fits = device_bytes(SHAPE, 1, 512, 512, 8, 0, False, False, activations_on_host=True)
+    assert device_bytes(SHAPE, 1, 512, 512, 8, 0, False, False) > 2 * fits
+    hosted = choose_policy(SHAPE, budget=fits, **big, **exact)
+    assert hosted.activations_on_host and hosted.device_bytes <= fits
+    with pytest.raises(ValueError, match="cannot hold even one block"):
+        choose_policy(SHAPE, budget=fits, activations_on_host=False, **big, **exact)

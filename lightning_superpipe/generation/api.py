@@ -29,7 +29,8 @@ class GenerationOutput:
     Attributes:
         sequences: ``[batch, prompt + new]`` token ids, as ``model.generate`` returns them (rows that finished early
             padded with the pad token).
-        stats: ``h2d_bytes`` and ``d2h_bytes`` (dicts by kind: ``weights``, ``cache``, ``activations``),
+        stats: ``h2d_bytes`` and ``d2h_bytes`` (dicts by kind: ``weights`` (the resident blocks' one copy included),
+            ``cache``, ``activations``),
             ``peak_device_bytes`` (the engine's own count of what it holds on the device: trunk, block weights,
             cache, hidden states), ``peak_device_bytes_by_kind``, ``measured_peak_device_bytes`` (CUDA's allocator,
             on a CUDA device only), ``cache_bytes`` (the whole KV cache at the end), ``new_tokens``,
@@ -57,6 +58,8 @@ def generate(
     compress_kv: Optional[bool] = False,
     do_sample: bool = False,
     cache_device_fraction: Optional[float] = None,
+    weights_device_fraction: Optional[float] = None,
+    activations_on_host: Optional[bool] = None,
     overlap: bool = True,
     link: Any = None,
     hardware: Any = None,
@@ -87,6 +90,12 @@ def generate(
             ``memory_budget``: the policy decides.
         do_sample: Sample instead of greedy decoding (passed to ``generate``).
         cache_device_fraction: Fraction of the layers whose KV cache stays on the device (default 0, or the policy's).
+        weights_device_fraction: Fraction of the blocks whose weights stay on the device for the whole generation,
+            the first ones, rounded to whole blocks (FlexGen's ``w_gpu_percent``): copied once instead of once per
+            token (default 0, or the policy's).
+        activations_on_host: Keep each micro-batch's hidden states in host memory between blocks (FlexGen's
+            activations on the CPU; bytes counted under ``activations``), so that the device holds one micro-batch's
+            instead of every micro-batch's (default ``False``, or the policy's).
         overlap: Prefetch while computing (``False``: load each thing when needed and wait, for comparison).
         link: An :class:`~lightning_superpipe.EmulatedLink` to emulate an asynchronous device on the CPU.
         hardware: :class:`~lightning_superpipe.generation.policy.Hardware` constants for the policy's cost model.
@@ -103,8 +112,13 @@ def generate(
     """
     from lightning_superpipe.generation import policy as policy_module
 
-    call = _call(max_new_tokens=max_new_tokens, device=device, memory_budget=memory_budget,
-                 micro_batch_size=micro_batch_size)
+    shown: dict[str, Any] = dict(max_new_tokens=max_new_tokens, device=device, memory_budget=memory_budget,
+                                 micro_batch_size=micro_batch_size)
+    for name, value in (("weights_device_fraction", weights_device_fraction),
+                        ("activations_on_host", activations_on_host)):
+        if value is not None:
+            shown[name] = value
+    call = _call(**shown)
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
         raise GenerationError(f"{call}: `input_ids` must be a [batch, prompt] tensor of token ids, got "
                               f"{getattr(input_ids, 'shape', type(input_ids).__name__)}.")
@@ -115,8 +129,11 @@ def generate(
         raise GenerationError(f"{call}: `max_new_tokens` must be a positive integer.")
     if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
         raise GenerationError(f"{call}: `micro_batch_size` must be a positive integer or None.")
-    if cache_device_fraction is not None and not 0.0 <= cache_device_fraction <= 1.0:
-        raise GenerationError(f"{call}: `cache_device_fraction` must be between 0 and 1.")
+    for name, fraction in (("cache_device_fraction", cache_device_fraction),
+                           ("weights_device_fraction", weights_device_fraction)):
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0.0 <= fraction <= 1.0):
+            raise GenerationError(f"{call}: `{name}` must be a number between 0 and 1, got {fraction!r}.")
     if generate_kwargs.get("num_beams", 1) != 1:
         raise GenerationError(f"{call}: beam search is not supported (num_beams must be 1).")
     for reserved in ("past_key_values", "cache", "use_cache", "max_length"):
@@ -136,8 +153,13 @@ def generate(
     if not stream_weights and compress_weights:
         raise GenerationError(f"{call}: `compress_weights=True` needs `stream_weights=True`: whatever streams the"
                               " weights instead (SuperpipeStrategy) moves them uncompressed.")
+    if not stream_weights and weights_device_fraction:
+        raise GenerationError(f"{call}: `weights_device_fraction={weights_device_fraction!r}` needs"
+                              " `stream_weights=True`: whatever streams the weights instead (SuperpipeStrategy) keeps"
+                              " its own resident blocks (its `resident_blocks`).")
     if not stream_weights:
         compress_weights = False  # the policy must not pick what the other streamer cannot do
+        weights_device_fraction = 0.0
     default = "cuda" if torch.cuda.is_available() else "cpu"
     compute = torch.device(device) if device is not None else torch.device(default)
     blocks = _decoder_blocks(model, call)
@@ -149,21 +171,28 @@ def generate(
         chosen = policy_module.choose_policy(
             shape, batch=batch, prompt=prompt, new_tokens=max_new_tokens, budget=budget, hardware=hardware,
             micro_batch_size=micro_batch_size, compress_weights=compress_weights,
-            compress_kv=compress_kv, cache_device_fraction=cache_device_fraction, call=call,
+            compress_kv=compress_kv, cache_device_fraction=cache_device_fraction,
+            weights_device_fraction=weights_device_fraction, activations_on_host=activations_on_host,
+            weights_streamed_elsewhere=not stream_weights, call=call,
         )
         micro_batch_size = chosen.micro_batch_size
         compress_weights, compress_kv = chosen.compress_weights, chosen.compress_kv
         cache_device_fraction = chosen.cache_device_fraction
+        weights_device_fraction = chosen.weights_device_fraction
+        activations_on_host = chosen.activations_on_host
     micro_batch_size = min(micro_batch_size or batch, batch)
     compress_weights, compress_kv = bool(compress_weights), bool(compress_kv)
     cache_device_fraction = cache_device_fraction or 0.0
     resident_layers = int(round(cache_device_fraction * len(blocks)))
+    resident_blocks = int(round((weights_device_fraction or 0.0) * len(blocks)))
+    activations_on_host = bool(activations_on_host)
 
     copier = make_copier(compute, link)
     engine = StreamingEngine(
         model, blocks, compute, copier, max_len=prompt + max_new_tokens, max_steps=max_new_tokens,
         compress_weights=compress_weights, compress_kv=compress_kv, cache_resident_layers=resident_layers,
-        overlap=overlap, stream_weights=stream_weights,
+        overlap=overlap, stream_weights=stream_weights, weights_resident_blocks=resident_blocks,
+        activations_on_host=activations_on_host,
     )
     starts = list(range(0, batch, micro_batch_size))
     baton = Baton(len(starts))
@@ -238,6 +267,9 @@ def generate(
             "micro_batch_size": micro_batch_size,
             "num_micro_batches": len(starts),
             "cache_device_fraction": resident_layers / len(blocks),
+            "weights_device_fraction": resident_blocks / len(blocks),
+            "resident_blocks": resident_blocks,
+            "activations_on_host": activations_on_host,
             "compress_weights": compress_weights,
             "compress_kv": compress_kv,
             "overlap": overlap,
@@ -278,16 +310,26 @@ def _hook_blocks(blocks: list[nn.Module], engine: StreamingEngine, baton: Baton,
     handles = []
     for index, block in enumerate(blocks):
 
-        def before(module: nn.Module, args: tuple, kwargs: dict, index: int = index) -> None:
+        def before(module: nn.Module, args: tuple, kwargs: dict, index: int = index) -> Optional[tuple[tuple, dict]]:
             micro_batch = getattr(local, "micro_batch", None)
             if micro_batch is None:
                 raise RuntimeError("a streamed block ran outside lightning_superpipe.generate's threads")
             hidden = args[0] if args else kwargs.get("hidden_states")
+            engine.arrive(micro_batch, hidden)
             key = baton.arrive(micro_batch, index)
-            engine.begin_turn(key, hidden.numel() * hidden.element_size() if isinstance(hidden, Tensor) else 0)
+            loaded = engine.begin_turn(key, hidden)
+            if loaded is hidden:
+                return None
+            if args:  # the hidden states were parked in host memory: the block computes on their device copy
+                return (loaded,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": loaded}
 
-        def after(module: nn.Module, args: tuple, output: Any) -> None:
-            engine.end_turn(local.micro_batch)
+        def after(module: nn.Module, args: tuple, output: Any, index: int = index) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            kept = engine.end_turn(local.micro_batch, index, hidden)
+            if kept is hidden:
+                return None
+            return (kept,) + tuple(output[1:]) if isinstance(output, tuple) else kept
 
         handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(block.register_forward_hook(after))

@@ -5,6 +5,10 @@ preparation, masks (left padding, sliding windows), position ids and logits proc
 one thread runs at a time: a thread hands the baton on when it reaches a block, and the baton goes to the waiting
 thread with the smallest ``(token step, block, micro-batch)``. Every micro-batch therefore runs block ``b`` of a
 token before any runs block ``b + 1``, and the block's weights are on the device once for all of them.
+
+A thread's start (its prompt's embedding) is ordered just before its own first turn at block 0, not before every
+micro-batch's: the embeddings of all prompts are never on the device at once (what lets the hidden states of the
+waiting micro-batches live in host memory at prefill).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import threading
 from typing import Optional
 
 Key = tuple[int, int, int]
+#: ``(step, block, micro_batch, phase)``: phase 0 is a thread's start, 1 an arrival at a block.
+_Order = tuple[int, int, int, int]
 
 
 class Baton:
@@ -25,15 +31,15 @@ class Baton:
     def __init__(self, count: int) -> None:
         self._cond = threading.Condition()
         self._alive = set(range(count))
-        self._waiting: dict[int, Key] = {}
+        self._waiting: dict[int, _Order] = {}
         self._running: Optional[int] = None
         self._step = [0] * count
         self._last_block = [-1] * count
         self.failed: Optional[BaseException] = None
 
     def start(self, micro_batch: int) -> None:
-        """Waits for this thread's first turn (the threads start in micro-batch order)."""
-        self._wait((0, -1, micro_batch), micro_batch)
+        """Waits for this thread's first turn: right after the previous micro-batch's first turn at block 0."""
+        self._wait((0, 0, micro_batch, 0), micro_batch)
 
     def arrive(self, micro_batch: int, block: int) -> Key:
         """Called when ``micro_batch`` reaches ``block``: hands the baton on and returns once it is this thread's turn.
@@ -45,13 +51,14 @@ class Baton:
             self._step[micro_batch] += 1  # a new forward (the next token) started
         self._last_block[micro_batch] = block
         key = (self._step[micro_batch], block, micro_batch)
-        self._wait(key, micro_batch)
+        self._wait(key + (1,), micro_batch)
         return key
 
     def waiting_keys(self) -> list[Key]:
-        """The turns the other threads wait for, in the order they will run (read by the running thread)."""
+        """The block turns the other threads wait for, in the order they will run (read by the running thread);
+        threads waiting to start are left out."""
         with self._cond:
-            return sorted(self._waiting.values())
+            return [order[:3] for order in sorted(self._waiting.values()) if order[3] == 1]
 
     def leave(self, micro_batch: int, error: Optional[BaseException] = None) -> None:
         """The thread of ``micro_batch`` is done (or failed, which releases every other thread)."""
@@ -63,7 +70,7 @@ class Baton:
                 self._running = None
             self._cond.notify_all()
 
-    def _wait(self, key: Key, micro_batch: int) -> None:
+    def _wait(self, key: _Order, micro_batch: int) -> None:
         with self._cond:
             self._waiting[micro_batch] = key
             if self._running == micro_batch:

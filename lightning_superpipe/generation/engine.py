@@ -7,9 +7,14 @@ What is reused from ``transformers``: each micro-batch runs the model's own ``ge
 (``DynamicLayer``, ``DynamicSlidingWindowLayer``) keep their own semantics (what a sliding window keeps, the mask
 sizes they report); only where the layers' tensors live between uses is ours: in host memory (pinned on CUDA), in
 FlexGen's 4-bit form when ``compress_kv``, loaded just before the layer's ``update`` and stored right after it.
+
 ``OffloadedCache``-style offloading (``DynamicCache(offloading=True)``) is not used: it prefetches layer by layer
 for one batch on the current stream and keeps every offloaded layer's full tensors, where this schedule needs
 the copies of another micro-batch's cache ordered by the project's copier (CUDA streams or the emulated link).
+
+FlexGen's other placements, by whole layers: the first ``weights_resident_blocks`` blocks' weights are copied to
+the device once and stay (never streamed); with ``activations_on_host`` each micro-batch's hidden states go to host
+memory after a block and come back (prefetched while the micro-batch before computes) for the next one.
 """
 
 from __future__ import annotations
@@ -133,6 +138,13 @@ class StreamingEngine:
         compress_kv: Keep and move the KV cache in FlexGen's 4-bit form.
         cache_resident_layers: The first this many layers keep their cache on the device (FlexGen's cache GPU
             fraction, by layer).
+        weights_resident_blocks: The first this many blocks keep their weights on the device for the whole run
+            (FlexGen's weight GPU fraction, by block): copied once at the start (in their packed form with
+            ``compress_weights``, rebuilt when the block computes), never streamed.
+        activations_on_host: Between blocks, each micro-batch's hidden states live in host memory (FlexGen's
+            activations on the CPU): a block's output is copied to the host after it computes and back before the
+            next block, the next micro-batch's while the current one computes; only the last block's output stays
+            (the final norm and head need it).
         overlap: Prefetch the next block and the next micro-batch's cache while the current one computes; ``False``
             loads everything when it is needed and waits for it (a serialized, Accelerate-like schedule).
         stream_weights: Move the weights (``False``: something else already does, e.g. ``SuperpipeStrategy``'s
@@ -152,6 +164,8 @@ class StreamingEngine:
         cache_resident_layers: int = 0,
         overlap: bool = True,
         stream_weights: bool = True,
+        weights_resident_blocks: int = 0,
+        activations_on_host: bool = False,
     ) -> None:
         self.model = model
         self.stream_weights = stream_weights
@@ -163,6 +177,8 @@ class StreamingEngine:
         self.compress_weights = compress_weights
         self.compress_kv = compress_kv
         self.cache_resident_layers = cache_resident_layers
+        self.weights_resident_blocks = weights_resident_blocks if stream_weights else 0
+        self.activations_on_host = activations_on_host
         self.overlap = overlap
         self.traffic = Traffic()
         self.ledger = Ledger()
@@ -177,7 +193,13 @@ class StreamingEngine:
         self._pending_weights: dict[int, tuple[Event, list[Union[Tensor, Packed]]]] = {}
         self._pending_cache: dict[tuple[int, int], tuple[Event, tuple[Any, Any]]] = {}
         self._transient_cache: dict[int, int] = {}  # micro-batch -> cache bytes its running block holds
-        self._activations: dict[int, int] = {}
+        self._activations: dict[int, int] = {}  # micro-batch -> hidden-state bytes it holds on the device
+        # block -> its weights kept on the device, and the event of their one copy (every computing thread waits).
+        self._resident: dict[int, tuple[Event, list[Union[Tensor, Packed]]]] = {}
+        # Hidden states in host memory: micro-batch -> (the host tensor its model code holds, the copy's event);
+        # and the device copies prefetched for their next block: micro-batch -> (event, tensor).
+        self._parked: dict[int, tuple[Tensor, Event]] = {}
+        self._pending_hidden: dict[int, tuple[Event, Tensor]] = {}
         self._stores_reserved = False
         self._installed_event: Event = None
         if stream_weights:
@@ -218,6 +240,9 @@ class StreamingEngine:
             else:
                 home = original
             self._entries[index].append(_Entry(module, name, original, home))
+        for index in range(min(self.weights_resident_blocks, len(self.blocks))):
+            # Resident blocks cross the link once, in the form they are stored in; they stay for the whole run.
+            self._resident[index] = self._copy_weights(index)
 
     def _to_device(self, module: nn.Module, name: str, tensor: Tensor, is_buffer: bool = False) -> None:
         self.ledger.add("trunk", tensor.numel() * tensor.element_size())
@@ -235,6 +260,9 @@ class StreamingEngine:
         self._uninstall()
         self._pending_weights.clear()
         self._pending_cache.clear()
+        self._pending_hidden.clear()
+        self._parked.clear()
+        self._resident.clear()
         for module, name, original in self._trunk_moved:
             if name in module._buffers:
                 module._buffers[name] = original
@@ -246,12 +274,37 @@ class StreamingEngine:
 
     # ------------------------------------------------------------------ the turns
 
-    def begin_turn(self, key: Key, hidden_bytes: int) -> None:
-        """Runs on the thread whose turn ``key`` starts, before its block computes."""
+    def arrive(self, micro_batch: int, hidden: Any) -> None:
+        """Runs on ``micro_batch``'s thread when it reaches a block, before it waits for its turn: counts the hidden
+        states it holds on the device meanwhile (none when they are parked in host memory)."""
+        parked = self._parked.get(micro_batch)
+        held = 0
+        if isinstance(hidden, Tensor) and not (parked is not None and hidden is parked[0]):
+            held = hidden.numel() * hidden.element_size()
+        self._set_activations(micro_batch, held)
+
+    def _set_activations(self, micro_batch: int, nbytes: int) -> None:
+        previous = self._activations.get(micro_batch, 0)
+        self._activations[micro_batch] = nbytes
+        self.ledger.add("activations", nbytes - previous)
+
+    def begin_turn(self, key: Key, hidden: Any = None) -> Any:
+        """Runs on the thread whose turn ``key`` starts, before its block computes.
+
+        Returns:
+            The hidden states the block is to compute on: ``hidden`` itself, or its device copy when it was parked in
+            host memory.
+        """
         step, block, micro_batch = key
-        # Each thread keeps its own hidden states on the device between its turns (FlexGen's activations on GPU).
-        self._activations[micro_batch] = hidden_bytes
-        self.ledger.add("activations", sum(self._activations.values()) - self.ledger.held["activations"])
+        parked = self._parked.pop(micro_batch, None)
+        pending = self._pending_hidden.pop(micro_batch, None)
+        if parked is not None and hidden is parked[0]:
+            event, hidden = pending or self._load_hidden(micro_batch, parked)
+            self.copier.wait_on_compute(event)
+            self.ledger.remove("activations", nbytes_of(hidden))  # counted as loaded (or prefetched) until now
+            self._set_activations(micro_batch, nbytes_of(hidden))
+        elif pending is not None:  # the model code replaced the parked tensor: its prefetched copy is unused
+            self.ledger.remove("activations", nbytes_of(pending[1]))
         if self.stream_weights and self._installed != (step, block):
             self._install(block)
             self._installed = (step, block)
@@ -266,17 +319,58 @@ class StreamingEngine:
             if upcoming:
                 _, next_block, next_micro_batch = upcoming[0]
                 self._prefetch_cache(next_micro_batch, next_block)
+                self._prefetch_hidden(next_micro_batch)
+        return hidden
 
-    def end_turn(self, micro_batch: int) -> None:
-        """Runs after the block of ``micro_batch``'s turn: the cache tensors its attention used are gone."""
+    def end_turn(self, micro_batch: int, block: int, output: Any) -> Any:
+        """Runs after the block of ``micro_batch``'s turn: the cache tensors its attention used are gone, and with
+        ``activations_on_host`` its output goes to host memory (but the last block's).
+
+        Returns:
+            What the model code is to hold until the next block: ``output``, or the host tensor it was parked in.
+        """
         self.ledger.remove("cache", self._transient_cache.pop(micro_batch, 0))
+        if not self.activations_on_host or block == len(self.blocks) - 1 or not isinstance(output, Tensor):
+            if isinstance(output, Tensor):
+                self._set_activations(micro_batch, nbytes_of(output))
+            return output
+        host = torch.empty(output.shape, dtype=output.dtype, pin_memory=self.copier.pin_memory)
+        event = self.copier.to_host(host, output, what=f"hidden states of micro-batch {micro_batch} block {block}")
+        self.traffic.d2h["activations"] += nbytes_of(output)
+        self._parked[micro_batch] = (host, event)
+        self._set_activations(micro_batch, 0)
+        return host
+
+    def _load_hidden(self, micro_batch: int, parked: tuple[Tensor, Event]) -> tuple[Event, Tensor]:
+        host, stored = parked
+        self.copier.wait_on_host(stored)  # the host tensor holds what the park wrote
+        after = self.copier.mark_compute()  # fresh device memory may be memory compute still reads
+        dst = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        event = self.copier.to_device(dst, host, after=after, what=f"hidden states of micro-batch {micro_batch}")
+        self.traffic.h2d["activations"] += nbytes_of(dst)
+        self.ledger.add("activations", nbytes_of(dst))
+        return event, dst
+
+    def _prefetch_hidden(self, micro_batch: int) -> None:
+        parked = self._parked.get(micro_batch)
+        if parked is not None and micro_batch not in self._pending_hidden:
+            self._pending_hidden[micro_batch] = self._load_hidden(micro_batch, parked)
 
     def leave(self, micro_batch: int) -> None:
         self.ledger.remove("activations", self._activations.pop(micro_batch, 0))
+        self._parked.pop(micro_batch, None)
+        pending = self._pending_hidden.pop(micro_batch, None)
+        if pending is not None:
+            self.ledger.remove("activations", nbytes_of(pending[1]))
 
     # ------------------------------------------------------------------ weights
 
     def _issue_weights(self, block: int) -> tuple[Event, list[Union[Tensor, Packed]]]:
+        if block in self._resident:
+            return self._resident[block]
+        return self._copy_weights(block)
+
+    def _copy_weights(self, block: int) -> tuple[Event, list[Union[Tensor, Packed]]]:
         after = self.copier.mark_compute()  # fresh device memory may be memory compute still reads
         event: Event = None
         loaded: list[Union[Tensor, Packed]] = []
@@ -297,7 +391,7 @@ class StreamingEngine:
         return event, loaded  # copies on one stream run in order: the last event covers them all
 
     def _prefetch_weights(self, block: int) -> None:
-        if block not in self._pending_weights:
+        if block not in self._pending_weights and block not in self._resident:
             self._pending_weights[block] = self._issue_weights(block)
 
     def _install(self, block: int) -> None:
@@ -305,14 +399,19 @@ class StreamingEngine:
         event, loaded = self._pending_weights.pop(block, None) or self._issue_weights(block)
         self.copier.wait_on_compute(event)
         self._installed_event = event
-        installed = 0
+        installed = 0  # what the block frees when it leaves: a streamed block's weights, a resident one's rebuild
+        resident = block in self._resident
         for entry, item in zip(self._entries[block], loaded):
             if isinstance(item, Packed):
-                # The packed form is freed once rebuilt; the dense block lives until the next block comes.
-                self.ledger.remove("weights", item.nbytes)
+                # A streamed block's packed form is freed once rebuilt (a resident one's stays); the dense block
+                # lives until the next block comes.
+                if not resident:
+                    self.ledger.remove("weights", item.nbytes)
                 item = compression.decompress(item)
                 self.ledger.add("weights", nbytes_of(item))
-            installed += nbytes_of(item)
+                installed += nbytes_of(item)
+            elif not resident:
+                installed += nbytes_of(item)
             entry.module._parameters[entry.name].data = item
         self._installed_bytes = installed
         self._installed_block = block

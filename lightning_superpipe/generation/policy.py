@@ -7,11 +7,14 @@ Two models live here:
   with placement fractions of weights, cache and activations on GPU/CPU/disk, and its search over GPU batch size
   and count (:func:`flexgen_search`). It reproduces FlexGen's published predictions (OPT-30B on a T4: 48 x 3 at
   its published placement predicts 7.14 tokens/s; its search finds 32 x 5 at 7.09), which checks the cost model.
-* :func:`choose_policy`, the same overlap rule for this package's engine (weights always streamed, hidden states
-  on the device, the cache of the first ``k`` layers resident): per layer
-  ``T_prefill = max(in, out, compute)`` and ``T_decode = in + max(out, compute)`` (FlexGen's rule as coded),
-  ``T = L * T_prefill + L * (n - 1) * T_decode``; for each micro-batch size and compression choice the integer
-  ``k`` and the times are one small MILP under the device-memory constraint, and the best tokens/s wins.
+* :func:`choose_policy`, the same overlap rule for this package's engine, with FlexGen's placements by whole layers:
+  the weights of the first ``w`` blocks resident on the device (the rest streamed every token), the cache of the
+  first ``k`` layers resident, and the hidden states on the device or (``h = 1``) in host memory between blocks:
+  per layer ``T_prefill = max(in, out, compute)`` and ``T_decode = in + max(out, compute)`` (FlexGen's rule as
+  coded) with the streamed shares ``1 - w / L`` and ``1 - k / L``, ``T = L * T_prefill + L * (n - 1) * T_decode``;
+  for each micro-batch size and compression choice the integers ``k``, ``w``, the binary ``h`` and the times are
+  one small MILP under the device-memory constraint, and the best tokens/s wins. ``h`` is binary as in FlexGen's
+  runtime, which keeps all activations on one device (its LP's fractions ``hg, hc`` are relaxed).
 """
 
 from __future__ import annotations
@@ -233,6 +236,7 @@ class Hardware:
     Attributes:
         h2d_bytes_per_s: Host-to-device bandwidth.
         d2h_bytes_per_s: Device-to-host bandwidth (FlexGen's fitted T4 figure for the cache).
+        d2h_hidden_bytes_per_s: Device-to-host bandwidth for hidden states (FlexGen's ``gtoc_bdw_hidden``).
         prefill_flops: Matmul FLOP/s at prefill.
         decode_flops: Matmul FLOP/s at decode.
         attention_prefill_flops: Batched-matmul FLOP/s (attention) at prefill.
@@ -241,6 +245,7 @@ class Hardware:
 
     h2d_bytes_per_s: float = 12.89 * GB
     d2h_bytes_per_s: float = 0.97 * GB
+    d2h_hidden_bytes_per_s: float = 4.82 * GB
     prefill_flops: float = 21.24 * T
     decode_flops: float = 4.3 * T
     attention_prefill_flops: float = 9.97 * T
@@ -302,6 +307,8 @@ class Policy:
     t_prefill: float  # per layer, seconds
     t_decode: float  # per layer, seconds
     device_bytes: float  # the model's estimate of the device peak
+    weights_device_fraction: float = 0.0  # resident blocks / layers
+    activations_on_host: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -309,21 +316,38 @@ class Policy:
 
 def device_bytes(
     shape: ModelShape, micro_batch: int, batch: int, prompt: int, new_tokens: int, resident_layers: float,
-    compress_weights: bool, compress_kv: bool,
+    compress_weights: bool, compress_kv: bool, resident_blocks: float = 0, activations_on_host: bool = False,
 ) -> float:
-    """The engine's device peak as the cost model counts it (prefill/decode maximum), for ``resident_layers``.
+    """The engine's device peak as the cost model counts it (prefill/decode maximum).
 
-    Terms: the trunk; two blocks of weights in flight (packed, plus one rebuilt dense block, when compressed); the
-    hidden states of every micro-batch (each thread keeps its own); the resident layers' cache; two micro-batches'
-    streamed cache for one layer (the one in use and the one prefetched) plus the layer's output of the one in use;
-    and one micro-batch's working set inside a block (attention scores, MLP) with fp32 logits.
+    Terms: the trunk; the resident blocks' weights (packed when compressed), and two streamed blocks in flight
+    unless every block is resident (plus one rebuilt dense block when compressed); the hidden states: on the device
+    those of every micro-batch (each thread keeps its own), in host memory those of the running micro-batch (its
+    input and output) and the prefetched next one, plus every waiting micro-batch's one-token embedding at decode;
+    the resident layers' cache; two micro-batches' streamed cache for one layer (the one in use and the one
+    prefetched) plus the layer's output of the one in use; and one micro-batch's working set inside a block
+    (attention scores, MLP) with fp32 logits.
+
+    Args:
+        shape: The model.
+        micro_batch: Rows per micro-batch.
+        batch: The effective batch.
+        prompt: Prompt length.
+        new_tokens: Tokens generated.
+        resident_layers: Layers whose cache stays on the device.
+        compress_weights: 4-bit weights.
+        compress_kv: 4-bit cache.
+        resident_blocks: Blocks whose weights stay on the device.
+        activations_on_host: Hidden states in host memory between blocks.
     """
     b = shape.dtype_bytes
     length = prompt + new_tokens
-    weights = 2 * _block_bytes_moved(shape, compress_weights)
+    weights = resident_blocks * _block_bytes_moved(shape, compress_weights)
+    if resident_blocks < shape.layers:
+        weights += 2 * _block_bytes_moved(shape, compress_weights)
     if compress_weights:
         weights += shape.block_bytes
-    hidden = 2 * batch * prompt * shape.hidden * b
+    hidden = _hidden_bytes(shape, micro_batch, batch, prompt, activations_on_host)
     kv_token = 2 * shape.kv_heads * shape.head_dim  # elements per token per layer
     resident = resident_layers * batch * length * kv_token * b
     moved = BYTES_PER_ELEMENT if compress_kv else b
@@ -333,6 +357,13 @@ def device_bytes(
     working = micro_batch * prompt * (4 * shape.hidden + 2 * shape.mlp + 2 * shape.heads * prompt) * b
     working = max(working, micro_batch * shape.vocab * 4 * 2)
     return shape.trunk_bytes + weights + hidden + resident + streamed + working
+
+
+def _hidden_bytes(shape: ModelShape, micro_batch: int, batch: int, prompt: int, on_host: bool) -> float:
+    row = prompt * shape.hidden * shape.dtype_bytes  # one row's hidden states at prefill
+    if not on_host:
+        return 2 * batch * row
+    return 3 * micro_batch * row + batch * shape.hidden * shape.dtype_bytes
 
 
 def _block_bytes_moved(shape: ModelShape, compress_weights: bool) -> float:
@@ -345,61 +376,89 @@ def _block_bytes_moved(shape: ModelShape, compress_weights: bool) -> float:
 def _solve(
     shape: ModelShape, hardware: Hardware, batch: int, micro_batch: int, prompt: int, new_tokens: int,
     budget: float, compress_weights: bool, compress_kv: bool, resident: Optional[int],
+    resident_blocks: Optional[int] = None, activations_on_host: Optional[bool] = None,
 ) -> Optional[Policy]:
-    """The MILP over (k resident layers: integer, T_prefill, T_decode) for one micro-batch size and compression."""
+    """The MILP for one micro-batch size and compression choice.
+
+    Variables ``x = [k, w, h, z, Tpre, Tgen]``: ``k`` layers' cache and ``w`` blocks' weights resident (integers),
+    ``h`` hidden states in host memory (binary), ``z`` every block resident (binary, ``w >= L * z``: no streamed
+    block in flight then), and the per-layer times. ``None`` for a fixed choice lets the solver pick it.
+    """
     L, n, s = shape.layers, new_tokens, prompt
     b = shape.dtype_bytes
     kv_token = 2 * shape.kv_heads * shape.head_dim
     moved = BYTES_PER_ELEMENT if compress_kv else b
-    weights_in = _block_bytes_moved(shape, compress_weights) / hardware.h2d_bytes_per_s
+    block_moved = _block_bytes_moved(shape, compress_weights)
+    weights_in = block_moved / hardware.h2d_bytes_per_s
     # Per layer, for the streamed fraction (1 - k / L) of the layers.
     cache_out_p = batch * s * kv_token * moved / hardware.d2h_bytes_per_s
     cache_in_g = batch * (s + n / 2) * kv_token * moved / hardware.h2d_bytes_per_s
     cache_out_g = batch * kv_token * moved / hardware.d2h_bytes_per_s
+    # Hidden states in host memory: every micro-batch's copied out after a block and back before the next one.
+    hidden_p, hidden_g = batch * s * shape.hidden * b, batch * shape.hidden * b
+    act_in_p, act_out_p = hidden_p / hardware.h2d_bytes_per_s, hidden_p / hardware.d2h_hidden_bytes_per_s
+    act_in_g, act_out_g = hidden_g / hardware.h2d_bytes_per_s, hidden_g / hardware.d2h_hidden_bytes_per_s
     flops_p = 2 * batch * s * shape.block_params
     attention_p = 4 * batch * s * s * shape.heads * shape.head_dim
     compute_p = flops_p / hardware.prefill_flops + attention_p / hardware.attention_prefill_flops
     compute_g = (2 * batch * shape.block_params / hardware.decode_flops
                  + 4 * batch * (s + n / 2) * shape.heads * shape.head_dim / hardware.attention_decode_flops)
-    # Variables x = [k, Tpre, Tgen]; streamed share = 1 - k / L.
-    rows = [
-        [0, 1, 0],  # Tpre >= weights_in
-        [cache_out_p / L, 1, 0],  # Tpre >= cache_out_p * (1 - k/L)
-        [0, 1, 0],  # Tpre >= compute_p
-        [cache_in_g / L + cache_out_g / L, 0, 1],  # Tgen >= in + out
-        [cache_in_g / L, 0, 1],  # Tgen >= in + compute
+    w_in = weights_in / L  # time saved per resident block, per layer-step
+    rows = [  # x = [k, w, h, z, Tpre, Tgen]
+        [0, w_in, -act_in_p, 0, 1, 0],  # Tpre >= in = weights (1 - w/L) + h * hidden in
+        [cache_out_p / L, 0, -act_out_p, 0, 1, 0],  # Tpre >= out = cache out (1 - k/L) + h * hidden out
+        [0, 0, 0, 0, 1, 0],  # Tpre >= compute_p
+        # Tgen >= in + out, in = weights (1 - w/L) + cache in (1 - k/L) + h * hidden in
+        [(cache_in_g + cache_out_g) / L, w_in, -(act_in_g + act_out_g), 0, 0, 1],
+        [cache_in_g / L, w_in, -act_in_g, 0, 0, 1],  # Tgen >= in + compute
+        [0, 1, 0, -L, 0, 0],  # z = 1 only when every block is resident
     ]
     lower = [
-        weights_in, cache_out_p, compute_p, weights_in + cache_in_g + cache_out_g, weights_in + cache_in_g + compute_g
+        weights_in, cache_out_p, compute_p, weights_in + cache_in_g + cache_out_g,
+        weights_in + cache_in_g + compute_g, 0,
     ]
+    upper = [np.inf] * 6
+    # Device memory, linear in (k, w, h, z) around the all-streamed, hidden-on-device base.
     base = device_bytes(shape, micro_batch, batch, prompt, new_tokens, 0, compress_weights, compress_kv)
     per_layer = batch * (prompt + new_tokens) * kv_token * b
-    rows.append([per_layer, 0, 0])
+    hidden_saved = (_hidden_bytes(shape, micro_batch, batch, prompt, False)
+                    - _hidden_bytes(shape, micro_batch, batch, prompt, True))
+    rows.append([per_layer, block_moved, -hidden_saved, -2 * block_moved, 0, 0])
     lower.append(-np.inf)
-    upper = [np.inf] * 5 + [budget - base]
+    upper.append(budget - base)
     k_bounds = (resident, resident) if resident is not None else (0, L)
+    w_bounds = (resident_blocks, resident_blocks) if resident_blocks is not None else (0, L)
+    h_bounds = (int(activations_on_host),) * 2 if activations_on_host is not None else (0, 1)
+    # Ties (transfers hidden behind compute) go to hidden states on the device and to more resident blocks.
+    tie = 1e-9 * (L * compute_p + L * (n - 1) * compute_g)
     result = milp(
-        np.array([0.0, L, L * (n - 1)]),
+        np.array([0.0, -tie, tie, 0.0, L, L * (n - 1)]),
         constraints=LinearConstraint(np.array(rows, dtype=float), lower, upper),
-        integrality=np.array([1, 0, 0]),
-        bounds=Bounds([k_bounds[0], 0, 0], [k_bounds[1], np.inf, np.inf]),
+        integrality=np.array([1, 1, 1, 1, 0, 0]),
+        bounds=Bounds([k_bounds[0], w_bounds[0], h_bounds[0], 0, 0, 0],
+                      [k_bounds[1], w_bounds[1], h_bounds[1], 1, np.inf, np.inf]),
     )
     if result.status != 0:
         return None
-    k, t_pre, t_gen = result.x
-    k = int(round(k))
+    k, w, h, _, t_pre, t_gen = result.x
+    k, w, h = int(round(k)), int(round(w)), bool(round(h))
     total = L * t_pre + L * (n - 1) * t_gen
     return Policy(
         micro_batch_size=micro_batch, num_micro_batches=-(-batch // micro_batch), cache_device_fraction=k / L,
         compress_weights=compress_weights, compress_kv=compress_kv, tokens_per_s=float(batch * n / total),
-        t_prefill=float(t_pre), t_decode=float(t_gen), device_bytes=float(base + k * per_layer),
+        t_prefill=float(t_pre), t_decode=float(t_gen),
+        device_bytes=float(device_bytes(shape, micro_batch, batch, prompt, new_tokens, k, compress_weights,
+                                        compress_kv, w, h)),
+        weights_device_fraction=w / L, activations_on_host=h,
     )
 
 
 def choose_policy(
     shape: ModelShape, batch: int, prompt: int, new_tokens: int, budget: float, hardware: Optional[Hardware] = None,
     micro_batch_size: Optional[int] = None, compress_weights: Optional[bool] = None,
-    compress_kv: Optional[bool] = None, cache_device_fraction: Optional[float] = None, call: str = "generate(...)",
+    compress_kv: Optional[bool] = None, cache_device_fraction: Optional[float] = None,
+    weights_device_fraction: Optional[float] = None, activations_on_host: Optional[bool] = None,
+    weights_streamed_elsewhere: bool = False, call: str = "generate(...)",
 ) -> Policy:
     """The policy with the most predicted tokens/s whose device peak fits ``budget``.
 
@@ -410,8 +469,10 @@ def choose_policy(
         new_tokens: Tokens generated.
         budget: Device bytes.
         hardware: Cost-model constants (default: FlexGen's T4).
-        micro_batch_size, compress_weights, compress_kv, cache_device_fraction: Fix that choice (``None``: the
-            solver picks; compression is then chosen only where it wins tokens/s or is needed to fit).
+        micro_batch_size, compress_weights, compress_kv, cache_device_fraction, weights_device_fraction,
+            activations_on_host: Fix that choice (``None``: the solver picks; compression is then chosen only where it
+            wins tokens/s or is needed to fit).
+        weights_streamed_elsewhere: Something else streams the weights (``SuperpipeStrategy``): no resident blocks.
         call: The user's call, quoted in errors.
 
     Raises:
@@ -425,11 +486,15 @@ def choose_policy(
     weight_options = [compress_weights] if compress_weights is not None else [False, True]
     kv_options = [compress_kv] if compress_kv is not None else [False, True]
     resident = None if cache_device_fraction is None else int(round(cache_device_fraction * shape.layers))
+    if weights_streamed_elsewhere:
+        weights_device_fraction = 0.0
+    blocks = None if weights_device_fraction is None else int(round(weights_device_fraction * shape.layers))
     best: Optional[Policy] = None
     for size in sizes:
         for cw in weight_options:
             for ckv in kv_options:
-                found = _solve(shape, hardware, batch, size, prompt, new_tokens, budget, cw, ckv, resident)
+                found = _solve(shape, hardware, batch, size, prompt, new_tokens, budget, cw, ckv, resident, blocks,
+                               activations_on_host)
                 # Prefer no compression unless it is worth more than 5% (compression changes the outputs).
                 penalty = 1.0 - 0.05 * (cw + ckv)
                 if found is not None and (best is None or found.tokens_per_s * penalty > best.tokens_per_s * (
@@ -437,14 +502,16 @@ def choose_policy(
                     best = found
     if best is None:
         smallest = min(
-            device_bytes(shape, size, batch, prompt, new_tokens, resident or 0, cw, ckv)
+            device_bytes(shape, size, batch, prompt, new_tokens, resident or 0, cw, ckv, blocks or 0,
+                         activations_on_host is not False)
             for size in sizes for cw in weight_options for ckv in kv_options
         )
         raise GenerationError(
             f"{call}: memory_budget={format_bytes(budget)} cannot hold even one block's working set: the smallest"
             f" policy needs {format_bytes(smallest)} on the device (one block is {format_bytes(shape.block_bytes)},"
             f" the layers outside the blocks {format_bytes(shape.trunk_bytes)}). Raise `memory_budget` to at least"
-            f" that, or allow compression and smaller micro-batches (`compress_weights=None`, `micro_batch_size=None`)."
+            f" that, or allow compression, smaller micro-batches and hidden states in host memory"
+            f" (`compress_weights=None`, `micro_batch_size=None`, `activations_on_host=None`)."
         )
     return best
 
