@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.generation.baton import Baton, _Aborted
-from lightning_superpipe.generation.engine import StreamedCache, StreamingEngine
+from lightning_superpipe.generation.engine import StreamedCache, GenerationEngine
 from lightning_superpipe.streaming.blocks import NoBlocksFoundError, find_blocks
 from lightning_superpipe.streaming.copier import make_copier
 from lightning_superpipe.units import parse_bytes
@@ -188,7 +188,7 @@ def generate(
     activations_on_host = bool(activations_on_host)
 
     copier = make_copier(compute, link)
-    engine = StreamingEngine(
+    engine = GenerationEngine(
         model, blocks, compute, copier, max_len=prompt + max_new_tokens, max_steps=max_new_tokens,
         compress_weights=compress_weights, compress_kv=compress_kv, cache_resident_layers=resident_layers,
         overlap=overlap, stream_weights=stream_weights, weights_resident_blocks=resident_blocks,
@@ -306,7 +306,7 @@ def _decoder_blocks(model: nn.Module, call: str) -> list[nn.Module]:
     return blocks
 
 
-def _hook_blocks(blocks: list[nn.Module], engine: StreamingEngine, baton: Baton, local: threading.local) -> list[Any]:
+def _hook_blocks(blocks: list[nn.Module], engine: GenerationEngine, baton: Baton, local: threading.local) -> list[Any]:
     handles = []
     for index, block in enumerate(blocks):
 

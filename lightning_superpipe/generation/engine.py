@@ -93,7 +93,7 @@ class StreamedCache(DynamicCache):
         micro_batch: Which micro-batch this cache belongs to.
     """
 
-    def __init__(self, config: Any, engine: "StreamingEngine", micro_batch: int) -> None:
+    def __init__(self, config: Any, engine: "GenerationEngine", micro_batch: int) -> None:
         super().__init__(config=config)
         self.engine = engine
         self.micro_batch = micro_batch
@@ -124,7 +124,7 @@ class _Store:
         self.dtype: torch.dtype = torch.float32
 
 
-class StreamingEngine:
+class GenerationEngine:
     """Streams a model's blocks and KV cache for the micro-batches' generation threads.
 
     Args:
