@@ -8,12 +8,14 @@ own so that each peak RSS (``VmHWM`` from ``/proc/self/status``) is its own:
 * ``disk``: :class:`lightning_superpipe.memory.disk.DiskStore`, gradients spilled to files, the step block by block
   through a bounded pool of buffers (``host_buffer_bytes``), reads ahead and writes behind overlapping it;
 * ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
-  stream of 64 MiB requests and with four threads of 16 MiB requests (the tier's pattern), on the same disk.
+  stream of 64 MiB requests and with four threads of 16 MiB requests (the tier's pattern), on the same disk, and the
+  read of one such file while another is written (the mix of a step).
 
 Reported: peak RSS of each and their ratio; step time of each (the steps after the first, which creates the
 moments); the tier's read and write GB/s (bytes over the time a read, or a write, was in flight: they run at the
 same time and share the disk); the step's I/O against the raw figures (the time the raw disk would take for the same
-bytes, read and written one after the other, over the step's wall time); a forward-like pass that streams every
+bytes, read and written one after the other, over the step's wall time, and over the time the step's I/O was in
+flight: the fair measure while reads and writes share the disk); a forward-like pass that streams every
 block's masters through the pool, against the raw read; and a write-only pass of every block's record through the
 tier's writer (``fsync`` per file), against the raw write.
 
@@ -170,45 +172,56 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
-    """Sequential O_DIRECT write (then fsync) and read of one file, one stream and four."""
+    """Sequential O_DIRECT write (then fsync) and read of one file, one stream and four; then the read of one file
+    while another is written (two streams each), which is how the tier's step uses the disk."""
     from lightning_superpipe.memory.disk import _aligned_buffer, _byte_view
 
     size = int(args.raw_bytes) // (64 << 20) * (64 << 20)
     path = Path(args.folder) / "raw.bin"
     results: dict[str, Any] = {"bytes": size}
-    for streams, request in ((1, 64 << 20), (4, 16 << 20)):
+
+    def transfer(target: Path, write: bool, streams: int, request: int) -> float:
         buffers = [_aligned_buffer(request) for _ in range(streams)]
         for buffer in buffers:
             buffer.random_(0, 255)
         offsets = list(range(0, size, request))
+        flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
+        fd = os.open(target, flags, 0o600)
+        try:
+            if write:
+                os.ftruncate(fd, size)
+            began = time.perf_counter()
 
-        def transfer(write: bool) -> float:
-            flags = (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT
-            fd = os.open(path, flags, 0o600)
-            try:
-                if write:
-                    os.ftruncate(fd, size)
-                began = time.perf_counter()
+            def worker(stream: int) -> None:
+                view = _byte_view(buffers[stream], request)
+                for offset in offsets[stream::streams]:
+                    done = 0
+                    while done < request:
+                        call = os.pwritev if write else os.preadv
+                        done += call(fd, [view[done:]], offset + done)
 
-                def worker(stream: int) -> None:
-                    view = _byte_view(buffers[stream], request)
-                    for offset in offsets[stream::streams]:
-                        done = 0
-                        while done < request:
-                            call = os.pwritev if write else os.preadv
-                            done += call(fd, [view[done:]], offset + done)
+            with ThreadPoolExecutor(streams) as pool:
+                list(pool.map(worker, range(streams)))
+            if write:
+                os.fsync(fd)
+            return time.perf_counter() - began
+        finally:
+            os.close(fd)
 
-                with ThreadPoolExecutor(streams) as pool:
-                    list(pool.map(worker, range(streams)))
-                if write:
-                    os.fsync(fd)
-                return time.perf_counter() - began
-            finally:
-                os.close(fd)
-
-        results[f"write_{streams}_s"] = transfer(write=True)
-        results[f"read_{streams}_s"] = transfer(write=False)
-        path.unlink()
+    for streams, request in ((1, 64 << 20), (4, 16 << 20)):
+        results[f"write_{streams}_s"] = transfer(path, True, streams, request)
+        results[f"read_{streams}_s"] = transfer(path, False, streams, request)
+    # Reads and writes at once: each gets part of the disk.
+    other = path.with_name("raw-other.bin")
+    transfer(path, True, 4, 16 << 20)
+    with ThreadPoolExecutor(2) as both:
+        began = time.perf_counter()
+        read = both.submit(transfer, path, False, 2, 16 << 20)
+        written = both.submit(transfer, other, True, 2, 16 << 20)
+        results["mixed_read_s"], results["mixed_write_s"] = read.result(), written.result()
+        results["mixed_s"] = time.perf_counter() - began
+    path.unlink()
+    other.unlink()
     return results
 
 
@@ -300,6 +313,8 @@ def main() -> None:
     raw_write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
     steps_counted = len(disk["step_s"][later])
     raw_time = (read_bytes / raw_read + write_bytes / raw_write) / steps_counted
+    busy = sum(union_seconds([(a, b) for _, a, b, _ in step]) for step in disk["io_intervals"][later])
+    raw_mixed = 2 * raw["bytes"] / raw["mixed_s"]
     figures = {
         "params": params, "state_bytes_in_files": state, "file_bytes": disk["file_bytes"], "blocks": args.blocks,
         "direct_io": disk["direct_io"], "heap_retention_limited": not args.keep_heap,
@@ -315,6 +330,12 @@ def main() -> None:
         "step_read_gbps": read_bytes / read_busy / GB, "step_write_gbps": write_bytes / write_busy / GB,
         "step_io_gbps": (read_bytes + write_bytes) / steps_counted / disk_step / GB,
         "step_io_vs_raw": raw_time / disk_step,
+        # The fair measure while reads and writes share the disk: the step's bytes over the time any of its I/O was
+        # in flight, against the raw disk moving them one kind after the other, and mixed.
+        "step_io_gbps_while_busy": (read_bytes + write_bytes) / busy / GB,
+        "step_io_vs_raw_while_busy": raw_time * steps_counted / busy,
+        "raw_mixed_gbps": raw_mixed / GB,
+        "step_io_vs_raw_mixed_while_busy": (read_bytes + write_bytes) / busy / raw_mixed,
         "forward_read_gbps": disk["forward_bytes"] / disk["forward_s"] / GB,
         "raw_read_gbps": {"1x64MiB": raw["bytes"] / raw["read_1_s"] / GB,
                           "4x16MiB": raw["bytes"] / raw["read_4_s"] / GB},

@@ -10,14 +10,23 @@ each peak RSS is its own:
 * ``host``: ``SuperpipeStrategy()`` (``offload_device="cpu"``: masters, gradients and moments in host memory);
 * ``disk``: ``SuperpipeStrategy(offload_device="disk", offload_path=..., host_buffer_bytes=...)``;
 * ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
-  stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``).
+  stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``),
+  and the read of one such file while another is written (two threads of 16 MiB requests each: the mix the tier's
+  step makes), for what the disk gives reads and writes that share it; once before the training runs and once
+  after, each figure the faster of the two (a shared virtual disk drifts within minutes).
 
 Reported: peak RSS (``VmHWM`` from ``/proc/self/status``) of each over the whole process, and over training alone
 (``VmHWM`` reset through ``/proc/self/clear_refs`` when training starts: the model is built in host memory first,
 4 bytes per parameter, in both runs), and their ratios; step time of each (the steps after the first, which creates
 the moments) and their ratio; the tier's read and write GB/s over the timed steps (bytes over the time a read, or a
-write, was in flight; they share the disk) against the raw figures, and the step's I/O against the raw disk (the
-time the raw disk would take for the step's bytes, read and written one after the other, over the step's wall time).
+write, was in flight) against the raw figures; the step's I/O against the raw disk (the time the raw disk would take
+for the step's bytes, read and written one after the other, over the step's wall time); and, the fair measure of the
+tier's I/O, its bytes over the time any of its I/O was in flight (the disk in use), against the raw disk moving the
+same bytes (one kind after the other, and mixed). The per-kind figures undercount wherever reads and writes overlap:
+both are in flight while they share one disk, so each gets part of it (here the raw disk read 1.2 GB/s and wrote
+0.9 GB/s at once, against 2.0 and 2.3 GB/s alone). Also reported: where the tier's time went in a step
+(``memory_report()["disk_seconds"]``: the disk busy, ``fsync``, waits for buffers, reads, and durable writes, the
+step's arithmetic) and the time of its optimizer step after backward (``DiskTier.finish_step``, timed from outside).
 
 Both training processes call :func:`~lightning_superpipe.memory.disk.limit_heap_retention` first, as the disk tier
 does when it is built: without it glibc kept freed block-sized tensors in its heap and the host tier's steps took
@@ -100,6 +109,9 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             self.step_s: list[float] = []
             self.losses: list[float] = []
             self.io: list[list[tuple[str, float, float, int]]] = []
+            self.clock: list[dict[str, float]] = []
+            self.finish_step_s: list[float] = []
+            self._clock_began: dict[str, float] = {}
             self.rss_before_training = 0
             self.rss_training = 0
             self.cleared = False
@@ -115,6 +127,18 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             self.cleared = reset_peak_rss()
             files = self._files(trainer)
             self.direct_io = None if files is None else files.direct
+            tier = trainer.strategy._engine.tier
+            if tier is not None:  # time the optimizer step after backward (the blocks stepped from disk)
+                finish_step = tier.finish_step
+
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    began = time.perf_counter()
+                    try:
+                        return finish_step(*args, **kwargs)
+                    finally:
+                        self.finish_step_s.append(time.perf_counter() - began)
+
+                tier.finish_step = timed
 
         def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             # Before teardown, where the disk tier reads the masters back into the parameters (4 B per parameter).
@@ -124,6 +148,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             files = self._files(trainer)
             if files is not None:
                 files.intervals = []
+                self._clock_began = trainer.strategy._engine.tier.store.io_seconds()
             self._began = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
@@ -132,6 +157,8 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             files = self._files(trainer)
             if files is not None:
                 self.io.append(list(files.intervals))
+                now = trainer.strategy._engine.tier.store.io_seconds()
+                self.clock.append({k: now[k] - self._clock_began[k] for k in now})
 
     if args.role == "disk":
         strategy = SuperpipeStrategy(offload_device="disk", offload_path=args.folder,
@@ -153,6 +180,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     report = trainer.strategy.memory_report()
     return {
         "step_s": probe.step_s, "losses": probe.losses, "io_intervals": probe.io, "fit_s": time.perf_counter() - began,
+        "disk_seconds": probe.clock, "finish_step_s": probe.finish_step_s,
         "peak_rss_before_training_bytes": probe.rss_before_training,
         "peak_rss_training_bytes": probe.rss_training or None,
         # Since the reset (or the start, without one): training and the teardown after it.
@@ -212,17 +240,20 @@ def main() -> None:
     # fp32 master + two moments (12 B) and the spilled gradient (4 B) of one layer, page-rounded, per buffer.
     args.host_buffer_bytes = args.buffers * (-(-16 * layer // 4096) * 4096 + 4096)
     args.raw_bytes = max(12 * (params - 2 * args.vocab * args.hidden), 1 << 30)  # one step's records, >= 1 GiB
-    needed = 28 * params + args.raw_bytes  # two slots of 12 B, 4 B of gradients, then the raw file
+    # Two slots of 12 B and 4 B of gradients per parameter, then (the tier's files removed) the two raw files.
+    needed = max(28 * params, 2 * args.raw_bytes)
     free = shutil.disk_usage(args.path).free
     if needed * 1.1 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
     args.folder = Path(tempfile.mkdtemp(prefix="superpipe-bench-disk-strategy-", dir=args.path))
     try:
+        # The raw disk before and after the training runs: a shared virtual disk's throughput drifts within minutes.
+        raws = [child("raw", args)]
         host = child("host", args)
         disk = child("disk", args)
         shutil.rmtree(args.folder)
         args.folder.mkdir()
-        raw = child("raw", args)
+        raws.append(child("raw", args))
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
 
@@ -234,10 +265,17 @@ def main() -> None:
     write_bytes = sum(n for kind, _, _, n in intervals if kind == "write")
     read_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "read"])
     write_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "write"])
+    # Per step, so that the gaps between steps do not count.
+    busy = sum(union_seconds([(a, b) for _, a, b, _ in step]) for step in disk["io_intervals"][later])
+    # Each figure the faster of the two raw runs: the tier is compared with the best the disk did.
+    raw = {"bytes": raws[0]["bytes"], **{k: min(r[k] for r in raws) for k in raws[0] if k.endswith("_s")}}
     raw_read = max(raw["bytes"] / raw["read_1_s"], raw["bytes"] / raw["read_4_s"])
     raw_write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
+    raw_mixed = 2 * raw["bytes"] / raw["mixed_s"]
     steps_counted = len(disk["step_s"][later])
     raw_time = (read_bytes / raw_read + write_bytes / raw_write) / steps_counted
+    clock = {k: sum(step[k] for step in disk["disk_seconds"][later]) / steps_counted for k in disk["disk_seconds"][0]}
+    finish = disk["finish_step_s"][later] or disk["finish_step_s"]
     figures: dict[str, Any] = {
         "params": params, "training_state_bytes": 16 * params, "layers": args.layers,
         "tokens_per_step": args.batch * args.seq, "threads": args.threads,
@@ -260,6 +298,20 @@ def main() -> None:
         "step_read_vs_raw": read_bytes / read_busy / raw_read,
         "step_write_vs_raw": write_bytes / write_busy / raw_write,
         "step_io_vs_raw": raw_time / disk_step,
+        "step_disk_busy_s": busy / steps_counted,
+        "step_io_gbps_while_busy": (read_bytes + write_bytes) / busy / GB,
+        "raw_runs_read_write_mixed_gbps": [
+            [round(max(r["bytes"] / r["read_1_s"], r["bytes"] / r["read_4_s"]) / GB, 3),
+             round(max(r["bytes"] / r["write_1_s"], r["bytes"] / r["write_4_s"]) / GB, 3),
+             round(2 * r["bytes"] / r["mixed_s"] / GB, 3)] for r in raws],
+        "raw_mixed_gbps": {"read": raw["bytes"] / raw["mixed_read_s"] / GB,
+                           "write_fsync": raw["bytes"] / raw["mixed_write_s"] / GB, "together": raw_mixed / GB},
+        # 1.0: the tier moved its bytes, while its I/O was in flight, as fast as the raw disk moves them one kind
+        # after the other (first) or mixed (second).
+        "step_io_vs_raw_while_busy": raw_time * steps_counted / busy,
+        "step_io_vs_raw_mixed_while_busy": (read_bytes + write_bytes) / busy / raw_mixed,
+        "step_disk_seconds": clock,
+        "optimizer_step_after_backward_s_disk": sum(finish) / max(len(finish), 1),
     }
     for phase in ("before_training", "training"):
         host_bytes, disk_bytes = figures[f"peak_rss_{phase}_host_bytes"], figures[f"peak_rss_{phase}_disk_bytes"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
 from lightning_superpipe.memory import disk
+from lightning_superpipe.memory.disk import CLOCK_COUNTERS
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
 from tests import models
@@ -166,7 +168,9 @@ def test_checkpoints_hold_the_manifest_and_resume_exactly_from_a_copy_elsewhere(
 def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path) -> None:
     task = models.build_task("llama")
     trainer = models.trainer(_disk(tmp_path / "tier", host_buffer_bytes=1 << 20), max_steps=2)
+    began = time.perf_counter()
     trainer.fit(task, models.data("lm"))
+    wall = time.perf_counter() - began
     report = trainer.strategy.memory_report()
     block_bytes = sum(p.numel() * 4 for layer in task.model.model.layers for p in layer.parameters() if p.ndim >= 1)
     assert report["disk_bytes"] >= 2 * 3 * block_bytes  # two slots of every block: masters and two moments
@@ -175,6 +179,13 @@ def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path
     # writes every record and the spilled gradients.
     assert report["disk_bytes_read"] > 2 * 4 * block_bytes
     assert report["disk_bytes_written"] > 2 * 3 * block_bytes
+    # Where the time went: the disk was busy while a read or a write was in flight, never longer than both together
+    # or than the run; the steps fsynced their records and did their arithmetic.
+    seconds = report["disk_seconds"]
+    assert set(seconds) == set(CLOCK_COUNTERS) and all(value >= 0 for value in seconds.values())
+    assert max(seconds["read_busy"], seconds["write_busy"]) <= seconds["busy"] + 1e-6
+    assert seconds["busy"] <= seconds["read_busy"] + seconds["write_busy"] + 1e-6
+    assert 0 < seconds["busy"] < wall and 0 < seconds["fsync"] and 0 < seconds["step_compute"] < wall
 
 
 def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:

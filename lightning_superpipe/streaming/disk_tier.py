@@ -574,7 +574,10 @@ class DiskTier:
 
     def memory_report(self) -> dict[str, Any]:
         """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
-        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run)."""
+        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run), and
+        ``disk_seconds``: where the tier's time went over the run (:class:`~lightning_superpipe.memory.disk.IoClock`:
+        the disk busy, reads and writes in flight, ``fsync``, waits for pool buffers, for reads, for durable writes,
+        and the step's arithmetic)."""
         folder = self.store.path
         files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
         return {
@@ -584,6 +587,7 @@ class DiskTier:
             "peak_disk_pool_host_bytes": self.store.pool.peak_bytes,
             "disk_bytes_read": self.store.bytes_read,
             "disk_bytes_written": self.store.bytes_written,
+            "disk_seconds": self.store.io_seconds(),
         }
 
     def close(self) -> None:
