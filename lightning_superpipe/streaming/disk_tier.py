@@ -113,15 +113,8 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
     Raises:
         ValueError: With the user's call and what to do instead.
     """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-    try:  # Lightning >= 2.6
-        from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:  # pragma: no cover - older Lightning
-        WeightAveraging = StochasticWeightAveraging
-
     module = trainer.lightning_module
-    averaging = [c for c in trainer.callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
+    averaging = weight_averaging_callbacks(trainer)
     refusal = None
     if averaging:
         refusal = (
@@ -157,6 +150,17 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
             " the parameters outside the blocks are there as usual, and `self.clip_gradients(...)` clips them all."
             " Use offload_device='cpu' if the hook needs every gradient."
         )
+
+
+def weight_averaging_callbacks(trainer: Any) -> list[Any]:
+    """The trainer's callbacks that keep an average of the weights and swap it into the parameters
+    (``EMAWeightAveraging``, any ``WeightAveraging``, ``StochasticWeightAveraging``)."""
+    from lightning.pytorch import callbacks
+
+    # WeightAveraging (and EMAWeightAveraging) came with Lightning 2.6.
+    names = ("WeightAveraging", "StochasticWeightAveraging")
+    kinds = tuple(getattr(callbacks, name) for name in names if hasattr(callbacks, name))
+    return [c for c in trainer.callbacks if isinstance(c, kinds)]
 
 
 def gradient_readers(trainer: Any) -> list[str]:

@@ -30,6 +30,7 @@ from lightning_superpipe.streaming.disk_tier import (
     check_training,
     disk_host_bytes,
     offload_call,
+    weight_averaging_callbacks,
 )
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
@@ -209,16 +210,6 @@ def join_ranks(model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, A
         )
     broadcast_from_rank_zero(model, strategy.root_device)
 
-
-def weight_averaging_callbacks(trainer: Any) -> list[Any]:
-    """The trainer's callbacks that keep an average of the weights and swap it into the parameters
-    (``EMAWeightAveraging``, any ``WeightAveraging``, ``StochasticWeightAveraging``)."""
-    from lightning.pytorch import callbacks
-
-    # WeightAveraging (and EMAWeightAveraging) came with Lightning 2.6.
-    names = ("WeightAveraging", "StochasticWeightAveraging")
-    kinds = tuple(getattr(callbacks, name) for name in names if hasattr(callbacks, name))
-    return [c for c in trainer.callbacks if isinstance(c, kinds)]
 
 
 def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
