@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.distributed import rss_bytes, shared_rss_bytes
+from lightning_superpipe.memory.host import rss_bytes, shared_rss_bytes
 
 CONFIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6, vocab_size=4096)
 RESULTS = Path(__file__).with_name("results")

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -50,11 +50,12 @@ WIDTH = 4096
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set (``VmHWM``)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM")
+    from lightning_superpipe.memory.host import rss_bytes
+
+    peak = rss_bytes()[1]
+    if not peak:
+        raise RuntimeError("/proc/self/status has no VmHWM")
+    return peak
 
 
 def block_shapes(state_gb: float, blocks: int) -> dict[str, tuple[int, ...]]:
@@ -238,6 +239,41 @@ def union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class StepIO(NamedTuple):
+    """The disk tier's I/O over the steps that count (all but the first, which creates the optimizer state)."""
+
+    later: slice  # the steps that count, as an index into per-step lists
+    steps: int
+    read_bytes: int
+    write_bytes: int
+    read_busy_s: float  # time at least one read was in flight
+    write_busy_s: float
+    busy_s: float  # time any I/O was in flight, step by step (the gaps between steps do not count)
+
+
+def step_io(disk: dict[str, Any], steps: int) -> StepIO:
+    """:class:`StepIO` of a disk run's ``io_intervals`` (``(kind, start, stop, bytes)`` per request, per step)."""
+    later = slice(1, None) if steps > 1 else slice(None)
+    intervals = [i for step in disk["io_intervals"][later] for i in step]
+    return StepIO(
+        later=later,
+        steps=len(disk["step_s"][later]),
+        read_bytes=sum(n for kind, _, _, n in intervals if kind == "read"),
+        write_bytes=sum(n for kind, _, _, n in intervals if kind == "write"),
+        read_busy_s=union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "read"]),
+        write_busy_s=union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "write"]),
+        busy_s=sum(union_seconds([(a, b) for _, a, b, _ in step]) for step in disk["io_intervals"][later]),
+    )
+
+
+def raw_rates(raw: dict[str, Any]) -> tuple[float, float, float]:
+    """The raw disk's bytes per second: reading, writing with fsync (each the faster of 1 x 64 MiB and 4 x 16 MiB
+    requests), and a read and a write at once."""
+    read = max(raw["bytes"] / raw["read_1_s"], raw["bytes"] / raw["read_4_s"])
+    write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
+    return read, write, 2 * raw["bytes"] / raw["mixed_s"]
+
+
 def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--role", role, "--folder", str(args.folder), "--state-gb", str(args.state_gb),
                "--blocks", str(args.blocks), "--steps", str(args.steps), "--read-ahead", str(args.read_ahead),
@@ -301,20 +337,11 @@ def main() -> None:
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
 
-    later = slice(1, None) if args.steps > 1 else slice(None)
-    disk_step = sum(disk["step_s"][later]) / len(disk["step_s"][later])
+    later, steps_counted, read_bytes, write_bytes, read_busy, write_busy, busy = step_io(disk, args.steps)
+    disk_step = sum(disk["step_s"][later]) / steps_counted
     memory_step = sum(memory["step_s"][later]) / len(memory["step_s"][later])
-    intervals = [i for step in disk["io_intervals"][later] for i in step]
-    read_bytes = sum(n for kind, _, _, n in intervals if kind == "read")
-    write_bytes = sum(n for kind, _, _, n in intervals if kind == "write")
-    read_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "read"])
-    write_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "write"])
-    raw_read = max(raw["bytes"] / raw["read_1_s"], raw["bytes"] / raw["read_4_s"])
-    raw_write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
-    steps_counted = len(disk["step_s"][later])
+    raw_read, raw_write, raw_mixed = raw_rates(raw)
     raw_time = (read_bytes / raw_read + write_bytes / raw_write) / steps_counted
-    busy = sum(union_seconds([(a, b) for _, a, b, _ in step]) for step in disk["io_intervals"][later])
-    raw_mixed = 2 * raw["bytes"] / raw["mixed_s"]
     figures = {
         "params": params, "state_bytes_in_files": state, "file_bytes": disk["file_bytes"], "blocks": args.blocks,
         "direct_io": disk["direct_io"], "heap_retention_limited": not args.keep_heap,

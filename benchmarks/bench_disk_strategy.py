@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_disk import GB, peak_rss_bytes, run_raw, union_seconds  # noqa: E402
+from bench_disk import GB, peak_rss_bytes, raw_rates, run_raw, step_io  # noqa: E402
 
 
 def llama_config(args: argparse.Namespace) -> Any:
@@ -257,22 +257,12 @@ def main() -> None:
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
 
-    later = slice(1, None) if args.steps > 1 else slice(None)
-    disk_step = sum(disk["step_s"][later]) / len(disk["step_s"][later])
+    later, steps_counted, read_bytes, write_bytes, read_busy, write_busy, busy = step_io(disk, args.steps)
+    disk_step = sum(disk["step_s"][later]) / steps_counted
     host_step = sum(host["step_s"][later]) / len(host["step_s"][later])
-    intervals = [i for step in disk["io_intervals"][later] for i in step]
-    read_bytes = sum(n for kind, _, _, n in intervals if kind == "read")
-    write_bytes = sum(n for kind, _, _, n in intervals if kind == "write")
-    read_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "read"])
-    write_busy = union_seconds([(a, b) for kind, a, b, _ in intervals if kind == "write"])
-    # Per step, so that the gaps between steps do not count.
-    busy = sum(union_seconds([(a, b) for _, a, b, _ in step]) for step in disk["io_intervals"][later])
     # Each figure the faster of the two raw runs: the tier is compared with the best the disk did.
     raw = {"bytes": raws[0]["bytes"], **{k: min(r[k] for r in raws) for k in raws[0] if k.endswith("_s")}}
-    raw_read = max(raw["bytes"] / raw["read_1_s"], raw["bytes"] / raw["read_4_s"])
-    raw_write = max(raw["bytes"] / raw["write_1_s"], raw["bytes"] / raw["write_4_s"])
-    raw_mixed = 2 * raw["bytes"] / raw["mixed_s"]
-    steps_counted = len(disk["step_s"][later])
+    raw_read, raw_write, raw_mixed = raw_rates(raw)
     raw_time = (read_bytes / raw_read + write_bytes / raw_write) / steps_counted
     clock = {k: sum(step[k] for step in disk["disk_seconds"][later]) / steps_counted for k in disk["disk_seconds"][0]}
     finish = disk["finish_step_s"][later] or disk["finish_step_s"]

@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheck
 
 import lightning_superpipe  # noqa: E402, F401
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
-from lightning_superpipe.streaming.distributed import rss_bytes  # noqa: E402
+from lightning_superpipe.memory.host import rss_bytes  # noqa: E402
 from tests import models  # noqa: E402
 
 TIMEOUT = timedelta(seconds=60)  # a collective that waits longer fails instead of hanging the test

@@ -103,13 +103,16 @@ def test_a_sharded_optimizer_equals_plain_ddp_with_each_rank_holding_its_share(e
     assert sum(rank["report"]["optimizer_state_bytes"] for rank in sharded) == replicated["optimizer_state_bytes"]
 
 
-def test_a_sharded_optimizer_checkpoints_all_of_its_state_in_one_file_and_resumes(exact_run: Path) -> None:
+@pytest.mark.parametrize("sharding", ["sharded", "node"])  # shard_optimizer=True, shard_optimizer="node"
+def test_a_sharded_optimizer_checkpoints_all_of_its_state_in_one_file_and_resumes(
+    exact_run: Path, sharding: str
+) -> None:
     whole = torch.load(exact_run / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
-    gathered = torch.load(exact_run / "sharded" / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    gathered = torch.load(exact_run / sharding / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
     assert list(gathered) == list(whole)
     for index, state in whole.items():
         assert all(torch.equal(state[key], gathered[index][key]) for key in state)
-    runs = ("uninterrupted", "sharded_first", "sharded_resumed")
+    runs = ("uninterrupted", f"{sharding}_first", f"{sharding}_resumed")
     for uninterrupted, first, resumed in zip(*(_load(exact_run, name) for name in runs)):
         assert first["losses"] == uninterrupted["losses"][:8]
         assert resumed["losses"] == uninterrupted["losses"][8:]
@@ -221,19 +224,6 @@ def test_shard_optimizer_node_equals_plain_ddp_streaming_both_ranks_from_one_sha
         assert _max_difference(shared["weights"], sharded["weights"]) == 0.0
         assert _max_difference(shared["weights"], plain["weights"]) > 0  # bf16 compute indeed
         assert shared["report"]["shared_host_bytes"] == sharded["report"]["host_bytes"] > replicated["host_bytes"]
-
-
-def test_shard_optimizer_node_checkpoints_all_of_its_state_in_one_file_and_resumes(exact_run: Path) -> None:
-    whole = torch.load(exact_run / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
-    gathered = torch.load(exact_run / "node" / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
-    assert list(gathered) == list(whole)
-    for index, state in whole.items():
-        assert all(torch.equal(state[key], gathered[index][key]) for key in state)
-    runs = ("uninterrupted", "node_first", "node_resumed")
-    for uninterrupted, first, resumed in zip(*(_load(exact_run, name) for name in runs)):
-        assert first["losses"] == uninterrupted["losses"][:8]
-        assert resumed["losses"] == uninterrupted["losses"][8:]
-        assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
 
 
 def test_shard_optimizer_node_on_two_nodes_steps_each_nodes_copy_alike_and_equals_plain_ddp(nodes_run: Path) -> None:

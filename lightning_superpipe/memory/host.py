@@ -252,16 +252,33 @@ def home_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> i
     return master if transfer_dtype == params[0].dtype else master + page_rounded(numel * transfer_dtype.itemsize)
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``, or ``None`` where the platform does not report it."""
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``kB`` field of a ``/proc`` file (``MemAvailable`` of ``/proc/meminfo``, ``VmRSS`` of ``/proc/self/status``)
+    in bytes, or ``None`` where the platform does not report it."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
+        with open(path) as fields:
+            for line in fields:
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``, or ``None`` where the platform does not report it."""
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def rss_bytes() -> tuple[int, int]:
+    """This process's resident set size now and at its peak, in bytes (Linux; zeros elsewhere)."""
+    return _proc_bytes("/proc/self/status", "VmRSS") or 0, _proc_bytes("/proc/self/status", "VmHWM") or 0
+
+
+def shared_rss_bytes() -> int:
+    """Bytes of this process's resident set in shared memory (``RssShmem``: e.g. a node's shared homes, which every
+    rank of the node maps and a sum of the ranks' resident sets counts once per rank), 0 where not reported."""
+    return _proc_bytes("/proc/self/status", "RssShmem") or 0
 
 
 def check_host_memory(needed_bytes: int, what: str) -> None:

@@ -564,27 +564,3 @@ def every_ranks_rng_states(states: dict[str, Any]) -> list[dict[str, Any]]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, states)
     return everyone
-
-
-def shared_rss_bytes() -> int:
-    """Bytes of this process's resident set in shared memory (``RssShmem``: e.g. a node's shared homes, which every
-    rank of the node maps and a sum of the ranks' resident sets counts once per rank), 0 where not reported."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("RssShmem:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return 0
-
-
-def rss_bytes() -> tuple[int, int]:
-    """This process's resident set size now and at its peak, in bytes (Linux; zeros elsewhere)."""
-    try:
-        with open("/proc/self/status") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-    except OSError:
-        return 0, 0
-    rss, peak = (int(fields.get(key, "0 kB").split()[0]) * 1024 for key in ("VmRSS", "VmHWM"))
-    return rss, peak

@@ -547,9 +547,10 @@ class StreamingEngine:
         """Streams every block parameter again (after :meth:`withhold`)."""
         self._relayout(frozenset())
 
-    def is_withheld(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` is withheld from streaming now (:meth:`withhold`)."""
-        return param in self._withheld
+    @property
+    def withheld(self) -> frozenset[nn.Parameter]:
+        """The parameters withheld from streaming now (:meth:`withhold`); empty nearly always."""
+        return self._withheld
 
     def streamed_slices(self, index: int) -> Sequence[ParamSlice]:
         """Block ``index``'s streamed parameters and where each sits in its device buffer."""

@@ -232,7 +232,9 @@ class BlockStreamingHook:
             tensors = {piece.param: tensor for piece, tensor in zip(pieces, fetch(self.index))}
         if torch.is_grad_enabled() and self._home is not None:
             # Read at every call: which parameters train may change between steps (e.g. ``BaseFinetuning``).
-            trainable = [piece for piece in self._home.trainable if piece.param in tensors]
+            trainable = self._home.trainable
+            if self.engine.withheld:
+                trainable = [piece for piece in trainable if piece.param not in self.engine.withheld]
             if trainable:
                 if first_run:
                     self.engine.gradients.expect_block(self.index)
@@ -260,7 +262,8 @@ class BlockStreamingHook:
     def _live_bindings(self) -> list[_Binding]:
         """The bindings of the parameters the block computes with now: not those the engine withholds (their
         owners compute with them some other way, e.g. paged experts, and no longer list them)."""
-        return [binding for binding in self._bindings if not self.engine.is_withheld(binding[2])]
+        withheld = self.engine.withheld
+        return [binding for binding in self._bindings if binding[2] not in withheld] if withheld else self._bindings
 
     def _check_bindings(self) -> None:
         for owner, name, param in self._live_bindings():
