@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -254,6 +255,30 @@ def test_a_file_deleted_mid_run_is_named_and_the_other_blocks_come_back(tmp_path
     layers = task.model.model.layers
     for index in (0, 2):  # the committed step of the readable blocks is back in memory
         assert all(p.stride() == torch.empty(p.shape).stride() for p in layers[index].parameters())
+
+
+def test_after_a_run_the_blocks_map_their_committed_files_and_no_later_run_writes_into_them(tmp_path: Path) -> None:
+    """At the end of a run the block parameters are copy-on-write views of the committed files (no host memory until
+    read): a second run in the same folder, an in-place edit and removing the folder all leave the values of the
+    first run, held in a state dict, as they were."""
+    tier = tmp_path / "tier"
+    first = models.fit("llama", _disk(tier))
+    host = models.fit("llama", "superpipe")
+    _assert_same(first, host)
+    layer = first.model.model.layers[1]
+    held = {name: tensor for name, tensor in layer.state_dict().items()}  # references, not copies
+    expected = {name: tensor.clone() for name, tensor in held.items()}
+    maps = Path("/proc/self/maps").read_text()
+    for index in range(3):  # every block's committed file is mapped, none of its bytes copied into the heap
+        assert re.search(rf"{re.escape(str(tier))}/block0000{index}\.\d\.bin$", maps, re.M)
+    weight = layer.mlp.down_proj.weight
+    weight.data.add_(1.0)  # copy-on-write: the file keeps the committed value
+    expected["mlp.down_proj.weight"] += 1.0
+    models.fit("llama", _disk(tier), seed=8)  # another model trained in the same folder: new files
+    assert all(torch.equal(held[name], expected[name]) for name in held)
+    shutil.rmtree(tier)  # unlinked files live while mapped
+    assert all(torch.equal(held[name], expected[name]) for name in held)
+    assert torch.equal(weight, expected["mlp.down_proj.weight"])
 
 
 def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(

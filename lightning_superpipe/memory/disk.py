@@ -685,6 +685,9 @@ class _Files:
         # Whole-file jobs wait on their chunks; a separate pool so that a job never waits behind another job.
         self._jobs = ThreadPoolExecutor(max(2, workers), thread_name_prefix="superpipe-disk-job")
         self._lock = threading.Lock()
+        #: Files this instance wrote: any other is unlinked before its first write, since a parameter of an
+        #: earlier store may map it (:meth:`DiskStore.map_masters`) or a checkpoint may link it.
+        self._created: set[Path] = set()
         self.bytes_read = 0
         self.bytes_written = 0
         #: ``(kind, start, end, bytes)`` of every whole-file read and write, for benchmarks (``None``: not kept).
@@ -756,11 +759,14 @@ class _Files:
         gated = True
         try:
             try:
-                if os.stat(path).st_nlink > 1:
-                    # Hard-linked into a checkpoint's folder: write a new file rather than into the checkpoint's copy.
+                if path not in self._created or os.stat(path).st_nlink > 1:
+                    # Not ours, or hard-linked into a checkpoint's folder: write a new file rather than into an inode
+                    # that a checkpoint's copy, or the parameters of an earlier run (a private mapping), still read.
                     os.unlink(path)
             except FileNotFoundError:
                 pass
+            with self._lock:
+                self._created.add(path)
             fd = _open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if self.direct else 0))
             try:
                 try:
@@ -1123,6 +1129,30 @@ class DiskStore:
         buffer = self.pool.acquire(nbytes)
         future = self.files.read(self._slot_path(index, record.slot), buffer, nbytes)
         return MasterLease(self.pool, buffer, future, entries, self.clock)
+
+    def map_masters(self, index: int) -> dict[str, Tensor]:
+        """Block ``index``'s committed masters by name, as copy-on-write views of its committed file (a private
+        ``mmap``): no host memory until read, and then page cache the kernel may reclaim; writing into them copies
+        the page and never reaches the file. No store writes into a file it did not create (:class:`_Files`), so the
+        views keep the committed values while the folder is reused or removed (an unlinked file lives while mapped).
+
+        Raises:
+            DiskTierError: The file is missing or shorter than its record.
+        """
+        record = self.records[index]
+        path = self._slot_path(index, record.slot)
+        fd = _open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size < record.file_bytes:
+            raise DiskTierError(
+                f"The disk tier's file {str(path)!r} has {size} bytes but {record.file_bytes} were expected"
+                " (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
+            )
+        mapped = torch.from_file(str(path), shared=False, size=record.file_bytes, dtype=torch.uint8)
+        return {self.names[index][e.param]: e.view_of(mapped) for e in record.masters()}
 
     def read_block(self, index: int) -> BlockState:
         """A copy of block ``index``'s masters and optimizer state (stepped since the last commit, or committed)."""

@@ -595,14 +595,14 @@ class DiskTier:
         }
 
     def close(self) -> None:
-        """Puts the committed masters back into the parameters (the model is whole in memory again, as after a run
-        on the host tier) and closes the store; the files stay at the committed step."""
+        """Puts the committed masters back into the parameters, mapped from their files (the model is whole again, as
+        after a run on the host tier, without 4 bytes per parameter of host memory: measured, the strategy
+        benchmark's teardown peaked at 1.69 GB reading them back, 0.86 GB of them masters) and closes the store;
+        the files stay at the committed step."""
         if self._closed:
             return
         self._closed = True
         self.release_all()
-        # Free the pool's idle buffers first: the masters coming back take their place, one buffer at a time
-        # (measured: 0.57 GB of idle buffers on top of 0.86 GB of masters in the strategy benchmark's teardown).
         self.store.pool.close()
         try:
             _unpark(self.store)
@@ -616,15 +616,17 @@ def _entry_aligned(nbytes: int) -> int:
 
 
 def _unpark(store: DiskStore) -> None:
-    """Reads each block's committed masters back into its parameters, block by block; a block that cannot be read
-    (a deleted file) keeps its placeholders, and the first such error is raised after the others are read."""
+    """Points each block's parameters at its committed masters, mapped copy-on-write from its file
+    (:meth:`DiskStore.map_masters`): the model is whole again without its bytes in host memory (pages come in as
+    they are read, and may be reclaimed), and no later run writes those files. A block that cannot be mapped (a
+    deleted file) keeps its placeholders, and the first such error is raised after the others are mapped."""
     store.abort()
     failure: Optional[DiskTierError] = None
     for index, params in enumerate(store.params):
         if not params:
             continue
         try:
-            masters = store.read_block(index).masters
+            masters = store.map_masters(index)
         except DiskTierError as error:
             failure = failure or error
             continue
