@@ -59,7 +59,8 @@ class Task(pl.LightningModule):
     Args:
         build: Builds the model (called under the seed the test set).
         kind: ``"lm"`` (causal LM on token ids), ``"image"`` (classification of images) or ``"vector"``.
-        optimizer: ``"adamw"`` (a for-loop), ``"adamw-fused"`` or ``"sgd"``.
+        optimizer: ``"adamw"`` (a for-loop), ``"adamw-fused"``, ``"sgd"``, or the name of another class of
+            ``torch.optim`` (its defaults, ``lr``, two groups, a warm-up).
     """
 
     def __init__(self, build: Callable[[], nn.Module], kind: str, lr: float = 1e-2, optimizer: str = "adamw") -> None:
@@ -97,10 +98,15 @@ class Task(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
-        implementation = {"fused": True} if self.optimizer_name == "adamw-fused" else {"foreach": False}
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, **implementation
-        )
+        if hasattr(torch.optim, self.optimizer_name):
+            optimizer = getattr(torch.optim, self.optimizer_name)(
+                [{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=self.lr
+            )
+        else:
+            implementation = {"fused": True} if self.optimizer_name == "adamw-fused" else {"foreach": False}
+            optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, **implementation
+            )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -23,6 +23,7 @@ from lightning_superpipe.memory import disk
 from lightning_superpipe.memory.disk import CLOCK_COUNTERS
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
+from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS
 from tests import models
 
 
@@ -100,6 +101,22 @@ def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: s
     _assert_same(streamed, host)
     adapters = [p for n, p in streamed.named_parameters() if "lora_B" in n]
     assert adapters and all(p.abs().sum() > 0 for p in adapters)  # B starts at zero: it trained
+
+
+@pytest.mark.parametrize("name", [cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS[3:]])
+def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_lightning(tmp_path: Path, name: str) -> None:
+    """Each other optimizer of ``torch.optim`` that updates a parameter from its own gradient and state, with two
+    groups and a warm-up: stepped from disk after backward (clipping, accumulation 2: spilled gradients) and through
+    the store during backward (no clipping), bitwise as the host tier (and its overlapped step) and plain Lightning."""
+    clipped = models.fit("llama", _disk(tmp_path / "tier"), optimizer=name)
+    host = models.fit("llama", "superpipe", optimizer=name)
+    _assert_same(clipped, host)
+    assert models.max_relative_difference(host, models.fit("llama", "auto", optimizer=name)) == 0.0
+    assert models.max_relative_difference(clipped, models.build_task("llama")) > 1e-3  # it trained
+    options: dict[str, Any] = dict(optimizer=name, gradient_clip_val=None)
+    during = models.fit("llama", _disk(tmp_path / "tier"), **options)
+    _assert_same(during, models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options))
+    assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
 
 
 def test_resident_blocks_and_deeper_prefetch_equal_the_host_tier(tmp_path: Path) -> None:
@@ -325,9 +342,13 @@ class _Manual(models.Task):
         return loss
 
 
-class _Adagrad(models.Task):
+class _OwnSGD(torch.optim.SGD):
+    """A user's optimizer: its ``step`` may look at every parameter, so the tier cannot step it block by block."""
+
+
+class _OwnOptimizer(models.Task):
     def configure_optimizers(self) -> Any:
-        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+        return _OwnSGD(self.parameters(), lr=0.1)
 
 
 class _StepHook(models.Task):
@@ -352,8 +373,8 @@ def _refusal_cases() -> list[Any]:
         pytest.param(_Manual, dict(gradient_clip_val=None, accumulate_grad_batches=1),
                      call + r"manual optimization is not supported .* Use offload_device='cpu' for this run\.$",
                      id="manual"),
-        pytest.param(_Adagrad, {}, call + r"Adagrad is not known to update each parameter on its own.*"
-                     r"\(supported: SGD, Adam, AdamW\)", id="adagrad"),
+        pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
+                     r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop\)", id="own-optimizer"),
         pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
         pytest.param(models.Task, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
                      call + r"a gradient scaler \(16-mixed\) needs every gradient in memory", id="16-mixed"),

@@ -31,7 +31,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 #: Optimizers whose update of a parameter depends on that parameter's gradient and state alone.
-PER_PARAMETER_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+PER_PARAMETER_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adadelta", "Adafactor", "Adagrad", "Adamax", "ASGD", "NAdam", "RAdam",
+                 "RMSprop", "Rprop")
+    if hasattr(torch.optim, name)  # Adafactor came with torch 2.5
+)
 
 
 def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool = True) -> Optional[str]:
