@@ -418,3 +418,32 @@ def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_th
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*will see `p.grad is None`")
         models.trainer(_disk(tmp_path / "tier"), max_steps=1).fit(models.build_task("llama"), models.data("lm"))
+
+
+def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_weights_tied() -> None:
+    """``Trainer.init_module(empty_init=True)``, Lightning's way to build a model a checkpoint will fill (as a resume
+    of the disk tier does, block by block from its files): no page of a ``transformers`` model's weights is touched,
+    under ``deterministic=True`` too, and ``post_init`` still ties them. Lightning's own mode lets transformers 5's
+    init functions through."""
+    from lightning.fabric.utilities.init import _EmptyInit
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_superpipe.memory.host import rss_bytes
+
+    disk.limit_heap_retention()  # large tensors get pages of their own, as under the disk tier
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+
+    def grown(context: Any) -> tuple[float, Any]:
+        before = rss_bytes()[0]
+        with context:
+            model = LlamaForCausalLM(config)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return (rss_bytes()[0] - before) / weights, model
+
+    grown(models.trainer(SuperpipeStrategy()).init_module(empty_init=True))  # first use: imports, caches
+    untouched, model = grown(models.trainer(SuperpipeStrategy()).init_module(empty_init=True))
+    assert untouched < 0.1
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    touched, _ = grown(_EmptyInit(enabled=True))
+    assert touched > 0.9  # the measure sees pages written

@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -42,7 +41,7 @@ from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.setup import KNOBS, install_clipping, start_streaming, strategy_report
+from lightning_superpipe.streaming.setup import KNOBS, EmptyInit, install_clipping, start_streaming, strategy_report
 from lightning_superpipe.strategies.ranks import RanksStrategy
 
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -185,7 +184,7 @@ class SuperpipeStrategy(RanksStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """Builds the model in host memory: it never needs to fit on the device."""
-        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+        with EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ steps
