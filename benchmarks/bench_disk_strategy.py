@@ -8,7 +8,12 @@ block's gradients and steps the blocks from disk after backward), three ways, ea
 each peak RSS is its own:
 
 * ``host``: ``SuperpipeStrategy()`` (``offload_device="cpu"``: masters, gradients and moments in host memory);
-* ``disk``: ``SuperpipeStrategy(offload_device="disk", offload_path=..., host_buffer_bytes=...)``;
+* ``disk``: ``SuperpipeStrategy(offload_device="disk", offload_path=..., host_buffer_bytes=...)``, with a
+  ``ModelCheckpoint`` at its last step;
+* ``resumed``: that checkpoint resumed for two more steps by a model built the way Lightning builds one that a
+  checkpoint will fill (``Trainer.init_module(empty_init=True)``: uninitialized memory, never touched, as the blocks
+  come from the checkpoint's files), so that its peak RSS is the tier's, not the model's construction (4 bytes per
+  parameter in the other two runs);
 * ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
   stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``),
   and the read of one such file while another is written (two threads of 16 MiB requests each: the mix the tier's
@@ -17,7 +22,8 @@ each peak RSS is its own:
 
 Reported: peak RSS (``VmHWM`` from ``/proc/self/status``) of each over the whole process, and over training alone
 (``VmHWM`` reset through ``/proc/self/clear_refs`` when training starts: the model is built in host memory first,
-4 bytes per parameter, in both runs), and their ratios; step time of each (the steps after the first, which creates
+4 bytes per parameter, in both runs), and their ratios, and the resumed run's whole-process peak against the host
+tier's; step time of each (the steps after the first, which creates
 the moments) and their ratio; the tier's read and write GB/s over the timed steps (bytes over the time a read, or a
 write, was in flight) against the raw figures; the step's I/O against the raw disk (the time the raw disk would take
 for the step's bytes, read and written one after the other, over the step's wall time); and, the fair measure of the
@@ -40,6 +46,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,6 +61,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_disk import GB, peak_rss_bytes, raw_rates, run_raw, step_io  # noqa: E402
+
+#: Steps of the run resumed from the disk run's last checkpoint.
+RESUMED_STEPS = 2
 
 
 def llama_config(args: argparse.Namespace) -> Any:
@@ -90,6 +100,8 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import LlamaForCausalLM
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_superpipe import SuperpipeStrategy
 
@@ -160,23 +172,30 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
                 now = trainer.strategy._engine.tier.store.io_seconds()
                 self.clock.append({k: now[k] - self._clock_began[k] for k in now})
 
-    if args.role == "disk":
-        strategy = SuperpipeStrategy(offload_device="disk", offload_path=args.folder,
-                                     host_buffer_bytes=args.host_buffer_bytes)
-    else:
+    callbacks: list[pl.Callback] = [probe := Probe()]
+    if args.role == "host":
         strategy = SuperpipeStrategy()
-    probe = Probe()
+    else:
+        (args.folder / "tier").mkdir(exist_ok=True)
+        strategy = SuperpipeStrategy(offload_device="disk", offload_path=args.folder / "tier",
+                                     host_buffer_bytes=args.host_buffer_bytes)
+    if args.role == "disk":  # the last step's checkpoint, for the resumed run (its files hard-linked beside it)
+        callbacks.append(ModelCheckpoint(dirpath=args.folder, filename="last", every_n_train_steps=args.steps))
+    resumed = args.role == "resumed"
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, gradient_clip_val=1.0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, callbacks=[probe],
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps + (RESUMED_STEPS if resumed else 0),
+        gradient_clip_val=1.0, logger=False, enable_checkpointing=args.role == "disk", enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks,
     )
     began = time.perf_counter()
     pl.seed_everything(0, verbose=False)
-    task = Task()
+    # Resumed: built as Lightning builds a model that a checkpoint will fill (uninitialized, untouched memory).
+    with trainer.init_module(empty_init=True) if resumed else contextlib.nullcontext():
+        task = Task()
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.steps * args.batch, args.seq), generator=generator)
-    trainer.fit(task, DataLoader(TensorDataset(tokens), batch_size=args.batch))
+    tokens = torch.randint(0, args.vocab, (trainer.max_steps * args.batch, args.seq), generator=generator)
+    trainer.fit(task, DataLoader(TensorDataset(tokens), batch_size=args.batch),
+                ckpt_path=args.folder / "last.ckpt" if resumed else None)
     report = trainer.strategy.memory_report()
     return {
         "step_s": probe.step_s, "losses": probe.losses, "io_intervals": probe.io, "fit_s": time.perf_counter() - began,
@@ -222,7 +241,7 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=3,
                         help="host_buffer_bytes as this many buffers of one layer's record and gradients")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--role", choices=["host", "disk", "raw"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["host", "disk", "resumed", "raw"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-buffer-bytes", type=int, default=None, help=argparse.SUPPRESS)
@@ -240,8 +259,9 @@ def main() -> None:
     # fp32 master + two moments (12 B) and the spilled gradient (4 B) of one layer, page-rounded, per buffer.
     args.host_buffer_bytes = args.buffers * (-(-16 * layer // 4096) * 4096 + 4096)
     args.raw_bytes = max(12 * (params - 2 * args.vocab * args.hidden), 1 << 30)  # one step's records, >= 1 GiB
-    # Two slots of 12 B and 4 B of gradients per parameter, then (the tier's files removed) the two raw files.
-    needed = max(28 * params, 2 * args.raw_bytes)
+    # Two slots of 12 B and 4 B of gradients per parameter, a third slot for the resumed run (the checkpoint keeps
+    # the committed one), then (the tier's files removed) the two raw files.
+    needed = max(40 * params, 2 * args.raw_bytes)
     free = shutil.disk_usage(args.path).free
     if needed * 1.1 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
@@ -251,6 +271,7 @@ def main() -> None:
         raws = [child("raw", args)]
         host = child("host", args)
         disk = child("disk", args)
+        resumed = child("resumed", args)
         shutil.rmtree(args.folder)
         args.folder.mkdir()
         raws.append(child("raw", args))
@@ -308,8 +329,11 @@ def main() -> None:
         if host_bytes and disk_bytes:
             figures[f"peak_rss_{phase}_ratio"] = disk_bytes / host_bytes
     whole = [max(filter(None, (r["peak_rss_before_training_bytes"], r["peak_rss_training_bytes"],
-                               r["peak_rss_bytes"]))) for r in (host, disk)]
-    figures.update(peak_rss_host_bytes=whole[0], peak_rss_disk_bytes=whole[1], peak_rss_ratio=whole[1] / whole[0])
+                               r["peak_rss_bytes"]))) for r in (host, disk, resumed)]
+    figures.update(peak_rss_host_bytes=whole[0], peak_rss_disk_bytes=whole[1], peak_rss_ratio=whole[1] / whole[0],
+                   peak_rss_resumed_disk_bytes=whole[2], peak_rss_resumed_ratio=whole[2] / whole[0],
+                   peak_rss_before_training_resumed_disk_bytes=resumed["peak_rss_before_training_bytes"],
+                   losses_resumed_disk=resumed["losses"], step_s_resumed_disk=resumed["step_s"])
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
