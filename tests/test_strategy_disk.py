@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
 from lightning_superpipe.memory import disk
 from lightning_superpipe.memory.disk import CLOCK_COUNTERS
+from lightning_superpipe.planning.solver import minimum_plan, predict
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
 from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS
@@ -117,6 +118,28 @@ def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_ligh
     during = models.fit("llama", _disk(tmp_path / "tier"), **options)
     _assert_same(during, models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options))
     assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_memory_budgets_hold_and_train_as_the_host_tier(tmp_path: Path) -> None:
+    """``memory_budget=`` with the disk tier: the profiled steps, then the plan, from the least budget to one with
+    room for every block resident (their device copies then refresh from the files after each step); the device
+    peak stays within each, losses and weights bitwise the host tier's, with clipping and accumulation (spilled
+    gradients) and without (blocks stepped through the store during backward)."""
+    unclipped = dict(accumulate_grad_batches=1, gradient_clip_val=None)
+    profiling = SuperpipeStrategy(memory_budget="1GiB")
+    models.fit("llama", profiling, max_steps=4, **unclipped)
+    profile = profiling._planner.profile
+    least = int(1.05 * minimum_plan(profile).predicted_peak_bytes)
+    everything = int(1.2 * predict(profile, range(len(profile.blocks)), 1, ["keep"] * len(profile.blocks)).peak_bytes)
+    for options in (dict(unclipped, max_steps=6), dict(max_steps=6)):  # 2 profiled steps, 4 planned
+        host = models.fit("llama", "superpipe", **options)
+        # The solver picks by measured times; resident_blocks, a constraint of the plan, makes the second resident.
+        for budget, knobs in ((least, {}), (everything, dict(resident_blocks=len(profile.blocks)))):
+            strategy = _disk(tmp_path / "tier", memory_budget=budget, **knobs)
+            _assert_same(models.fit("llama", strategy, **options), host)
+            assert strategy.memory_report()["peak_device_bytes"] <= budget
+            assert len(strategy.plan.resident) == knobs.get("resident_blocks", len(strategy.plan.resident))
 
 
 def test_resident_blocks_and_deeper_prefetch_equal_the_host_tier(tmp_path: Path) -> None:
@@ -230,7 +253,6 @@ def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
         (dict(offload_device="disk"), r"offload_path=None.*needs offload_path"),
         (dict(offload_device="disk", offload_path="/nonexistent/superpipe"), r"does not exist.*mkdir -p"),
         (dict(offload_device="disk", offload_path="/tmp", host_buffer_bytes=-1), r"host_buffer_bytes must be a positive"),
-        (dict(offload_device="disk", offload_path="/tmp", memory_budget="1GiB"), r"memory_budget is not supported"),
     ],
 )
 def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[str, Any], message: str) -> None:

@@ -240,7 +240,7 @@ class BudgetPlanner:
         total_numel = max(1, sum(numel) + trunk_numel)
         # The host step is per element for SGD/Adam-like optimizers: each block's share is its share of elements.
         per_element_s = best["optimizer_s"] / total_numel
-        itemsize = {i: home.transfer.element_size() for i, home in enumerate(engine.homes) if home is not None}
+        itemsize = {i: home.transfer_dtype.itemsize for i, home in enumerate(engine.homes) if home is not None}
         blocks = [
             BlockCosts(
                 forward_s=fastest(lambda p: p.forward_s, i),

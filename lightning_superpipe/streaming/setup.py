@@ -140,9 +140,6 @@ def start_streaming(
             raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
         check_offload(offload_device, offload_path, host_buffer_bytes)
-        if disk and memory_budget is not None:
-            raise ValueError(f"{call}: memory_budget is not supported with the disk tier yet; give resident_blocks"
-                             " and prefetch instead.")
         if disk and fitting:
             check_training(trainer, optimizers, call)
 
