@@ -117,6 +117,20 @@ def test_a_host_write_into_a_source_in_flight_taints_what_the_copy_wrote() -> No
         dst.sum()  # a clean copy replaced the unreliable data
 
 
+def test_a_source_holding_nan_is_tainted_only_when_written() -> None:
+    """Gradients under a gradient scaler's overflowing scale hold NaN and inf: an untouched source is no write
+    (``torch.equal`` calls NaN unequal to itself), while writing one, even into a NaN, still is."""
+    with _copier() as copier:
+        src, dst = torch.tensor([float("nan"), float("inf"), 1.0, 2.0]), torch.zeros(4)
+        copier.wait_on_compute(copier.to_device(dst, src, copier.mark_compute(), "slot N"))
+        assert torch.isnan(dst[0]) and dst[1:].tolist() == [float("inf"), 1.0, 2.0]  # read: no violation
+        event = copier.to_device(dst, src, copier.mark_compute(), "slot N")
+        src[2] = float("nan")
+        copier.wait_on_compute(event)
+        with pytest.raises(OrderingViolation, match="the host wrote the source of copy"):
+            dst.sum()
+
+
 def test_the_bandwidth_cap_makes_copies_take_their_time() -> None:
     assert parse_bandwidth("8GB/s") == 8e9
     assert parse_bandwidth("500 MiB/s") == 500 * 2**20

@@ -1414,6 +1414,15 @@ class DiskStore:
             future.exception()
         self._pending = {}
 
+    def discard_grads(self) -> None:
+        """Drops every block's spilled gradients unstepped (a step a gradient scaler skips for non-finite ones)."""
+        for future in self._spill_writes.values():
+            future.exception()
+        self._spill_writes = {}
+        for index, present in enumerate(self._grads_present):
+            present.clear()
+            self._grad_norms.pop(index, None)
+
     def _current(self, index: int) -> Record:
         """Block ``index``'s newest record: stepped but not committed yet (once written), else committed."""
         pending = self._pending.get(index)

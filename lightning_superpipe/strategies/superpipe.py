@@ -41,7 +41,14 @@ from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.setup import KNOBS, EmptyInit, install_clipping, start_streaming, strategy_report
+from lightning_superpipe.streaming.setup import (
+    KNOBS,
+    EmptyInit,
+    install_clipping,
+    start_streaming,
+    strategy_report,
+    uninstall_clipping,
+)
 from lightning_superpipe.strategies.ranks import RanksStrategy
 
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -169,7 +176,7 @@ class SuperpipeStrategy(RanksStrategy):
         if self._engine is not None:
             self._last_report = self.memory_report()
         self._stop_streaming()
-        vars(self.precision_plugin).pop("clip_gradients", None)
+        uninstall_clipping(self.precision_plugin)
         super().teardown()
 
     def _stop_streaming(self) -> None:

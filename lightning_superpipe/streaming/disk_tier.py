@@ -135,8 +135,13 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
         )
     elif optimizers[0]._optimizer_step_pre_hooks or optimizers[0]._optimizer_step_post_hooks:
         refusal = "the optimizer has step hooks, which would run once per block"
-    elif getattr(trainer.precision_plugin, "scaler", None) is not None:
-        refusal = "a gradient scaler (16-mixed) needs every gradient in memory; use precision='bf16-mixed'"
+    elif getattr(trainer.precision_plugin, "scaler", None) is not None and getattr(
+        optimizers[0], "_step_supports_amp_scaling", False
+    ):
+        refusal = (
+            f"{type(optimizers[0]).__name__} unscales the gradients inside its step under a gradient scaler"
+            " (16-mixed), which the tier runs block by block; pass fused=False, or use precision='bf16-mixed'"
+        )
     if refusal is not None:
         ending = " with offload_device='cpu'." if averaging else ". Use offload_device='cpu' for this run."
         raise ValueError(f"{call}: {refusal}{ending}")
@@ -278,6 +283,8 @@ class DiskTier:
         #: The micro-batch running is the last of an accumulation (its backward runs inside the optimizer step).
         self.last_micro_batch = False
         self._grad_scale: Optional[Tensor] = None
+        self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
+        self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
         self._grad_clip_value: Optional[float] = None
         self._completed: set[int] = set()  # blocks whose gradients of this backward were handed on
         self._closed = False
@@ -475,14 +482,7 @@ class DiskTier:
                 torch.nn.utils.clip_grad_value_(trunk, clip_val)
             self._grad_clip_value = float(clip_val)
             return
-        for index, params in enumerate(self.store.params):
-            if self.store.spilled(index) and not self.store.has_norms(index):
-                # Spilled in an earlier micro-batch only: read back once for the norms.
-                self.store.spill_grads(index, [None] * len(params), accumulate=True, norms=True)
-        block_norms: dict[nn.Parameter, Optional[Tensor]] = {}
-        for index, params in enumerate(self.store.params):
-            if self.store.spilled(index):
-                block_norms.update(zip(params, self.store.grad_norms(index)))
+        block_norms = self._block_norms()
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         trunk_grads: list[Tensor] = []
         for group in optimizer.param_groups:
@@ -490,6 +490,8 @@ class DiskTier:
                 if param in self._param_block:
                     norm = block_norms.get(param)
                     if norm is not None:
+                        if self._grad_unscale is not None:  # a power of two: the unscaled gradient's norm exactly
+                            norm = norm * self._grad_unscale
                         groups.setdefault((torch.device("cpu"), param.dtype), []).append(norm)
                 elif param.grad is not None:
                     trunk_grads.append(param.grad)
@@ -506,11 +508,48 @@ class DiskTier:
             grad.mul_(scale.to(grad.device))
         self._grad_scale = scale
 
+    def _block_norms(self) -> dict[nn.Parameter, Optional[Tensor]]:
+        """The 2-norm of each spilled block gradient (of its sum over the micro-batches)."""
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index) and not self.store.has_norms(index):
+                # Spilled in an earlier micro-batch only: read back once for the norms.
+                self.store.spill_grads(index, [None] * len(params), accumulate=True, norms=True)
+        norms: dict[nn.Parameter, Optional[Tensor]] = {}
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index):
+                norms.update(zip(params, self.store.grad_norms(index)))
+        return norms
+
+    def unscale(self, scaler: Any, optimizer: Optimizer) -> None:
+        """Completes ``GradScaler.unscale_(optimizer)``, which saw the trunk's gradients only: a spilled block
+        gradient whose norm is not finite counts as the scaler's non-finite gradient (so ``scaler.step`` skips the
+        step and ``scaler.update`` lowers the scale, as for one in memory), and the blocks' gradients are unscaled
+        as they are stepped from disk (1/scale, a power of two: bitwise what unscaling them in memory gives).
+        The scaler's per-optimizer state has held ``found_inf_per_device`` since torch 1.6."""
+        found = any(n is not None and not bool(torch.isfinite(n)) for n in self._block_norms().values())
+        self._grad_unscale = scaler._scale.double().reciprocal().float().cpu()  # as unscale_ computes it
+        per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        cpu = torch.device("cpu")
+        if cpu not in per_device:  # also when every gradient is a block's: scaler.step needs one check at least
+            per_device[cpu] = torch.zeros(1)
+        if found:
+            per_device[cpu].fill_(1.0)
+        self._found_inf = any(bool(flag.item()) for flag in per_device.values())
+
     def finish_step(self, optimizer: Optimizer) -> list[int]:
         """After the optimizer's own step (the trunk): commits the blocks stepped during backward, and steps those
-        whose gradients are on disk. Returns the blocks stepped."""
+        whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. Returns
+        the blocks stepped."""
+        unscale, self._grad_unscale = self._grad_unscale, None
+        if self._found_inf:
+            self._found_inf, self._grad_scale, self._grad_clip_value = False, None, None
+            self.store.abort()
+            self.store.discard_grads()
+            return []
         stepped = self.store.pending
         scale, self._grad_scale = self._grad_scale, None
+        if unscale is not None:  # one product of two factors, as unscaling then clipping in memory gives
+            scale = unscale if scale is None else unscale * scale.to(unscale.device)
         clip_value, self._grad_clip_value = self._grad_clip_value, None
         if stepped:
             if clip_value is not None:  # the overlapped step is off while clipping; this is a clip from elsewhere

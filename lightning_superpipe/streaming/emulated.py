@@ -278,7 +278,7 @@ class EmulatedCopier(Copier):
         with _unwatched():
             # A host write into the source while the copy was in flight: on a GPU the copy would read a mix. Harmless
             # if nothing reads the result before a later copy replaces it (the engine re-copies what it saw change).
-            changed = self.link.verify and not torch.equal(copy.source, copy.snapshot)
+            changed = self.link.verify and not _same_bits(copy.source, copy.snapshot)
             self._range_of(copy.dst, copy.what).tainted_by = (
                 f"the host wrote the source of copy #{copy.seq} on {stream} into {copy.what} while it was in flight"
                 if changed
@@ -420,6 +420,14 @@ class _Checker(TorchDispatchMode):
             if touched:
                 self.copier._check_access(touched, f"compute ({func})")
         return output
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors hold the same bytes: ``torch.equal`` says a NaN differs from itself (gradients under a
+    gradient scaler's overflowing scales hold NaN)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().contiguous().view(torch.uint8), b.detach().contiguous().view(torch.uint8)
+    )
 
 
 def _extent(tensor: Tensor) -> tuple[int, int]:

@@ -247,18 +247,35 @@ def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
 
     Lightning's mixed-precision plugin refuses to clip for optimizers that unscale inside ``step`` (fused AdamW, the
     fastest host optimizer), which matters only with a gradient scaler; ``bf16-mixed`` has none: the plain way then.
-    Under the disk tier the blocks' gradients are on disk: the tier clips (:meth:`DiskTier.clip_gradients`). The
-    strategy's teardown takes the instance attribute away again.
+    Under the disk tier the blocks' gradients are on disk: the tier clips (:meth:`DiskTier.clip_gradients`), and a
+    gradient scaler's ``unscale_`` also checks and unscales them (:meth:`DiskTier.unscale`). The strategy's teardown
+    takes the instance attributes away again (:func:`uninstall_clipping`).
     """
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
     averager = engine.gradients.averager if engine is not None else None
     if engine is not None and engine.tier is not None:
-        plugin.clip_gradients = engine.tier.clip_gradients
+        tier, scaler = engine.tier, getattr(plugin, "scaler", None)
+        plugin.clip_gradients = tier.clip_gradients
+        if scaler is not None:
+            unscale = scaler.unscale_
+
+            def unscale_(optimizer: Optimizer) -> None:
+                unscale(optimizer)
+                tier.unscale(scaler, optimizer)
+
+            scaler.unscale_ = unscale_
     elif averager is not None and averager.sharded:  # each rank holds only its share of the gradients
         plugin.clip_gradients = partial(_clip_shared, plugin, averager)
     elif isinstance(plugin, MixedPrecision) and plugin.scaler is None:
         plugin.clip_gradients = partial(Precision.clip_gradients, plugin)
+
+
+def uninstall_clipping(plugin: Any) -> None:
+    """Gives the precision plugin (and its gradient scaler) back their own methods."""
+    vars(plugin).pop("clip_gradients", None)
+    if getattr(plugin, "scaler", None) is not None:
+        vars(plugin.scaler).pop("unscale_", None)
 
 
 def _clip_shared(plugin: Any, averager: GradientAverager, optimizer: Optimizer, clip_val: float = 0.0,
