@@ -785,7 +785,10 @@ class _Files:
                 if durable:
                     synced = time.perf_counter()
                     try:
-                        os.fsync(fd)
+                        # The data and what reading it needs (size, extents): not the timestamps fsync adds, which
+                        # cost 1.57 against 0.95 s of a 5 s step in the strategy benchmark. The new directory
+                        # entries are made durable by the commit.
+                        os.fdatasync(fd)
                     except OSError as error:
                         raise _io_error("writing", path, error) from error
                     finally:
