@@ -594,6 +594,15 @@ def _io_error(doing: str, path: Path, error: OSError) -> DiskTierError:
     return DiskTierError(f"{doing.capitalize()} the disk tier's file {str(path)!r} failed: {error}.")
 
 
+def _check_length(path: Path, size: int, nbytes: int) -> None:
+    """Refuses a tier file of ``size`` bytes that should hold ``nbytes`` (truncated)."""
+    if size < nbytes:
+        raise DiskTierError(
+            f"The disk tier's file {str(path)!r} has {size} bytes but {nbytes} were expected (truncated?). Restore"
+            " the folder from a checkpoint's copy (DiskStore.restore)."
+        )
+
+
 def _read_chunk(fd: int, view: memoryview, offset: int, path: Path) -> None:
     done = 0
     while done < len(view):
@@ -729,12 +738,7 @@ class _Files:
         try:
             fd = _open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             try:
-                size = os.fstat(fd).st_size
-                if size < nbytes:
-                    raise DiskTierError(
-                        f"The disk tier's file {str(path)!r} has {size} bytes but {nbytes} were expected"
-                        " (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
-                    )
+                _check_length(path, os.fstat(fd).st_size, nbytes)
                 self._chunked(_read_chunk, fd, path, buffer, nbytes, start)
             finally:
                 os.close(fd)
@@ -1144,16 +1148,11 @@ class DiskStore:
         """
         record = self.records[index]
         path = self._slot_path(index, record.slot)
-        fd = _open(path, os.O_RDONLY)
+        fd = _open(path, os.O_RDONLY)  # a missing file's error, as a read gives it
         try:
-            size = os.fstat(fd).st_size
+            _check_length(path, os.fstat(fd).st_size, record.file_bytes)
         finally:
             os.close(fd)
-        if size < record.file_bytes:
-            raise DiskTierError(
-                f"The disk tier's file {str(path)!r} has {size} bytes but {record.file_bytes} were expected"
-                " (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
-            )
         mapped = torch.from_file(str(path), shared=False, size=record.file_bytes, dtype=torch.uint8)
         return {self.names[index][e.param]: e.view_of(mapped) for e in record.masters()}
 
@@ -1765,11 +1764,7 @@ def _check_manifest(folder: Path, manifest: Mapping[str, Any], blocks: Sequence[
                 f"The disk tier's file {str(path)!r} (block {index} of committed step {manifest['step']}) is missing."
                 " Restore the folder from a checkpoint's copy (DiskStore.restore)."
             ) from error
-        if size < record.file_bytes:
-            raise DiskTierError(
-                f"The disk tier's file {str(path)!r} has {size} bytes but {record.file_bytes} were committed"
-                f" (truncated?). Restore the folder from a checkpoint's copy (DiskStore.restore)."
-            )
+        _check_length(path, size, record.file_bytes)
 
 
 def _replace(source: Path, target: Path) -> None:

@@ -56,7 +56,8 @@ class EmptyInit(_EmptyInit):
     ``Trainer(deterministic=True)`` fill the new tensors with NaN (``torch.utils.deterministic
     .fill_uninitialized_memory``), which would write every page of them too."""
 
-    SKIPPED = ("torch.nn.init", "transformers.initialization")
+    #: Skipped beside ``torch.nn.init``, which Lightning's mode skips.
+    SKIPPED = "transformers.initialization"
 
     @override
     def __enter__(self) -> EmptyInit:
@@ -72,7 +73,7 @@ class EmptyInit(_EmptyInit):
 
     @override
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict] = None) -> Any:
-        if self.enabled and getattr(func, "__module__", None) in self.SKIPPED:
+        if self.enabled and getattr(func, "__module__", None) == self.SKIPPED:
             kwargs = kwargs or {}
             return kwargs["tensor"] if "tensor" in kwargs else args[0]
         return super().__torch_function__(func, types, args, kwargs)
