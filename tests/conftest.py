@@ -1,5 +1,8 @@
 """Test-wide settings."""
 
+import os
+import zlib
+
 import pytest
 import torch
 
@@ -10,11 +13,17 @@ from lightning_superpipe import EmulatedLink, SuperpipeStrategy
 torch.set_num_threads(1)
 
 
-@pytest.fixture(params=["cpu", "lazy", "thread"])
+_EMULATED_MODES = ("lazy", "thread")
+# `SUPERPIPE_TEST_LINKS=all` runs every case on both emulated modes (twice the emulated time, about half the suite).
+_ALL_LINKS = os.environ.get("SUPERPIPE_TEST_LINKS", "").lower() == "all"
+
+
+@pytest.fixture(params=["cpu", *_EMULATED_MODES])
 def emulated_link(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test three times: on the plain CPU link, and on the emulated asynchronous link in both modes, so that
-    the engine's CUDA code paths (deferred copies, events, staging, the gradient worker) and the happens-before
-    checker see every streaming test. Strategies the test builds without a `link=` get the emulated one."""
+    """Runs a test on the plain CPU link and on the emulated asynchronous link, so that the engine's CUDA code paths
+    (deferred copies, events, staging, the gradient worker) and the happens-before checker see every streaming test.
+    Strategies the test builds without a `link=` get the emulated one. Each case runs on one emulated mode (see
+    `pytest_collection_modifyitems`), or on both with `SUPERPIPE_TEST_LINKS=all`."""
     if request.param != "cpu":
         original = SuperpipeStrategy.__init__
 
@@ -24,3 +33,42 @@ def emulated_link(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
         monkeypatch.setattr(SuperpipeStrategy, "__init__", with_link)
     return request.param
+
+
+def _emulated_mode_of_case(function: str, case: int) -> str:
+    """The emulated mode a case runs on: alternating through a test function's cases, from a start fixed by its
+    name, so that every function with two or more cases sees both modes and a single run of one file chooses as
+    the whole suite does."""
+    return _EMULATED_MODES[(zlib.crc32(function.encode()) + case) % len(_EMULATED_MODES)]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-k`/`-m` deselect, so a case's position does not depend on them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keeps each case of an `emulated_link` test on the CPU link and on one emulated mode. The two modes find the
+    same ordering bugs through the checker (which tracks events, not timing); `lazy` also runs every copy as late
+    as possible and `thread` runs them concurrently, so each test function still meets both across its cases."""
+    if _ALL_LINKS:
+        return
+    cases: dict[str, list[str]] = {}
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        mode = callspec.params.get("emulated_link") if callspec is not None else None
+        if mode not in _EMULATED_MODES:
+            kept.append(item)
+            continue
+        function = f"{item.path}::{item.originalname}"
+        case = "-".join(part for part in callspec.id.split("-") if part not in _EMULATED_MODES)
+        known = cases.setdefault(function, [])
+        if case not in known:
+            known.append(case)
+        (kept if _emulated_mode_of_case(function, known.index(case)) == mode else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return "emulated link: " + (
+        "every case on both modes" if _ALL_LINKS else "each case on one mode (SUPERPIPE_TEST_LINKS=all: both)"
+    )
