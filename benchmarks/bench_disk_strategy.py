@@ -14,6 +14,9 @@ each peak RSS is its own:
   checkpoint will fill (``Trainer.init_module(empty_init=True)``: uninitialized memory, never touched, as the blocks
   come from the checkpoint's files), so that its peak RSS is the tier's, not the model's construction (4 bytes per
   parameter in the other two runs);
+* ``configured``: a fresh disk-tier run whose model is built in ``configure_model``, where the strategy defers its
+  init calls and runs each block's into fresh tensors as the block is written to its file (its losses must equal
+  the ``disk`` run's, whose model is built eagerly under the same seed);
 * ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
   stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``),
   and the read of one such file while another is written (two threads of 16 MiB requests each: the mix the tier's
@@ -105,10 +108,16 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning_superpipe import SuperpipeStrategy
 
+    configured = args.role == "configured"
+
     class Task(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = LlamaForCausalLM(llama_config(args))
+            self.model = None if configured else LlamaForCausalLM(llama_config(args))
+
+        def configure_model(self) -> None:  # configured: built here, under the strategy's deferred init
+            if self.model is None:
+                self.model = LlamaForCausalLM(llama_config(args))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -241,7 +250,8 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=3,
                         help="host_buffer_bytes as this many buffers of one layer's record and gradients")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--role", choices=["host", "disk", "resumed", "raw"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "raw"], default=None,
+                        help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-buffer-bytes", type=int, default=None, help=argparse.SUPPRESS)
@@ -272,6 +282,9 @@ def main() -> None:
         host = child("host", args)
         disk = child("disk", args)
         resumed = child("resumed", args)
+        shutil.rmtree(args.folder)
+        args.folder.mkdir()
+        configured = child("configured", args)
         shutil.rmtree(args.folder)
         args.folder.mkdir()
         raws.append(child("raw", args))
@@ -329,11 +342,14 @@ def main() -> None:
         if host_bytes and disk_bytes:
             figures[f"peak_rss_{phase}_ratio"] = disk_bytes / host_bytes
     whole = [max(filter(None, (r["peak_rss_before_training_bytes"], r["peak_rss_training_bytes"],
-                               r["peak_rss_bytes"]))) for r in (host, disk, resumed)]
+                               r["peak_rss_bytes"]))) for r in (host, disk, resumed, configured)]
     figures.update(peak_rss_host_bytes=whole[0], peak_rss_disk_bytes=whole[1], peak_rss_ratio=whole[1] / whole[0],
                    peak_rss_resumed_disk_bytes=whole[2], peak_rss_resumed_ratio=whole[2] / whole[0],
                    peak_rss_before_training_resumed_disk_bytes=resumed["peak_rss_before_training_bytes"],
-                   losses_resumed_disk=resumed["losses"], step_s_resumed_disk=resumed["step_s"])
+                   losses_resumed_disk=resumed["losses"], step_s_resumed_disk=resumed["step_s"],
+                   peak_rss_configured_disk_bytes=whole[3], peak_rss_configured_ratio=whole[3] / whole[0],
+                   peak_rss_before_training_configured_disk_bytes=configured["peak_rss_before_training_bytes"],
+                   losses_configured_equal_disk=configured["losses"] == disk["losses"])
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -5,6 +5,7 @@ tier's files beside the ``.ckpt``, and bad knobs are refused before anything is 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import shutil
@@ -534,3 +535,69 @@ def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_we
     touched, model = written(_EmptyInit(enabled=True))
     assert touched > 0.9  # the count sees the init functions' writes
     assert torch.isnan(model.model.layers[0].mlp.up_proj.weight).sum() == 0  # normal_ wrote over the NaN fill
+
+class _BuiltInConfigureModel(models.Task):
+    """Builds its model in ``configure_model``, as Lightning advises for a model too large to build eagerly."""
+
+    def __init__(self, family: str) -> None:
+        build, kind = models.FAMILIES[family]
+        super().__init__(lambda: None, kind)
+        self._build = build
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self._build()
+
+
+def _fit_configure_model(family: str, strategy: Any, **overrides: Any) -> _BuiltInConfigureModel:
+    task = _BuiltInConfigureModel(family)
+    models.pl.seed_everything(8, verbose=False)  # configure_model builds under the fit's seed
+    models.trainer(strategy, **overrides).fit(task, models.data(task.kind))
+    return task
+
+
+@pytest.mark.usefixtures("emulated_link")
+@pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
+def test_a_model_built_in_configure_model_reaches_the_files_block_by_block_with_eager_values(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the disk tier the init calls of ``configure_model`` are recorded and each block's run into fresh tensors
+    as it is written (the parameters' own memory is never written): the run equals the host tier's, which builds
+    the model eagerly, bitwise, and the random stream after the build (dropout) is the same."""
+    from lightning_superpipe.streaming.deferred_init import DeferredInit
+
+    fresh: dict[str, bool] = {}
+    original = DeferredInit.initial_values
+
+    def spy(self: DeferredInit, block: Any) -> dict[str, torch.Tensor]:
+        values = original(self, block)
+        fresh.update({name: values[name].data_ptr() != block[name].data_ptr() for name in block})
+        return values
+
+    monkeypatch.setattr(DeferredInit, "initial_values", spy)
+    host = _fit_configure_model(family, "superpipe")
+    assert not fresh  # the host tier builds eagerly
+    streamed = _fit_configure_model(family, _disk(tmp_path / "tier"))
+    _assert_same(streamed, host)
+    manifest = json.loads((tmp_path / "tier" / disk.MANIFEST).read_text())
+    blocks = {name for block in manifest["names"] for name in block}
+    assert blocks and fresh == dict.fromkeys(blocks, True)  # every block parameter's values made apart from it
+    assert models.max_relative_difference(streamed, _BuiltInConfigureModel(family)) > 1e-3  # it trained
+
+
+def test_a_resume_into_a_model_built_in_configure_model_keeps_the_checkpoints_values(tmp_path: Path) -> None:
+    """The checkpoint's trunk is loaded before the strategy's setup: those tensors must not be initialized after it,
+    and the blocks come from the checkpoint's files."""
+    options = dict(max_steps=-1, limit_train_batches=8)
+    uninterrupted = _fit_configure_model("llama", _disk(tmp_path / "tier"), max_epochs=2, **options)
+    checkpoints = tmp_path / "checkpoints"
+    callback = ModelCheckpoint(dirpath=checkpoints, save_last=True)
+    _fit_configure_model("llama", _disk(tmp_path / "tier"), max_epochs=1, enable_checkpointing=True,
+                         callbacks=[callback], **options)
+    resumed = _BuiltInConfigureModel("llama")
+    models.pl.seed_everything(123, verbose=False)  # other initial weights: everything must come from the checkpoint
+    models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
+        resumed, models.data("lm"), ckpt_path=checkpoints / "last.ckpt"
+    )
+    assert resumed.losses == uninterrupted.losses[8:]
+    assert models.max_relative_difference(resumed, uninterrupted) == 0.0

@@ -38,6 +38,7 @@ from lightning_superpipe.planning.planner import BudgetPlanner
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
@@ -125,6 +126,7 @@ class SuperpipeStrategy(RanksStrategy):
         self.host_buffer_bytes = host_buffer_bytes
         self.shard_optimizer = shard_optimizer
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
+        self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` under the disk tier
         self._engine: Optional[StreamingEngine] = None
         self._hooks: list[Hook] = []
         self._fitting = False
@@ -139,6 +141,8 @@ class SuperpipeStrategy(RanksStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
+        if self._deferred is not None and type(self.precision_plugin).convert_module is not Precision.convert_module:
+            self._deferred.materialize([*self.model.parameters(), *self.model.buffers()])  # it reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS})  # several: same model and knobs
@@ -162,10 +166,10 @@ class SuperpipeStrategy(RanksStrategy):
         streaming = start_streaming(
             model, self.root_device, transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
             fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers), resume=self._resume,
-            ranks=self.world_size if self.several_ranks else 1, node=self.node,
+            ranks=self.world_size if self.several_ranks else 1, node=self.node, deferred=self._deferred,
             **{knob: getattr(self, knob) for knob in KNOBS},
         )
-        self._resume = None
+        self._resume = self._deferred = None
         self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner
         self._streamed_stacks = streaming.stacks
         if isinstance(model, LightningModule):
@@ -192,6 +196,19 @@ class SuperpipeStrategy(RanksStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """Builds the model in host memory: it never needs to fit on the device."""
         with EmptyInit(enabled=bool(empty_init)), torch.device("cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model`` (only there): with the disk tier, the init functions of the modules built in
+        it are recorded and replayed one block at a time as the blocks are written to their files, so that the model
+        never sits whole in host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
+        if self.offload_device != "disk":
+            yield
+            return
+        self._deferred = self._deferred or DeferredInit()
+        with self._deferred:
             yield
 
     # ------------------------------------------------------------------ steps
@@ -313,6 +330,10 @@ class SuperpipeStrategy(RanksStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._deferred is not None:  # what the checkpoint holds is not initialized later
+            assert self.lightning_module is not None
+            held = self.lightning_module.state_dict(keep_vars=True)
+            self._deferred.discard(held[name] for name in checkpoint["state_dict"] if name in held)
         if disk_tier.DISK_KEY in checkpoint:  # the blocks come from the tier's files when streaming starts
             assert self.lightning_module is not None
             disk_tier.load_state_dict(self.lightning_module, checkpoint, strict, self._engine is not None)

@@ -51,6 +51,7 @@ from lightning_superpipe.memory.disk import (
 )
 from lightning_superpipe.memory.host import ParamSlice
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS, OverlappedStep
 
@@ -301,9 +302,12 @@ class DiskTier:
         host_buffer_bytes: Optional[int],
         slots: int,
         resume: Optional[Path] = None,
+        deferred: Optional[DeferredInit] = None,
     ) -> DiskTier:
         """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
-        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them).
+        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them); ``deferred``
+        holds the init calls still to run for the blocks' parameters, each block's run into fresh tensors as it
+        is written.
 
         Raises:
             DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
@@ -315,7 +319,8 @@ class DiskTier:
         if resume is not None:
             store = DiskStore.restore(resume, path, blocks, optimizer, **options)
         else:
-            store = DiskStore.create(path, blocks, optimizer, overwrite=True, **options)
+            initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
+            store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
         try:
             if store.pool.count < 2:
                 raise DiskTierError(

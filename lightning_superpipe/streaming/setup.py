@@ -26,6 +26,7 @@ from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.disk_tier import (
     DiskTier,
     check_offload,
@@ -114,6 +115,7 @@ def start_streaming(
     trainer: Any = None,
     optimizers: tuple[Optimizer, ...] = (),
     resume: Optional[Path] = None,
+    deferred: Optional[DeferredInit] = None,
     ranks: int = 1,
     node: Optional[NodeShare] = None,
 ) -> Streaming:
@@ -174,9 +176,12 @@ def start_streaming(
         state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
         try:
             tier = DiskTier.build(offload_path, block_params, names, state_names, optimizer, transfer_dtype,
-                                  host_buffer_bytes, ahead + 1, resume)
+                                  host_buffer_bytes, ahead + 1, resume, deferred)
         except DiskTierError as error:
             raise MisconfigurationException(f"{call}: {error}") from error
+    if deferred is not None:  # the blocks are in their files: the rest of what configure_model built, in place
+        deferred.materialize([*model.parameters(), *model.buffers()])
+        deferred.clear()
     try:
         at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
         model._apply(lambda t: t if id(t) in at_home else t.to(device))

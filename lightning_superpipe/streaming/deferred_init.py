@@ -1,0 +1,219 @@
+"""Deferred initialization: a model built in ``configure_model`` under the disk tier has its init functions recorded
+instead of run, so that its blocks reach their files one at a time and the whole model never sits in host memory.
+
+Every call of a ``torch.nn.init`` function (and of the in-place random fills ``Tensor.normal_``, ``uniform_``,
+``zero_``, ``fill_``) on a host tensor is recorded with the state of the generator it draws from, and the
+generator is advanced as the call would have advanced it (the call runs into a scratch tensor of the same layout,
+freed at once). Replaying a record later restores that state first, so every tensor gets exactly the values an eager
+build with the same seed gives it, in any order, and the code after construction sees the same random stream.
+
+Any other operator that touches a tensor with pending records while the mode is active (a read, a partial write,
+``load_state_dict``'s copies) first runs those records into it, so the user's code in ``configure_model`` never
+sees an uninitialized value. What stays pending when ``configure_model`` returns is resolved by the strategy:
+block parameters through :meth:`DeferredInit.initial_values` (a fresh tensor per parameter, written to its file and
+dropped, while the parameter's own memory is never touched), everything else in place
+(:meth:`DeferredInit.materialize`), and whatever a checkpoint loads is dropped (:meth:`DeferredInit.discard`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from typing_extensions import override
+
+from lightning_superpipe.memory.disk import limit_heap_retention
+
+#: Where init functions live: transformers 5 swaps ``torch.nn.init``'s functions for its own during ``post_init``.
+_INIT_MODULES = {"torch.nn.init", "transformers.initialization"}
+#: In-place tensor methods that initializers call directly (``module.weight.data.normal_()``): recorded too.
+_FILL_METHODS = {"normal_", "uniform_", "zero_", "fill_"}
+#: Functions that draw nothing from a generator: recording them needs no scratch run.
+_DRAW_NOTHING = {"zeros_", "ones_", "constant_", "eye_", "dirac_", "copy_", "zero_", "fill_"}
+#: Operators that read no values (metadata, views, attribute access): they leave records pending.
+_NO_READ = {
+    "__get__", "__set__", "size", "dim", "stride", "storage_offset", "numel", "data_ptr", "untyped_storage",
+    "is_contiguous", "element_size", "requires_grad_", "detach", "view", "view_as", "t", "transpose", "permute",
+    "narrow", "select", "unsqueeze", "squeeze", "expand", "expand_as", "as_strided", "__len__", "__hash__",
+    "is_floating_point", "is_complex", "_make_subclass",
+}
+
+
+@dataclass
+class _Record:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Tensor
+    generator: Optional[torch.Generator]
+    state: Optional[Tensor]
+
+    def run(self, target: Optional[Tensor] = None) -> None:
+        """Runs the call into ``target`` (a tensor of ``self.target``'s layout; default: the recorded one) with the
+        generator as it was when the call was recorded, then puts the generator back."""
+        args, kwargs = self.args, self.kwargs
+        if target is not None:
+            args, kwargs = _replaced(args, kwargs, self.target, target)
+        now = self.generator.get_state() if self.generator is not None else None
+        if self.generator is not None:
+            self.generator.set_state(self.state)
+        try:
+            with torch.no_grad():  # the call ran where it could write a parameter: an init function's own mode
+                self.func(*args, **kwargs)
+        finally:
+            if self.generator is not None:
+                self.generator.set_state(now)
+
+
+class DeferredInit(TorchFunctionMode):
+    """Records the init calls on host tensors made inside it (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Pending records by the address of the storage they write, in call order.
+        self._pending: dict[int, list[_Record]] = {}
+        self._filled = False
+
+    @override
+    def __enter__(self) -> DeferredInit:
+        # A fixed mmap threshold: large tensors then get pages of their own, untouched until written, and the
+        # scratch runs' pages go back to the system instead of into the next parameter's allocation.
+        limit_heap_retention()
+        # `Trainer(deterministic=True)` would write NaN into every page of every new tensor.
+        self._filled = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        return super().__enter__()
+
+    @override
+    def __exit__(self, *exc: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self._filled
+        super().__exit__(*exc)
+
+    @override
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        module = getattr(func, "__module__", None)
+        initializer = module in _INIT_MODULES or (name in _FILL_METHODS and getattr(torch.Tensor, name, None) is func)
+        target = (kwargs["tensor"] if "tensor" in kwargs else args[0] if args else None) if initializer else None
+        if isinstance(target, Tensor) and target.device.type == "cpu" and not name.startswith("_"):
+            if module == "transformers.initialization" and getattr(target, "_is_hf_initialized", False):
+                return target  # what the function itself does for a tensor transformers has loaded
+            self._record(func, args, kwargs, target)
+            return target
+        if name not in _NO_READ and not (name == "__getitem__" and _basic_index(args[1])):
+            for tensor in _tensors((args, kwargs)):
+                if tensor.device.type == "cpu":
+                    self._run_pending(tensor)
+        return func(*args, **kwargs)
+
+    @property
+    def pending(self) -> int:
+        """How many storages still have records."""
+        return len(self._pending)
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Tensor) -> None:
+        generator = next((value for value in _values((args, kwargs)) if isinstance(value, torch.Generator)), None)
+        name = func.__name__
+        if generator is None and name not in _DRAW_NOTHING:
+            generator = torch.default_generator
+        state = generator.get_state() if generator is not None else None
+        record = _Record(func, tuple(args), dict(kwargs), target, generator, state)
+        if generator is not None:  # the draws the call would have made, so that the stream goes on as eagerly
+            scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype)
+            scratch_args, scratch_kwargs = _replaced(args, kwargs, target, scratch)
+            func(*scratch_args, **scratch_kwargs)
+            del scratch
+        key = _storage_key(target)
+        if _covers_storage(target):  # a whole overwrite: what was recorded for this storage before is moot
+            self._pending[key] = [record]
+        else:
+            self._pending.setdefault(key, []).append(record)
+
+    def _run_pending(self, tensor: Tensor) -> None:
+        records = self._pending.pop(_storage_key(tensor), None)
+        for record in records or ():
+            record.run()
+
+    def materialize(self, tensors: Iterable[Tensor]) -> int:
+        """Runs the pending records of ``tensors``' storages into them; returns the bytes written."""
+        written = 0
+        for tensor in tensors:
+            if _storage_key(tensor) in self._pending:
+                written += tensor.untyped_storage().nbytes()
+                self._run_pending(tensor)
+        return written
+
+    def discard(self, tensors: Iterable[Tensor]) -> None:
+        """Drops the records of ``tensors``' storages (values loaded from a checkpoint replace them)."""
+        for tensor in tensors:
+            self._pending.pop(_storage_key(tensor), None)
+
+    def initial_values(self, block: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Each of ``block``'s tensors' values: a fresh tensor with its records run into it where it has any (its
+        own memory stays untouched; the records go), else the tensor itself. A tensor that shares its storage with
+        others, or covers only part of it, is initialized in place instead."""
+        values: dict[str, Tensor] = {}
+        for name, tensor in block.items():
+            records = self._pending.get(_storage_key(tensor))
+            if records is None:
+                values[name] = tensor.detach()
+            elif not (_covers_storage(tensor) and _covers_storage(records[0].target)):
+                self._run_pending(tensor)  # shared, or its first record writes only part: start from its values
+                values[name] = tensor.detach()
+            else:
+                fresh = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
+                for record in records:
+                    target = record.target
+                    record.run(fresh.as_strided(target.size(), target.stride(), target.storage_offset()))
+                del self._pending[_storage_key(tensor)]
+                values[name] = fresh
+        return values
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+def _storage_key(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _covers_storage(tensor: Tensor) -> bool:
+    return (
+        tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    )
+
+
+def _basic_index(index: Any) -> bool:
+    """Whether ``tensor[index]`` is a view (integers, slices, ``None``, ``...``), which reads nothing."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(item, (int, slice, type(None), type(Ellipsis))) and not isinstance(item, bool) for item in items)
+
+
+def _values(value: Any) -> Iterable[Any]:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _values(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _values(item)
+    else:
+        yield value
+
+
+def _tensors(value: Any) -> Iterable[Tensor]:
+    return (item for item in _values(value) if isinstance(item, Tensor))
+
+
+def _replaced(args: tuple[Any, ...], kwargs: dict[str, Any], old: Tensor, new: Tensor) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the target ``old`` (by identity, at the top level) replaced by ``new``."""
+    return (
+        tuple(new if value is old else value for value in args),
+        {key: new if value is old else value for key, value in kwargs.items()},
+    )
