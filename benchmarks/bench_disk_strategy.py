@@ -17,6 +17,8 @@ each peak RSS is its own:
 * ``configured``: a fresh disk-tier run whose model is built in ``configure_model``, where the strategy defers its
   init calls and runs each block's into fresh tensors as the block is written to its file (its losses must equal
   the ``disk`` run's, whose model is built eagerly under the same seed);
+* ``loaded``: the same, then given the weights of a folder that ``save_pretrained`` wrote (the ``disk`` run's
+  initial model) with ``load_safetensors``, each tensor read as its block is written (the same losses again);
 * ``raw``: a sequential ``O_DIRECT`` write (``fsync``ed) and read of a file as large as a step's records, with one
   stream of 64 MiB requests and with four threads of 16 MiB requests, on the same disk (``bench_disk.run_raw``),
   and the read of one such file while another is written (two threads of 16 MiB requests each: the mix the tier's
@@ -106,18 +108,20 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_superpipe import SuperpipeStrategy
+    from lightning_superpipe import SuperpipeStrategy, load_safetensors
 
-    configured = args.role == "configured"
+    configured = args.role in ("configured", "loaded")
 
     class Task(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model = None if configured else LlamaForCausalLM(llama_config(args))
 
-        def configure_model(self) -> None:  # configured: built here, under the strategy's deferred init
+        def configure_model(self) -> None:  # configured, loaded: built here, under the strategy's deferred init
             if self.model is None:
                 self.model = LlamaForCausalLM(llama_config(args))
+                if args.role == "loaded":  # the weights the save role wrote, read as each block is written
+                    load_safetensors(self.model, args.folder / "saved")
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             return self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -219,6 +223,15 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def save_model(args: argparse.Namespace) -> dict[str, Any]:
+    """The model the ``disk`` run trains (same seed), saved with ``save_pretrained`` for the ``loaded`` run."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(args)).save_pretrained(args.folder / "saved")
+    return {}
+
+
 def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--role", role, "--folder", str(args.folder)]
     for name in ("layers", "hidden", "intermediate", "vocab", "seq", "batch", "steps", "threads"):
@@ -250,8 +263,8 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=3,
                         help="host_buffer_bytes as this many buffers of one layer's record and gradients")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "raw"], default=None,
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "loaded", "save", "raw"],
+                        default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-buffer-bytes", type=int, default=None, help=argparse.SUPPRESS)
@@ -261,7 +274,7 @@ def main() -> None:
         from lightning_superpipe.memory.disk import limit_heap_retention
 
         limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike (see bench_disk.py)
-        runner = run_raw if args.role == "raw" else run_fit
+        runner = {"raw": run_raw, "save": save_model}.get(args.role, run_fit)
         print(json.dumps(runner(args)))
         return
 
@@ -285,6 +298,10 @@ def main() -> None:
         shutil.rmtree(args.folder)
         args.folder.mkdir()
         configured = child("configured", args)
+        shutil.rmtree(args.folder)
+        args.folder.mkdir()
+        child("save", args)
+        loaded = child("loaded", args)
         shutil.rmtree(args.folder)
         args.folder.mkdir()
         raws.append(child("raw", args))
@@ -342,14 +359,17 @@ def main() -> None:
         if host_bytes and disk_bytes:
             figures[f"peak_rss_{phase}_ratio"] = disk_bytes / host_bytes
     whole = [max(filter(None, (r["peak_rss_before_training_bytes"], r["peak_rss_training_bytes"],
-                               r["peak_rss_bytes"]))) for r in (host, disk, resumed, configured)]
+                               r["peak_rss_bytes"]))) for r in (host, disk, resumed, configured, loaded)]
     figures.update(peak_rss_host_bytes=whole[0], peak_rss_disk_bytes=whole[1], peak_rss_ratio=whole[1] / whole[0],
                    peak_rss_resumed_disk_bytes=whole[2], peak_rss_resumed_ratio=whole[2] / whole[0],
                    peak_rss_before_training_resumed_disk_bytes=resumed["peak_rss_before_training_bytes"],
                    losses_resumed_disk=resumed["losses"], step_s_resumed_disk=resumed["step_s"],
                    peak_rss_configured_disk_bytes=whole[3], peak_rss_configured_ratio=whole[3] / whole[0],
                    peak_rss_before_training_configured_disk_bytes=configured["peak_rss_before_training_bytes"],
-                   losses_configured_equal_disk=configured["losses"] == disk["losses"])
+                   losses_configured_equal_disk=configured["losses"] == disk["losses"],
+                   peak_rss_loaded_disk_bytes=whole[4], peak_rss_loaded_ratio=whole[4] / whole[0],
+                   peak_rss_before_training_loaded_disk_bytes=loaded["peak_rss_before_training_bytes"],
+                   losses_loaded_equal_disk=loaded["losses"] == disk["losses"])
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))

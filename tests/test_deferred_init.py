@@ -68,3 +68,45 @@ def test_code_inside_the_mode_sees_initialized_values_and_what_it_loads_stays() 
         embedding = nn.Embedding(6, 4, padding_idx=2)
     (value,) = deferred.initial_values({"weight": embedding.weight}).values()
     assert torch.equal(value, eager.weight) and not value[2].any()
+
+
+def _saved(family: str, folder: object) -> nn.Module:
+    torch.manual_seed(3)
+    model = FAMILIES[family].build()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "opt", "phi", "falcon", "gpt_neox", "qwen2"])
+def test_load_safetensors_under_the_mode_reads_each_tensor_when_it_is_asked_for(family: str, tmp_path: object) -> None:
+    """A model built from its config under the mode, then given a saved folder: nothing is read until a tensor's
+    values are asked for, and then each is ``from_pretrained``'s, bitwise; tied weights need no tensor of their own."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_superpipe import load_safetensors
+
+    saved = _saved(family, tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with DeferredInit() as deferred:
+        built = AutoModelForCausalLM.from_config(saved.config)
+        assert load_safetensors(built, tmp_path) == []
+    params = dict(built.named_parameters())
+    values = deferred.initial_values(params)
+    for name, param in reference.named_parameters():
+        assert torch.equal(values[name], param), name
+    eager = AutoModelForCausalLM.from_config(saved.config)  # outside the mode: loaded at once
+    load_safetensors(eager, tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(eager.parameters(), reference.parameters()))
+
+
+def test_load_safetensors_refuses_a_layout_that_transformers_converts(tmp_path: object) -> None:
+    from lightning_superpipe import load_safetensors
+
+    saved = _saved("mixtral", tmp_path)
+    with pytest.raises(ValueError, match=r"missing \['model\.layers\.0\.mlp\.experts.*fused experts"):
+        load_safetensors(type(saved)(saved.config), tmp_path)
+    with pytest.raises(ValueError, match="no such file .*nothing-here"):
+        load_safetensors(saved, tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        load_safetensors(saved, tmp_path / "empty")

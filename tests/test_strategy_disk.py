@@ -601,3 +601,38 @@ def test_a_resume_into_a_model_built_in_configure_model_keeps_the_checkpoints_va
     )
     assert resumed.losses == uninterrupted.losses[8:]
     assert models.max_relative_difference(resumed, uninterrupted) == 0.0
+
+
+class _LoadedInConfigureModel(models.Task):
+    """Builds a model from a saved folder's config in ``configure_model`` and gives it the folder's weights."""
+
+    def __init__(self, folder: Path, through_from_pretrained: bool = False) -> None:
+        super().__init__(lambda: None, "lm")
+        self.folder = folder
+        self.through_from_pretrained = through_from_pretrained
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lightning_superpipe import load_safetensors
+
+        if self.model is None:
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.folder))
+            if self.through_from_pretrained:  # the reference: transformers' loading, the same draws before it
+                self.model.load_state_dict(AutoModelForCausalLM.from_pretrained(self.folder).state_dict())
+            else:
+                load_safetensors(self.model, self.folder)
+
+
+def test_a_saved_model_loaded_in_configure_model_trains_as_from_pretrained(tmp_path: Path) -> None:
+    """``load_safetensors`` in ``configure_model`` under the disk tier reads each block's tensors as the block is
+    written: the run equals the host tier's with the same weights from ``from_pretrained``, bitwise."""
+    models.pl.seed_everything(3, verbose=False)
+    models.llama().save_pretrained(tmp_path / "saved")
+    pretrained = _LoadedInConfigureModel(tmp_path / "saved", through_from_pretrained=True)
+    models.pl.seed_everything(8, verbose=False)
+    models.trainer("superpipe").fit(pretrained, models.data("lm"))
+    loaded = _LoadedInConfigureModel(tmp_path / "saved")
+    models.pl.seed_everything(8, verbose=False)
+    models.trainer(_disk(tmp_path / "tier")).fit(loaded, models.data("lm"))
+    _assert_same(loaded, pretrained)

@@ -13,17 +13,22 @@ sees an uninitialized value. What stays pending when ``configure_model`` returns
 block parameters through :meth:`DeferredInit.initial_values` (a fresh tensor per parameter, written to its file and
 dropped, while the parameter's own memory is never touched), everything else in place
 (:meth:`DeferredInit.materialize`), and whatever a checkpoint loads is dropped (:meth:`DeferredInit.discard`).
+
+:func:`load_safetensors` called inside the mode replaces a tensor's records with a read of the file's tensor, so
+that a saved model's weights too are read block by block as the blocks are written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
-from torch import Tensor
-from torch.overrides import TorchFunctionMode
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from typing_extensions import override
 
 from lightning_superpipe.memory.disk import limit_heap_retention
@@ -177,6 +182,123 @@ class DeferredInit(TorchFunctionMode):
     def clear(self) -> None:
         self._pending.clear()
 
+    def defer_load(self, target: Tensor, read: Callable[[], Tensor]) -> None:
+        """Makes ``read()`` (a tensor of ``target``'s shape) ``target``'s value in place of its pending init."""
+        self._pending[_storage_key(target)] = [_Record(_copy_read, (target, read), {}, target, None, None)]
+
+
+def _copy_read(target: Tensor, read: Callable[[], Tensor]) -> None:
+    target.copy_(read())
+
+
+def load_safetensors(module: nn.Module, path: Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]],
+                     strict: bool = True) -> list[str]:
+    """Loads the tensors of safetensors files (a folder's ``*.safetensors``, or the files given) into ``module``'s
+    parameters and buffers of the same names, one tensor at a time (never the whole file in host memory).
+
+    Called in ``configure_model`` under ``SuperpipeStrategy(offload_device="disk")``, it reads nothing yet: each
+    tensor is read when its block is written to the tier's files, so a model larger than host memory loads. Anywhere
+    else it loads at once. Names follow ``module.state_dict()``: for a ``transformers`` model, call it on the model,
+    whose names ``save_pretrained`` writes. A name that shares its tensor with a loaded one (tied weights) needs no
+    tensor of its own.
+
+    Returns:
+        The module's names that no file holds (with ``strict=False``).
+
+    Raises:
+        ValueError: No files, a shape that differs, or (``strict``) names on one side only: with a list of each.
+    """
+    from safetensors import safe_open
+
+    files = _safetensors_files(path)
+    where: dict[str, Path] = {}
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as opened:
+            for key in opened.keys():
+                where[key] = file
+                shapes[key] = opened.get_slice(key).get_shape()
+    targets = module.state_dict(keep_vars=True)
+    names, converted = _model_names(module, list(where), targets)
+    keys_of = {name: key for key, name in names.items()}
+    where = {names[key]: file for key, file in where.items() if key in names}
+    shapes = {names[key]: shape for key, shape in shapes.items() if key in names}
+    deferred = next((mode for mode in reversed(_get_current_function_mode_stack()) if isinstance(mode, DeferredInit)),
+                    None)
+    mismatched = [f"{name}: {shapes[name]} in the file, {list(t.shape)} here"
+                  for name, t in targets.items() if name in where and list(t.shape) != shapes[name]]
+    if mismatched:
+        raise ValueError(f"load_safetensors: shapes differ from {files[0].parent}: {'; '.join(mismatched[:4])}")
+    loaded = {_storage_key(t) for name, t in targets.items() if name in where}
+    missing = [name for name, t in targets.items() if name not in where and _storage_key(t) not in loaded]
+    unexpected = sorted(set(where) - set(targets)) + converted
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"load_safetensors: {files[0].parent} does not match the module: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''} ({len(missing)}), unexpected {unexpected[:4]}"
+            f"{' ...' if len(unexpected) > 4 else ''} ({len(unexpected)}). A checkpoint whose layout transformers"
+            " converts as it loads (fused experts of MoE models) cannot be read tensor by tensor: load it with"
+            " `from_pretrained` instead, or pass strict=False to load what matches."
+        )
+    for name, target in targets.items():
+        if name not in where:
+            continue
+        read = _reader(where[name], keys_of[name])
+        if deferred is not None and target.device.type == "cpu":
+            deferred.defer_load(target, read)
+        else:
+            with torch.no_grad():
+                target.copy_(read())
+    return missing
+
+
+def _model_names(module: nn.Module, keys: list[str], targets: Mapping[str, Tensor]) -> tuple[dict[str, str], list[str]]:
+    """Each file key's name in ``module``, renamed as ``from_pretrained`` renames it (``transformers``' renamings of
+    legacy names and of the base model's prefix), and the keys that would need one of its conversions (tensors
+    merged or split as they load), which cannot be read one by one."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # an older transformers: names as they are
+        return {key: key for key in keys}, []
+    if not isinstance(module, PreTrainedModel):
+        return {key: key for key in keys}, []
+    transforms = get_model_conversion_mapping(module)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    names, converted = {}, []
+    for key in keys:
+        name, conversion = rename_source_key(key, renamings, converters, module.base_model_prefix, dict(targets))
+        if conversion is not None:
+            converted.append(key)
+        else:
+            names[key] = name
+    return names, converted
+
+
+def _safetensors_files(path: Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]]) -> list[Path]:
+    if isinstance(path, (str, os.PathLike)):
+        folder = Path(path)
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
+    else:
+        files = [Path(item) for item in path]
+    missing = [str(file) for file in files if not file.is_file()]
+    if not files or missing:
+        found = f"no such file {missing[0]}" if missing else "no *.safetensors files"
+        raise ValueError(f"load_safetensors({str(path)!r}): {found}")
+    return files
+
+
+def _reader(file: Path, key: str) -> Callable[[], Tensor]:
+    def read() -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as opened:  # open and closed per tensor: no mapping stays
+            return opened.get_tensor(key)
+
+    return read
+
 
 def _storage_key(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
@@ -193,7 +315,8 @@ def _covers_storage(tensor: Tensor) -> bool:
 def _basic_index(index: Any) -> bool:
     """Whether ``tensor[index]`` is a view (integers, slices, ``None``, ``...``), which reads nothing."""
     items = index if isinstance(index, tuple) else (index,)
-    return all(isinstance(item, (int, slice, type(None), type(Ellipsis))) and not isinstance(item, bool) for item in items)
+    basic = (int, slice, type(None), type(Ellipsis))
+    return all(isinstance(item, basic) and not isinstance(item, bool) for item in items)
 
 
 def _values(value: Any) -> Iterable[Any]:
