@@ -35,9 +35,9 @@ def test_replayed_values_are_the_eager_builds_bitwise_and_the_parameters_stay_un
     for name in reversed(list(params)):
         values.update(deferred.initial_values({name: params[name]}))
     deferred.materialize(built.buffers())
-    # What is left wrote tensors the model no longer holds (a head replaced by a tied one): the strategy drops it.
-    held = {t.untyped_storage().data_ptr() for t in (*built.parameters(), *built.buffers())}
-    assert not held & set(deferred._pending)
+    # Left: the parameters' records (kept in case the tier fails) and those of tensors the model no longer holds (a
+    # head replaced by a tied one); the strategy drops them once the tier stands.
+    assert not {b.untyped_storage().data_ptr() for b in built.buffers()} & set(deferred._pending)
     for name, param in eager.named_parameters():
         assert torch.equal(values[name], param), name
     for (name, buffer), (_, ours) in zip(eager.named_buffers(), built.named_buffers()):

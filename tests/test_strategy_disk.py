@@ -636,3 +636,17 @@ def test_a_saved_model_loaded_in_configure_model_trains_as_from_pretrained(tmp_p
     models.pl.seed_everything(8, verbose=False)
     models.trainer(_disk(tmp_path / "tier")).fit(loaded, models.data("lm"))
     _assert_same(loaded, pretrained)
+
+
+def test_a_set_up_that_fails_leaves_a_model_built_in_configure_model_initialized(tmp_path: Path) -> None:
+    """The tier refuses its buffer bound after the blocks' files are written: the model the user keeps must hold
+    its eager values, not the untouched memory the deferred init left in its parameters."""
+    failed = _BuiltInConfigureModel("llama")
+    models.pl.seed_everything(8, verbose=False)
+    with pytest.raises(MisconfigurationException, match="host_buffer_bytes=4096"):
+        models.trainer(_disk(tmp_path / "tier", host_buffer_bytes=4096)).fit(failed, models.data("lm"))
+    eager = _BuiltInConfigureModel("llama")
+    models.pl.seed_everything(8, verbose=False)
+    eager.configure_model()
+    assert [n for n, _ in failed.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(failed.parameters(), eager.parameters()))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -163,12 +163,13 @@ class SuperpipeStrategy(RanksStrategy):
         self._stop_streaming()
         model = self.model
         trainer = self.lightning_module.trainer if self._fitting and self.lightning_module is not None else None
-        streaming = start_streaming(
-            model, self.root_device, transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
-            fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers), resume=self._resume,
-            ranks=self.world_size if self.several_ranks else 1, node=self.node, deferred=self._deferred,
-            **{knob: getattr(self, knob) for knob in KNOBS},
-        )
+        with self._deferred.settled(model) if self._deferred is not None else nullcontext():
+            streaming = start_streaming(
+                model, self.root_device, fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers),
+                transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)), resume=self._resume,
+                ranks=self.world_size if self.several_ranks else 1, node=self.node, deferred=self._deferred,
+                **{knob: getattr(self, knob) for knob in KNOBS},
+            )
         self._resume = self._deferred = None
         self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner
         self._streamed_stacks = streaming.stacks

@@ -12,7 +12,8 @@ Any other operator that touches a tensor with pending records while the mode is 
 sees an uninitialized value. What stays pending when ``configure_model`` returns is resolved by the strategy:
 block parameters through :meth:`DeferredInit.initial_values` (a fresh tensor per parameter, written to its file and
 dropped, while the parameter's own memory is never touched), everything else in place
-(:meth:`DeferredInit.materialize`), and whatever a checkpoint loads is dropped (:meth:`DeferredInit.discard`).
+(:meth:`DeferredInit.materialize`), whatever a checkpoint loads is dropped (:meth:`DeferredInit.discard`), and a
+set-up that fails initializes everything in place (:meth:`DeferredInit.settled`).
 
 :func:`load_safetensors` called inside the mode replaces a tensor's records with a read of the file's tensor, so
 that a saved model's weights too are read block by block as the blocks are written.
@@ -21,7 +22,8 @@ that a saved model's weights too are read block by block as the blocks are writt
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -127,10 +129,14 @@ class DeferredInit(TorchFunctionMode):
         if generator is None and name not in _DRAW_NOTHING:
             generator = torch.default_generator
         state = generator.get_state() if generator is not None else None
-        record = _Record(func, tuple(args), dict(kwargs), target, generator, state)
+        # An alias keeps the storage the call writes, and so its key, even after `param.data` is replaced (the tier
+        # parks its parameters): a replay in place never writes the tensor that took the parameter's place.
+        alias = target.detach()
+        args, kwargs = _replaced(tuple(args), dict(kwargs), target, alias)
+        record = _Record(func, args, kwargs, alias, generator, state)
         if generator is not None:  # the draws the call would have made, so that the stream goes on as eagerly
             scratch = torch.empty_strided(target.size(), target.stride(), dtype=target.dtype)
-            scratch_args, scratch_kwargs = _replaced(args, kwargs, target, scratch)
+            scratch_args, scratch_kwargs = _replaced(args, kwargs, alias, scratch)
             func(*scratch_args, **scratch_kwargs)
             del scratch
         key = _storage_key(target)
@@ -172,19 +178,31 @@ class DeferredInit(TorchFunctionMode):
                 values[name] = tensor.detach()
             else:
                 fresh = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
-                for record in records:
+                for record in records:  # kept until `settled` ends: if the tier fails, the tensor still needs them
                     target = record.target
                     record.run(fresh.as_strided(target.size(), target.stride(), target.storage_offset()))
-                del self._pending[_storage_key(tensor)]
                 values[name] = fresh
         return values
 
     def clear(self) -> None:
         self._pending.clear()
 
+    @contextmanager
+    def settled(self, module: nn.Module) -> Iterator[None]:
+        """Leaves no record behind whatever happens inside: on an error, ``module``'s tensors still pending are
+        initialized in place (a failed set-up loses no weight), then the records go."""
+        try:
+            yield
+        except BaseException:
+            self.materialize([*module.parameters(), *module.buffers()])
+            raise
+        finally:
+            self.clear()
+
     def defer_load(self, target: Tensor, read: Callable[[], Tensor]) -> None:
         """Makes ``read()`` (a tensor of ``target``'s shape) ``target``'s value in place of its pending init."""
-        self._pending[_storage_key(target)] = [_Record(_copy_read, (target, read), {}, target, None, None)]
+        alias = target.detach()  # as in `_record`
+        self._pending[_storage_key(target)] = [_Record(_copy_read, (alias, read), {}, alias, None, None)]
 
 
 def _copy_read(target: Tensor, read: Callable[[], Tensor]) -> None:

@@ -51,8 +51,8 @@ from lightning_superpipe.memory.disk import (
 )
 from lightning_superpipe.memory.host import ParamSlice
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
-from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.copier import Copier, Event
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS, OverlappedStep
 
 #: Where a checkpoint keeps the disk tier's manifest.
