@@ -247,3 +247,40 @@ def test_lora_checkpoints_of_a_pretrained_model_hold_only_the_adapters(tmp_path:
     with pytest.raises(RecipeError, match="the checkpoint has 8 weights this model lacks"):
         without_adapters = CausalLMModule(pretrained_path=str(pretrained), vocab_size=384)
         without_adapters.on_load_checkpoint(torch.load(path, weights_only=False))
+
+
+def test_built_in_configure_model_a_pretrained_model_is_loaded_as_saved(pretrained: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(pretrained)
+    module = CausalLMModule(pretrained_path=str(pretrained), vocab_size=400, build_in_configure_model=True)
+    assert module.model is None  # built where the strategy decides how
+    module.configure_model()
+    embedding = module.model.get_input_embeddings().weight
+    assert embedding.shape[0] == 400 and module.model.training
+    torch.testing.assert_close(embedding[:384], reference.get_input_embeddings().weight, rtol=0, atol=0)
+    reference_params = dict(reference.named_parameters())
+    for name, param in module.model.named_parameters():
+        if "embed_tokens" not in name and "lm_head" not in name:  # those two grew
+            assert torch.equal(param, reference_params[name]), name
+    with pytest.raises(RecipeError, match="model.config has keys .* 'nlayers'"):
+        CausalLMModule(model_type="llama", config={"nlayers": 2}, build_in_configure_model=True)
+
+
+def test_built_in_configure_model_under_the_disk_tier_trains_as_built_in_init(tmp_path: Path, pretrained: Path) -> None:
+    """The recipe's module under ``SuperpipeStrategy(offload_device="disk")``: built in ``configure_model`` (each
+    block's weights read from the folder as the block is written) it trains as when built by ``from_pretrained``."""
+    from lightning_superpipe import SuperpipeStrategy
+
+    runs = []
+    for in_blocks in (False, True):
+        module = CausalLMModule(pretrained_path=str(pretrained), vocab_size=384, build_in_configure_model=in_blocks)
+        pl.seed_everything(0, verbose=False)
+        strategy = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path / f"tier-{in_blocks}")
+        (tmp_path / f"tier-{in_blocks}").mkdir()
+        trainer(strategy=strategy, max_steps=3).fit(module, token_batches(6))
+        runs.append(module)
+    built, in_blocks = runs
+    assert all(torch.equal(p, q) for p, q in zip(built.parameters(), in_blocks.parameters()))
+    untrained = CausalLMModule(pretrained_path=str(pretrained), vocab_size=384)
+    assert any(not torch.equal(p, q) for p, q in zip(built.parameters(), untrained.parameters()))  # it trained

@@ -3,7 +3,8 @@
 The model is built in ``__init__``, on the host: from a local folder (``from_pretrained``, offline) or from a
 ``model_type`` and a few sizes (random initialisation). Building it here rather than in ``configure_model`` keeps the
 weights out of the accelerator, which the superpipe strategy streams block by block, and reports a bad model path or
-LoRA target before any data is read.
+LoRA target before any data is read. ``build_in_configure_model`` builds it in ``configure_model`` instead, where the
+strategy's disk tier takes it block by block, for a model that does not fit in host memory.
 """
 
 from __future__ import annotations
@@ -290,6 +291,12 @@ class CausalLMModule(LightningModule):
         generation: How ``predict`` continues prompts.
         vocab_size: Token ids the tokenizer produces; the ``superpipe`` command sets it from the data module. A
             random model gets exactly this many embedding rows; a pretrained one is resized only if it has fewer.
+        build_in_configure_model: Build the model in ``configure_model`` rather than here. Under
+            ``SuperpipeStrategy(offload_device="disk")`` its blocks are then initialized, or read from
+            ``pretrained_path``'s safetensors files, one at a time into the tier's files, so that the model never
+            sits whole in host memory (a pretrained model is built from its ``config.json`` and given its weights by
+            :func:`~lightning_superpipe.load_safetensors`, which refuses layouts transformers converts as it loads:
+            the fused experts of MoE models). The path and the settings are still checked here.
     """
 
     def __init__(
@@ -302,6 +309,7 @@ class CausalLMModule(LightningModule):
         optimizer: OptimizerSettings = OptimizerSettings(),
         generation: GenerationSettings = GenerationSettings(),
         vocab_size: int | None = None,
+        build_in_configure_model: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -317,14 +325,18 @@ class CausalLMModule(LightningModule):
         self.lora = lora
         self.optimizer_settings = optimizer
         self.generation = generation
-        if pretrained_path is not None:
-            if config:
-                log.info("model.pretrained_path is set, so model.config (random-init sizes) is not used.")
-            self.model = self._load_pretrained(pretrained_path, dtype, vocab_size)
+        if pretrained_path is not None and config:
+            log.info("model.pretrained_path is set, so model.config (random-init sizes) is not used.")
+        self._build_args = (pretrained_path, model_type, config or {}, dtype, vocab_size)
+        self.model: nn.Module | None = None
+        if build_in_configure_model:
+            if pretrained_path is not None:
+                self._check_folder(pretrained_path, safetensors_only=True)
+            else:
+                with torch.device("meta"):  # the settings' errors now, without the memory
+                    self._build_from_config(model_type, config or {}, dtype, vocab_size)
         else:
-            self.model = self._build_from_config(model_type, config or {}, dtype, vocab_size)
-        if lora is not None:
-            self.model = self._add_lora(self.model, lora)
+            self.configure_model()
         # A LoRA fine-tune of a pretrained model needs only the adapters in its checkpoints: the base weights are
         # reloaded from ``pretrained_path``. Loading must then accept a state dict without them.
         self.saves_trainable_only = lora is not None and pretrained_path is not None
@@ -332,11 +344,20 @@ class CausalLMModule(LightningModule):
         self.val_nll = MeanMetric()
         self.test_nll = MeanMetric()
 
-    @staticmethod
-    def _load_pretrained(pretrained_path: str, dtype: str, vocab_size: int | None) -> nn.Module:
-        from safetensors import SafetensorError
-        from transformers import AutoModelForCausalLM
+    def configure_model(self) -> None:
+        """Builds the model (in ``__init__``, or here with ``build_in_configure_model``) and adds the adapters."""
+        if self.model is not None:
+            return
+        pretrained_path, model_type, config, dtype, vocab_size = self._build_args
+        in_blocks = self.hparams.get("build_in_configure_model", False)
+        if pretrained_path is not None:
+            model = self._load_pretrained(pretrained_path, dtype, vocab_size, tensor_by_tensor=in_blocks)
+        else:
+            model = self._build_from_config(model_type, config, dtype, vocab_size)
+        self.model = self._add_lora(model, self.lora) if self.lora is not None else model
 
+    @staticmethod
+    def _check_folder(pretrained_path: str, safetensors_only: bool = False) -> Path:
         folder = Path(pretrained_path).expanduser()
         if not folder.exists():
             raise RecipeError(f"model path '{pretrained_path}' does not exist")
@@ -348,10 +369,35 @@ class CausalLMModule(LightningModule):
             raise RecipeError(
                 f"model path '{pretrained_path}' holds no model weights: no *.safetensors or pytorch_model*.bin files"
             )
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(folder), local_files_only=True, dtype="auto" if dtype == "auto" else DTYPES[dtype]
+        if safetensors_only and not list(folder.glob("*.safetensors")):
+            raise RecipeError(
+                f"model path '{pretrained_path}' has no *.safetensors files, which model.build_in_configure_model"
+                " reads tensor by tensor; save the model with safe_serialization, or leave the option off"
             )
+        return folder
+
+    @staticmethod
+    def _load_pretrained(
+        pretrained_path: str, dtype: str, vocab_size: int | None, tensor_by_tensor: bool = False
+    ) -> nn.Module:
+        from safetensors import SafetensorError
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from lightning_superpipe.streaming.deferred_init import load_safetensors
+
+        folder = CausalLMModule._check_folder(pretrained_path, safetensors_only=tensor_by_tensor)
+        try:
+            if tensor_by_tensor:  # built from its config, each weight read when it is needed (the disk tier's blocks)
+                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+                saved = getattr(config, "dtype", None) or torch.float32
+                saved = getattr(torch, saved) if isinstance(saved, str) else saved
+                model_dtype = saved if dtype == "auto" else DTYPES[dtype]
+                model = AutoModelForCausalLM.from_config(config, dtype=model_dtype)
+                load_safetensors(model, folder)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(folder), local_files_only=True, dtype="auto" if dtype == "auto" else DTYPES[dtype]
+                )
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
             # Whatever fails while loading from a folder (an unknown architecture, a corrupt or truncated weight
             # file, shapes that do not match the config) is a problem with that folder, so it is reported as such.
