@@ -76,29 +76,36 @@ class _Record:
                 self.generator.set_state(now)
 
 
-class DeferredInit(TorchFunctionMode):
+class UnfilledNewTensors:
+    """For the modes that build a model without touching its memory: ``Trainer(deterministic=True)``
+    (``torch.utils.deterministic.fill_uninitialized_memory``) would write NaN into every page of each new tensor, so
+    it is off while the mode is active (and ``enabled``, where the mode has that flag)."""
+
+    def __enter__(self) -> Any:
+        self._filled = torch.utils.deterministic.fill_uninitialized_memory
+        if getattr(self, "enabled", True):
+            torch.utils.deterministic.fill_uninitialized_memory = False
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = self._filled
+        super().__exit__(*exc)  # type: ignore[misc]
+
+
+class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
     """Records the init calls on host tensors made inside it (see the module's docstring)."""
 
     def __init__(self) -> None:
         super().__init__()
         #: Pending records by the address of the storage they write, in call order.
         self._pending: dict[int, list[_Record]] = {}
-        self._filled = False
 
     @override
     def __enter__(self) -> DeferredInit:
         # A fixed mmap threshold: large tensors then get pages of their own, untouched until written, and the
         # scratch runs' pages go back to the system instead of into the next parameter's allocation.
         limit_heap_retention()
-        # `Trainer(deterministic=True)` would write NaN into every page of every new tensor.
-        self._filled = torch.utils.deterministic.fill_uninitialized_memory
-        torch.utils.deterministic.fill_uninitialized_memory = False
         return super().__enter__()
-
-    @override
-    def __exit__(self, *exc: Any) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = self._filled
-        super().__exit__(*exc)
 
     @override
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict] = None) -> Any:

@@ -26,7 +26,7 @@ from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
-from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
     DiskTier,
     check_offload,
@@ -48,7 +48,7 @@ from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
 from lightning_superpipe.streaming.hooks import Hook, attach_hooks
 
 
-class EmptyInit(_EmptyInit):
+class EmptyInit(UnfilledNewTensors, _EmptyInit):
     """Lightning's mode for ``Trainer.init_module(empty_init=True)`` (the model's tensors left uninitialized, their
     pages never touched, for a checkpoint to fill), which also skips ``transformers``' init functions: since
     transformers 5, ``PreTrainedModel.initialize_weights`` swaps ``torch.nn.init``'s functions for those of
@@ -59,18 +59,6 @@ class EmptyInit(_EmptyInit):
 
     #: Skipped beside ``torch.nn.init``, which Lightning's mode skips.
     SKIPPED = "transformers.initialization"
-
-    @override
-    def __enter__(self) -> EmptyInit:
-        self._filled = torch.utils.deterministic.fill_uninitialized_memory
-        if self.enabled:
-            torch.utils.deterministic.fill_uninitialized_memory = False
-        return super().__enter__()
-
-    @override
-    def __exit__(self, *exc: Any) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = self._filled
-        super().__exit__(*exc)
 
     @override
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict] = None) -> Any:
