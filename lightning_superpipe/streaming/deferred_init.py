@@ -173,8 +173,8 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
 
     def initial_values(self, block: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Each of ``block``'s tensors' values: a fresh tensor with its records run into it where it has any (its
-        own memory stays untouched; the records go), else the tensor itself. A tensor that shares its storage with
-        others, or covers only part of it, is initialized in place instead."""
+        own memory stays untouched; the records stay until :meth:`settled` ends), else the tensor itself. A tensor
+        that shares its storage with others, or covers only part of it, is initialized in place instead."""
         values: dict[str, Tensor] = {}
         for name, tensor in block.items():
             records = self._pending.get(_storage_key(tensor))
