@@ -327,7 +327,6 @@ class CausalLMModule(LightningModule):
         self.generation = generation
         if pretrained_path is not None and config:
             log.info("model.pretrained_path is set, so model.config (random-init sizes) is not used.")
-        self._build_args = (pretrained_path, model_type, config or {}, dtype, vocab_size)
         self.model: nn.Module | None = None
         if build_in_configure_model:
             if pretrained_path is not None:
@@ -348,12 +347,13 @@ class CausalLMModule(LightningModule):
         """Builds the model (in ``__init__``, or here with ``build_in_configure_model``) and adds the adapters."""
         if self.model is not None:
             return
-        pretrained_path, model_type, config, dtype, vocab_size = self._build_args
-        in_blocks = self.hparams.get("build_in_configure_model", False)
-        if pretrained_path is not None:
-            model = self._load_pretrained(pretrained_path, dtype, vocab_size, tensor_by_tensor=in_blocks)
+        settings = self.hparams
+        if settings["pretrained_path"] is not None:
+            model = self._load_pretrained(settings["pretrained_path"], settings["dtype"], settings["vocab_size"],
+                                          tensor_by_tensor=settings["build_in_configure_model"])
         else:
-            model = self._build_from_config(model_type, config, dtype, vocab_size)
+            model = self._build_from_config(settings["model_type"], settings["config"] or {}, settings["dtype"],
+                                            settings["vocab_size"])
         self.model = self._add_lora(model, self.lora) if self.lora is not None else model
 
     @staticmethod

@@ -142,7 +142,7 @@ class SuperpipeStrategy(RanksStrategy):
         self.accelerator.setup(trainer)
         assert self.model is not None
         if self._deferred is not None and type(self.precision_plugin).convert_module is not Precision.convert_module:
-            self._deferred.materialize([*self.model.parameters(), *self.model.buffers()])  # it reads every value
+            self._deferred.materialize(self.model)  # it reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS})  # several: same model and knobs
@@ -331,12 +331,11 @@ class SuperpipeStrategy(RanksStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
         if self._deferred is not None:  # what the checkpoint holds is not initialized later
-            assert self.lightning_module is not None
             held = self.lightning_module.state_dict(keep_vars=True)
             self._deferred.discard(held[name] for name in checkpoint["state_dict"] if name in held)
         if disk_tier.DISK_KEY in checkpoint:  # the blocks come from the tier's files when streaming starts
-            assert self.lightning_module is not None
             disk_tier.load_state_dict(self.lightning_module, checkpoint, strict, self._engine is not None)
             return
         if self._engine is not None:

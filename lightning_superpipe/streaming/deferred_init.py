@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_superpipe.memory.disk import limit_heap_retention
@@ -120,18 +121,13 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
             self._record(func, args, kwargs, target)
             return target
         if name not in _NO_READ and not (name == "__getitem__" and _basic_index(args[1])):
-            for tensor in _tensors((args, kwargs)):
-                if tensor.device.type == "cpu":
-                    self._run_pending(tensor)
+            for value in tree_flatten((args, kwargs))[0]:
+                if isinstance(value, Tensor) and value.device.type == "cpu":
+                    self._run_pending(value)
         return func(*args, **kwargs)
 
-    @property
-    def pending(self) -> int:
-        """How many storages still have records."""
-        return len(self._pending)
-
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], target: Tensor) -> None:
-        generator = next((value for value in _values((args, kwargs)) if isinstance(value, torch.Generator)), None)
+        generator = next((v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Generator)), None)
         name = func.__name__
         if generator is None and name not in _DRAW_NOTHING:
             generator = torch.default_generator
@@ -157,14 +153,12 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
         for record in records or ():
             record.run()
 
-    def materialize(self, tensors: Iterable[Tensor]) -> int:
-        """Runs the pending records of ``tensors``' storages into them; returns the bytes written."""
-        written = 0
+    def materialize(self, tensors: Union[nn.Module, Iterable[Tensor]]) -> None:
+        """Runs the pending records of ``tensors``' storages (a module's: its parameters' and buffers') into them."""
+        if isinstance(tensors, nn.Module):
+            tensors = [*tensors.parameters(), *tensors.buffers()]
         for tensor in tensors:
-            if _storage_key(tensor) in self._pending:
-                written += tensor.untyped_storage().nbytes()
-                self._run_pending(tensor)
-        return written
+            self._run_pending(tensor)
 
     def discard(self, tensors: Iterable[Tensor]) -> None:
         """Drops the records of ``tensors``' storages (values loaded from a checkpoint replace them)."""
@@ -201,7 +195,7 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
         try:
             yield
         except BaseException:
-            self.materialize([*module.parameters(), *module.buffers()])
+            self.materialize(module)
             raise
         finally:
             self.clear()
@@ -342,21 +336,6 @@ def _basic_index(index: Any) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     basic = (int, slice, type(None), type(Ellipsis))
     return all(isinstance(item, basic) and not isinstance(item, bool) for item in items)
-
-
-def _values(value: Any) -> Iterable[Any]:
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _values(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _values(item)
-    else:
-        yield value
-
-
-def _tensors(value: Any) -> Iterable[Tensor]:
-    return (item for item in _values(value) if isinstance(item, Tensor))
 
 
 def _replaced(args: tuple[Any, ...], kwargs: dict[str, Any], old: Tensor, new: Tensor) -> tuple[tuple, dict]:

@@ -168,7 +168,7 @@ def start_streaming(
         except DiskTierError as error:
             raise MisconfigurationException(f"{call}: {error}") from error
     if deferred is not None:  # the blocks are in their files: the rest of what configure_model built, in place
-        deferred.materialize([*model.parameters(), *model.buffers()])
+        deferred.materialize(model)
     try:
         at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
         model._apply(lambda t: t if id(t) in at_home else t.to(device))
