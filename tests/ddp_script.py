@@ -13,10 +13,11 @@ Modes:
     ``nodes``: two nodes of one device each (this script started once per node, with ``NODE_RANK``): ``"ddp"`` and
     ``shard_optimizer="node"`` (each node's copy stepped by its own rank, from the gradients all-reduced across
     nodes), each checkpointed at the end.
+    ``disk``: the disk tier (see :func:`disk`).
     ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
     too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
-    ``/dev/shm`` too small for the node's shared homes; the disk tier and ``sync_batchnorm`` on two devices (refused on
-    both).
+    ``/dev/shm`` too small for the node's shared homes; rank 1's disk too small for the node's copies of the disk
+    tier; the disk tier with ``shard_optimizer=True`` and ``sync_batchnorm`` on two devices (refused on both).
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ class SyncedTask(models.Task):
         self.log("synced_rank", float(self.global_rank), sync_dist=True, on_step=False, on_epoch=True)
         self.log("synced_loss", loss, sync_dist=True, on_step=False, on_epoch=True)
         return loss
+
+
+class ConfiguredTask(SyncedTask):
+    """Builds its model in ``configure_model`` under a seed of each rank's own: the ranks start from rank 0's values
+    only if the strategy gives them (DDP broadcasts them when it wraps the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(100 + self.global_rank)
+            self.model = models.llama()
 
 
 class Record(Callback):
@@ -97,10 +112,11 @@ def rank() -> int:
 
 
 def fit(
-    name: str, out: Path, strategy: Any, ckpt_path: Any = None, callbacks: tuple[Callback, ...] = (), **options: Any
+    name: str, out: Path, strategy: Any, ckpt_path: Any = None, callbacks: tuple[Callback, ...] = (),
+    task_class: type[SyncedTask] = SyncedTask, **options: Any,
 ) -> None:
     pl.seed_everything(7, verbose=False)
-    task = SyncedTask()
+    task = task_class()
     pl.seed_everything(8, verbose=False)
     record = Record()
     options.setdefault("devices", 2)
@@ -183,8 +199,33 @@ def nodes(out: Path) -> None:
         fit(name, out, strategy, max_steps=6, callbacks=(ModelCheckpoint(dirpath=out / name, save_last=True),), **two)
 
 
+def disk(out: Path) -> None:
+    """The disk tier on two ranks (each rank's files in a folder of its own under ``offload_path``) against DDP: with
+    clipping by norm and accumulation 2 (the earlier micro-batch's gradients spilled, read back into the last one's
+    reduction), also on the emulated link; the overlapped step; a model built in ``configure_model``; checkpointed
+    (rank 0's files beside the ``.ckpt``) and resumed by both ranks."""
+    tier = out / "tier"
+    tier.mkdir(exist_ok=True)
+
+    def on_disk(**knobs: Any) -> SuperpipeStrategy:
+        return SuperpipeStrategy(offload_device="disk", offload_path=tier, timeout=TIMEOUT, **knobs)
+
+    fit("ddp", out, "ddp", max_steps=6)
+    fit("disk", out, on_disk(), max_steps=6)
+    fit("disk_emulated", out, on_disk(link=EmulatedLink(mode="thread", seed=1)), max_steps=6)
+    fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
+    fit("disk_overlapped", out, on_disk(overlap_optimizer=True), max_steps=4, gradient_clip_val=None)
+    fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
+    fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
+    epochs = dict(max_steps=-1, limit_train_batches=8)
+    fit("uninterrupted", out, on_disk(), max_epochs=2, **epochs)
+    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)
+    fit("disk_first", out, on_disk(), max_epochs=1, enable_checkpointing=True, callbacks=(checkpoint,), **epochs)
+    fit("disk_resumed", out, on_disk(), max_epochs=2, ckpt_path=out / "checkpoints" / "last.ckpt", **epochs)
+
+
 def disagree(out: Path) -> None:
-    from lightning_superpipe.memory import host, pinned
+    from lightning_superpipe.memory import disk, host, pinned
 
     (out / "tier").mkdir(exist_ok=True)
     attempts = {
@@ -192,14 +233,18 @@ def disagree(out: Path) -> None:
         "host": SuperpipeStrategy(timeout=TIMEOUT),  # rank 1's host is too small
         "node_host": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # the same, rank 0 goes on to share
         "shm": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # rank 0's /dev/shm is too small
-        "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
+        "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", shard_optimizer=True,
+                                  timeout=TIMEOUT),
+        "disk_space": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
         "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
         "ema": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),
     }
-    available, shared_space = host.available_host_bytes, pinned.shared_space
+    available, shared_space, free_bytes = host.available_host_bytes, pinned.shared_space, disk.free_bytes
     for name, strategy in attempts.items():
         host.available_host_bytes = (lambda: 1024) if name in ("host", "node_host") and rank() == 1 else available
         pinned.shared_space = (lambda: 4096) if name == "shm" and rank() == 0 else shared_space
+        # Rank 1's disk has the margin the tier keeps free and one page: not the node's two copies of the tier.
+        disk.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes
         try:
             callbacks = (EMAWeightAveraging(),) if name == "ema" else ()
             fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm", callbacks=callbacks)
@@ -212,7 +257,7 @@ def disagree(out: Path) -> None:
 if __name__ == "__main__":
     mode, folder = sys.argv[1], Path(sys.argv[2])
     try:
-        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes}[mode](folder)
+        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes, "disk": disk}[mode](folder)
     except BaseException:
         traceback.print_exc()
         raise

@@ -7,6 +7,7 @@ the tests read what every rank saved.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,13 @@ def nodes_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outputs = [process.communicate(timeout=240)[0] for process in processes]
     for node, (process, output) in enumerate(zip(processes, outputs)):
         assert process.returncode == 0, f"{SCRIPT.name} nodes failed on node {node}:\n{output[-8000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def disk_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_disk")
+    _launch("disk", out)
     return out
 
 
@@ -153,6 +161,47 @@ def test_resume_from_one_checkpoint_continues_like_an_uninterrupted_run(exact_ru
     checkpoint = torch.load(exact_run / "last.ckpt", weights_only=False)
     assert len(checkpoint["superpipe_rng_states_per_rank"]) == 2
     for uninterrupted, first, resumed in zip(*(_load(exact_run, n) for n in ("uninterrupted", "first", "resumed"))):
+        assert first["losses"] == uninterrupted["losses"][:8]
+        assert resumed["losses"] == uninterrupted["losses"][8:]
+        assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
+
+
+def test_the_disk_tier_on_two_ranks_equals_plain_ddp_with_each_ranks_files_in_a_folder_of_its_own(
+    disk_run: Path,
+) -> None:
+    # Clipping by norm and accumulation 2: the first micro-batch's gradients go to disk, and come back into the
+    # reduction of the last one's, as DDP reduces the accumulated sum (without that the weights differ by ~0.08).
+    for name in ("disk", "disk_emulated"):
+        for plain, rank in zip(_load(disk_run, "ddp"), _load(disk_run, name)):
+            assert rank["sampler"] == plain["sampler"] == "DistributedSampler"
+            assert rank["losses"] == plain["losses"]
+            assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+            assert rank["reductions"] == rank["steps"] * (rank["report"]["num_blocks"] + rank["trunk_params"])
+            assert rank["report"]["disk_bytes_written"] > 0
+    for plain, rank in zip(_load(disk_run, "ddp_unclipped"), _load(disk_run, "disk_overlapped")):
+        assert rank["report"]["overlapped_block_steps"] == 4 * rank["report"]["num_blocks"]
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    # Built in configure_model under each rank's own seed (init calls deferred): every rank starts from rank 0's.
+    for plain, rank in zip(_load(disk_run, "ddp_configured"), _load(disk_run, "disk_configured")):
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    # Each rank's files in its own folder, stepped alike: the same committed bytes.
+    folders = [disk_run / "tier" / f"rank-{rank}" for rank in (0, 1)]
+    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in folders]
+    assert manifests[0] == manifests[1] and manifests[0]["step"] > 0
+    for index, record in enumerate(manifests[0]["blocks"]):
+        name = f"block{index:05d}.{record['slot']}.bin"
+        assert (folders[0] / name).read_bytes() == (folders[1] / name).read_bytes()
+
+
+def test_the_disk_tier_on_two_ranks_checkpoints_rank_zeros_files_and_both_resume_from_them(disk_run: Path) -> None:
+    checkpoints = disk_run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    for ckpt in ("epoch=0-step=4.ckpt", "last.ckpt"):  # one copy of the files per .ckpt, rank 0's
+        assert len(list((checkpoints / f"{ckpt}.disk-tier").iterdir())) == 1
+    runs = ("uninterrupted", "disk_first", "disk_resumed")
+    for uninterrupted, first, resumed in zip(*(_load(disk_run, name) for name in runs)):
         assert first["losses"] == uninterrupted["losses"][:8]
         assert resumed["losses"] == uninterrupted["losses"][8:]
         assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
@@ -276,11 +325,23 @@ def test_with_shard_optimizer_node_a_failure_before_or_while_sharing_is_one_erro
     assert theirs == f"RanksDisagreeError: SuperpipeStrategy could not share the blocks' host memory on rank 0: {mine}"
 
 
+def test_a_disk_too_small_for_the_nodes_copies_of_the_disk_tier_is_one_error_on_every_rank(
+    disagree_run: Path,
+) -> None:
+    # Rank 1's disk is checked for both ranks' copies before either writes; rank 0 waits there and hears of it.
+    mine = (disagree_run / "disk_space_rank1.txt").read_text()
+    assert mine.startswith("MisconfigurationException: SuperpipeStrategy(offload_device='disk'")
+    assert "bytes: 2 ranks on this node, each with two slots of every block's record and its gradients)" in mine
+    assert "but only 16 MiB (16781312 bytes) are free there" in mine and "/rank-1'" in mine
+    theirs = (disagree_run / "disk_space_rank0.txt").read_text()
+    assert theirs == f"RanksDisagreeError: SuperpipeStrategy could not check the disk tier's folders on rank 1: {mine}"
+
+
 def test_what_several_devices_do_not_support_yet_is_refused_on_every_rank(disagree_run: Path) -> None:
     for rank in (0, 1):
         message = (disagree_run / f"disk_rank{rank}.txt").read_text()
         assert message.startswith("MisconfigurationException: SuperpipeStrategy(offload_device='disk'")
-        assert "streams through one device for now: run it with `Trainer(devices=1)`" in message
+        assert "so shard_optimizer=True does not apply: leave it False, or use offload_device='cpu'" in message
         message = (disagree_run / f"batchnorm_rank{rank}.txt").read_text()
         assert "`Trainer(strategy='superpipe', sync_batchnorm=True)` is not supported yet" in message
         message = (disagree_run / f"ema_rank{rank}.txt").read_text()

@@ -129,7 +129,7 @@ def preflight(path: PathLike, needed_bytes: int, what: str = "two slots of every
             f"The disk tier's offload_path {str(folder)!r} {problem}. Create it (e.g. `mkdir -p {folder}`) on a fast"
             f" local disk with at least {format_bytes(needed_bytes)} free, or pass another offload_path."
         )
-    probe = folder / ".superpipe-write-probe"
+    probe = folder / f".superpipe-write-probe-{os.getpid()}"  # several ranks may probe one folder
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -156,7 +156,7 @@ def supports_direct_io(path: PathLike) -> bool:
     """Whether files in the folder ``path`` accept ``O_DIRECT`` reads and writes of page-aligned buffers."""
     if not hasattr(os, "O_DIRECT"):
         return False
-    probe = Path(path) / ".superpipe-direct-probe"
+    probe = Path(path) / f".superpipe-direct-probe-{os.getpid()}"
     buffer = _aligned_buffer(PAGE)
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
@@ -998,14 +998,8 @@ class DiskStore:
         """
         folder = Path(path)
         _check_blocks(blocks)
-        size = probe_state_size(optimizer)
-        needed = sum(
-            2 * page_rounded(_master_bytes(list(b.values())) + sum(size.record_bytes(p.numel()) for p in b.values()))
-            + (page_rounded(_master_bytes(list(b.values()))) if spill_grads else 0)
-            for b in blocks
-        )
         what = "two slots of every block's masters and optimizer state" + (", and its gradients" if spill_grads else "")
-        preflight(folder, needed, what)
+        preflight(folder, cls.bytes_needed(blocks, optimizer, spill_grads), what)
         if (folder / MANIFEST).exists():
             if not overwrite:
                 raise DiskTierError(
@@ -1040,6 +1034,19 @@ class DiskStore:
             files.close()
         return cls(folder, blocks, manifest, optimizer, spill_grads, host_buffer_bytes, read_ahead, io_workers,
                    chunk_bytes, direct_io, pin, separate_io_kinds)
+
+    @staticmethod
+    def bytes_needed(
+        blocks: Sequence[Mapping[str, nn.Parameter]], optimizer: Optional[Optimizer] = None, spill_grads: bool = False
+    ) -> int:
+        """The bytes of a new store's files: two slots of every block's record (masters and ``optimizer``'s state)
+        and, with ``spill_grads``, its gradient file."""
+        size = probe_state_size(optimizer)
+        return sum(
+            2 * page_rounded(_master_bytes(list(b.values())) + sum(size.record_bytes(p.numel()) for p in b.values()))
+            + (page_rounded(_master_bytes(list(b.values()))) if spill_grads else 0)
+            for b in blocks
+        )
 
     @classmethod
     def open(
@@ -1245,6 +1252,28 @@ class DiskStore:
         if wait:
             future.result()
         return future
+
+    def take_grads(self, index: int) -> list[Optional[Tensor]]:
+        """Reads block ``index``'s spilled gradients back into new host tensors (``None`` for a parameter without
+        one) and forgets the spill: the caller holds them now (e.g. to fold them into a reduction across ranks), and
+        the block's next spill starts its file afresh."""
+        previous = self._spill_writes.pop(index, None)
+        if previous is not None:
+            previous.result()  # the file must be whole before it is read back
+        present = self._grads_present[index]
+        entries = self.records[index].masters()
+        if not present:
+            return [None] * len(entries)
+        nbytes = self._grad_bytes(index)
+        buffer = self.pool.acquire(nbytes)
+        try:
+            self.files.read(self.path / _grad_name(index), buffer, nbytes).result()
+            grads = [entry.view_of(buffer).clone() if entry.param in present else None for entry in entries]
+        finally:
+            self.pool.release(buffer)
+        present.clear()
+        self._grad_norms.pop(index, None)
+        return grads
 
     def spilled(self, index: int) -> bool:
         """Whether block ``index`` has spilled gradients that no committed step has consumed yet."""

@@ -141,8 +141,9 @@ class SuperpipeStrategy(RanksStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        if self._deferred is not None and type(self.precision_plugin).convert_module is not Precision.convert_module:
-            self._deferred.materialize(self.model)  # it reads every value
+        converts = type(self.precision_plugin).convert_module is not Precision.convert_module
+        if self._deferred is not None and (converts or self.several_ranks):
+            self._deferred.materialize(self.model)  # the conversion, or rank 0's broadcast, reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS})  # several: same model and knobs
@@ -167,7 +168,8 @@ class SuperpipeStrategy(RanksStrategy):
             streaming = start_streaming(
                 model, self.root_device, fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers),
                 transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)), resume=self._resume,
-                ranks=self.world_size if self.several_ranks else 1, node=self.node, deferred=self._deferred,
+                ranks=self.world_size if self.several_ranks else 1, rank=self.global_rank,
+                local_ranks=len(self.parallel_devices), node=self.node, deferred=self._deferred,
                 **{knob: getattr(self, knob) for knob in KNOBS},
             )
         self._resume = self._deferred = None
@@ -309,16 +311,18 @@ class SuperpipeStrategy(RanksStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         self.add_rng_states(checkpoint)
-        if self._engine is not None and self._engine.tier is not None:  # the files first: a .ckpt implies them
-            self._engine.tier.add_to_checkpoint(checkpoint, filepath)
+        # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
+        tier = self._engine.tier if self._engine is not None and self.is_global_zero else None
+        if tier is not None:  # the files first: a .ckpt implies them
+            tier.add_to_checkpoint(checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self._engine is not None and self._engine.tier is not None:  # the .ckpt is in place: older copies go
-            self._engine.tier.checkpoint_saved(checkpoint, filepath)
+        if tier is not None:  # the .ckpt is in place: older copies go
+            tier.checkpoint_saved(checkpoint, filepath)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
-        if self.offload_device == "disk":
+        if self.offload_device == "disk" and self.is_global_zero:
             disk_tier.remove_snapshot(filepath)
 
     @override

@@ -20,6 +20,9 @@ know a block's layout but hold no memory, and :class:`DiskTier` does the rest:
   a resume restores them from there. Older subfolders go once the new ``.ckpt`` is written, so a kill during a save
   leaves the previous ``.ckpt`` with its files. The live files never write into a copy: a slot hard-linked into a
   checkpoint is replaced by a new file before it is written again (:class:`~lightning_superpipe.memory.disk.DiskStore`).
+* **Several ranks**: each keeps its own store in ``offload_path/rank-<rank>`` (:func:`rank_folder`), stepped alike
+  from the averaged gradients; under accumulation a block's spilled gradients come back into ``.grad`` for the last
+  micro-batch's reduction (:meth:`DiskTier.take_spilled`). Rank 0's files go beside the ``.ckpt``.
 """
 
 from __future__ import annotations
@@ -444,6 +447,14 @@ class DiskTier:
                 self.block_done(index)
         self._completed = set()
 
+    def take_spilled(self, index: int) -> None:
+        """Puts what earlier micro-batches spilled of block ``index``'s gradients back into ``.grad`` (one block in
+        host memory at a time), before the last micro-batch's gradients are averaged across ranks: the reduction
+        folds in the local sum, as DDP reduces the accumulated gradients, and the block is spilled afresh."""
+        if self.store.spilled(index):
+            for param, grad in zip(self.store.params[index], self.store.take_grads(index)):
+                param.grad = grad
+
     def _spill(self, index: int, norms: bool) -> None:
         params = self.store.params[index]
         grads = [p.grad for p in params]
@@ -691,6 +702,31 @@ def disk_host_bytes(
     record = page_rounded(int(largest * (4 + size.per_element)) + (4 * largest if optimizer is not None else 0))
     pool = host_buffer_bytes if host_buffer_bytes is not None else record * (slots + READ_AHEAD + 2)
     return pool + (2 * 4 * largest if optimizer is not None else 0)
+
+
+def rank_folder(
+    offload_path: Union[str, os.PathLike[str]], rank: int, local_ranks: int,
+    block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer], fresh: bool,
+) -> Path:
+    """The folder of rank ``rank``'s files on several ranks, ``offload_path/rank-<rank>`` (created): each rank keeps
+    its own copy of the blocks' training state, stepped alike from the averaged gradients, as each DDP rank keeps its
+    own optimizer. A ``fresh`` tier checks first that the disk holds the copies of the node's ``local_ranks`` ranks
+    (which share ``offload_path``); call it on every rank before any writes.
+
+    Raises:
+        DiskTierError: The folder cannot be made, or the disk is too small for the node's copies.
+    """
+    folder = Path(offload_path) / f"rank-{rank}"
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as error:
+        raise DiskTierError(f"Could not create the folder {str(folder)!r} for rank {rank}'s files: {error}.") from error
+    if fresh:
+        blocks = [{str(i): p for i, p in enumerate(params)} for params in block_params]
+        needed = DiskStore.bytes_needed(blocks, optimizer, spill_grads=optimizer is not None)
+        preflight(folder, local_ranks * needed,
+                  f"{local_ranks} ranks on this node, each with two slots of every block's record and its gradients")
+    return folder
 
 
 def resume_folder(ckpt_path: Union[str, os.PathLike[str]], manifest: Mapping[str, Any], offload_device: str) -> Path:

@@ -152,6 +152,7 @@ class StreamingEngine:
             if tier is not None:  # gradients go to the store: stepped through it, or spilled to disk
                 tier.attach(self.copier, self.arena, self.overlap, len(self._slots))
                 self.gradients.on_block_complete = tier.block_done
+                self.gradients.before_reduce = tier.take_spilled
             self._synced_in_backward: set[int] = set()  # blocks whose homes the overlapped step already synced
             # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
             # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.

@@ -85,6 +85,9 @@ class GradientReturn:
         self.on_trunk_complete: Optional[Callable[[nn.Parameter], None]] = None
         #: Averages gradients across ranks before they leave the device (several devices); ``None`` on one.
         self.averager: Optional[GradientAverager] = None
+        #: Called with a block's index before its gradients are averaged across ranks: the disk tier puts what the
+        #: earlier micro-batches spilled back into ``.grad``, which the reduction folds in.
+        self.before_reduce: Optional[Callable[[int], None]] = None
         self._reducing: list[tuple[Reduction, list[ParamSlice], Callable[[Reduction], None]]] = []
         self._last_future: dict[Any, Future[None]] = {}  # per block index or trunk parameter: its latest addition
         # With a CPU compute device there is nothing to overlap with: the host adds in line.
@@ -102,6 +105,8 @@ class GradientReturn:
         if complete is not None and not self.keep_grad_homes:
             complete = partial(self._let_go, index, complete)
         if self.averager is not None and self.averager.sync:
+            if self.before_reduce is not None:
+                self.before_reduce(index)
             nbytes = sum(grad.numel() * grad.element_size() for grad in grads if grad is not None)
             self.ledger.add("block_gradients", nbytes)
             ship = partial(self._ship_averaged_block, index, list(pieces), complete)

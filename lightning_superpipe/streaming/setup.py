@@ -33,6 +33,7 @@ from lightning_superpipe.streaming.disk_tier import (
     check_training,
     disk_host_bytes,
     offload_call,
+    rank_folder,
     weight_averaging_callbacks,
 )
 from lightning_superpipe.streaming.distributed import (
@@ -105,13 +106,16 @@ def start_streaming(
     resume: Optional[Path] = None,
     deferred: Optional[DeferredInit] = None,
     ranks: int = 1,
+    rank: int = 0,
+    local_ranks: int = 1,
     node: Optional[NodeShare] = None,
 ) -> Streaming:
     """Finds the blocks, checks the knobs, builds the homes and the engine, and hooks the blocks.
 
     Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
     ``ranks`` above one, the engine averages the gradients across them (with ``shard_optimizer``, each block's to
-    its owner rank only; with ``node``, ``shard_optimizer="node"``, the homes shared by the node's ranks).
+    its owner rank only; with ``node``, ``shard_optimizer="node"``, the homes shared by the node's ranks); the disk
+    tier of global rank ``rank`` keeps its files in a folder of its own, beside those of the node's ``local_ranks``.
 
     Raises:
         MisconfigurationException: A knob the user gave is wrong (the message quotes it); nothing was allocated.
@@ -124,9 +128,12 @@ def start_streaming(
     # Checked here rather than in the strategy's __init__: LightningCLI reports a constructor's error as a type
     # mismatch.
     try:
-        if disk and ranks > 1:  # before the tier's own checks, which would probe one folder from every rank
-            raise ValueError(f"{call} streams through one device for now: run it with `Trainer(devices=1)`, or use"
-                             " `offload_device='cpu'` on several devices (each rank's masters in its host memory).")
+        if disk and ranks > 1 and shard_optimizer:
+            raise ValueError(
+                f"{call} keeps each rank's copy of the training state in files of its own, so"
+                f" shard_optimizer={shard_optimizer!r} does not apply: leave it False, or use offload_device='cpu'"
+                " to shard the optimizer state across ranks."
+            )
         if shard_optimizer not in (True, False, "node"):
             raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
@@ -163,7 +170,11 @@ def start_streaming(
         streamed = {p for params in block_params for p in params}
         state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
         try:
-            tier = DiskTier.build(offload_path, block_params, names, state_names, optimizer, transfer_dtype,
+            folder = Path(offload_path)
+            if ranks > 1:  # every rank checks the node's space before any of them writes
+                folder = rank_folder(offload_path, rank, local_ranks, block_params, optimizer, resume is None)
+                ready_on_every_rank("check the disk tier's folders")
+            tier = DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
                                   host_buffer_bytes, ahead + 1, resume, deferred)
         except DiskTierError as error:
             raise MisconfigurationException(f"{call}: {error}") from error
