@@ -17,7 +17,8 @@ Modes:
     ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
     too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
     ``/dev/shm`` too small for the node's shared homes; rank 1's disk too small for the node's copies of the disk
-    tier; the disk tier with ``shard_optimizer=True`` and ``sync_batchnorm`` on two devices (refused on both).
+    tier; rank 1's ``configure_model`` making other init calls than rank 0's under the disk tier; the disk tier with
+    ``shard_optimizer=True`` and ``sync_batchnorm`` on two devices (refused on both).
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ class ConfiguredTask(SyncedTask):
         if self.model is None:
             torch.manual_seed(100 + self.global_rank)
             self.model = models.llama()
+
+
+class DisagreeingTask(ConfiguredTask):
+    """Rank 1 initializes one weight in another way: the same parameters, other init calls."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.global_rank == 1:
+            torch.nn.init.uniform_(self.model.model.layers[0].mlp.up_proj.weight)
 
 
 class Record(Callback):
@@ -216,7 +226,23 @@ def disk(out: Path) -> None:
     fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
     fit("disk_overlapped", out, on_disk(overlap_optimizer=True), max_steps=4, gradient_clip_val=None)
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
-    fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
+    # Whether each block parameter's values were made apart from its own memory (never initialized whole).
+    from lightning_superpipe.streaming.deferred_init import DeferredInit
+
+    fresh: dict[str, bool] = {}
+    initial_values = DeferredInit.initial_values
+
+    def spy(self: DeferredInit, block: Any) -> dict[str, torch.Tensor]:
+        values = initial_values(self, block)
+        fresh.update({name: values[name].data_ptr() != block[name].data_ptr() for name in block})
+        return values
+
+    DeferredInit.initial_values = spy  # type: ignore[method-assign]
+    try:
+        fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
+    finally:
+        DeferredInit.initial_values = initial_values  # type: ignore[method-assign]
+    torch.save(fresh, out / f"disk_configured_fresh_rank{rank()}.pt")
     epochs = dict(max_steps=-1, limit_train_batches=8)
     fit("uninterrupted", out, on_disk(), max_epochs=2, **epochs)
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)
@@ -236,6 +262,7 @@ def disagree(out: Path) -> None:
         "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", shard_optimizer=True,
                                   timeout=TIMEOUT),
         "disk_space": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
+        "disk_init": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
         "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
         "ema": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),
     }
@@ -247,7 +274,9 @@ def disagree(out: Path) -> None:
         disk.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes
         try:
             callbacks = (EMAWeightAveraging(),) if name == "ema" else ()
-            fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm", callbacks=callbacks)
+            task_class = DisagreeingTask if name == "disk_init" else SyncedTask
+            fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm", callbacks=callbacks,
+                task_class=task_class)
         except Exception as error:  # noqa: BLE001 - what each rank saw is the test's evidence
             (out / f"{name}_rank{rank()}.txt").write_text(f"{type(error).__name__}: {error}")
         else:

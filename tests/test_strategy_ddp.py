@@ -182,10 +182,15 @@ def test_the_disk_tier_on_two_ranks_equals_plain_ddp_with_each_ranks_files_in_a_
         assert rank["report"]["overlapped_block_steps"] == 4 * rank["report"]["num_blocks"]
         assert rank["losses"] == plain["losses"]
         assert _max_difference(rank["weights"], plain["weights"]) == 0.0
-    # Built in configure_model under each rank's own seed (init calls deferred): every rank starts from rank 0's.
+    # Built in configure_model under each rank's own seed: every rank starts from rank 0's values, its init calls
+    # replayed with rank 0's draws block by block into fresh tensors (the parameters' own memory never written).
     for plain, rank in zip(_load(disk_run, "ddp_configured"), _load(disk_run, "disk_configured")):
         assert rank["losses"] == plain["losses"]
         assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    blocks = {name for block in json.loads((disk_run / "tier" / "rank-0" / "manifest.json").read_text())["names"]
+              for name in block}
+    for rank in (0, 1):
+        assert torch.load(disk_run / f"disk_configured_fresh_rank{rank}.pt") == dict.fromkeys(blocks, True)
     # Each rank's files in its own folder, stepped alike: the same committed bytes.
     folders = [disk_run / "tier" / f"rank-{rank}" for rank in (0, 1)]
     manifests = [json.loads((folder / "manifest.json").read_text()) for folder in folders]
@@ -335,6 +340,20 @@ def test_a_disk_too_small_for_the_nodes_copies_of_the_disk_tier_is_one_error_on_
     assert "but only 16 MiB (16781312 bytes) are free there" in mine and "/rank-1'" in mine
     theirs = (disagree_run / "disk_space_rank0.txt").read_text()
     assert theirs == f"RanksDisagreeError: SuperpipeStrategy could not check the disk tier's folders on rank 1: {mine}"
+
+
+def test_init_calls_that_differ_between_ranks_under_the_disk_tier_are_one_error_on_every_rank(
+    disagree_run: Path,
+) -> None:
+    # The ranks replay their deferred init calls with rank 0's draws: only if they made the same calls.
+    mine = (disagree_run / "disk_init_rank1.txt").read_text()
+    assert mine == (
+        "RanksDisagreeError: configure_model made other init calls on rank 1 than on rank 0 (call 6: ('uniform_',"
+        " (64, 32)) here, ('normal_', (64, 32)) there): every rank must build the same model in the same order."
+    )
+    theirs = (disagree_run / "disk_init_rank0.txt").read_text()
+    assert theirs == ("RanksDisagreeError: SuperpipeStrategy could not initialize the model built in configure_model"
+                      f" on rank 1: {mine}")
 
 
 def test_what_several_devices_do_not_support_yet_is_refused_on_every_rank(disagree_run: Path) -> None:

@@ -32,6 +32,7 @@ from lightning_superpipe.streaming.distributed import (
     share_stepped,
     share_stepped_on_node,
 )
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
@@ -81,14 +82,14 @@ class RanksStrategy(DDPStrategy):
         else:
             Strategy.setup_environment(self)
 
-    def join_ranks(self, trainer: Trainer, knobs: dict[str, Any]) -> None:
+    def join_ranks(self, trainer: Trainer, knobs: dict[str, Any], deferred: Optional[DeferredInit] = None) -> None:
         """Before streaming starts: on several ranks the same model and knobs everywhere and rank 0's weights given
         to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
         sees it."""
         assert self.model is not None
         self.node = None
         if self.several_ranks:
-            join_ranks(self.model, self, trainer, knobs)
+            join_ranks(self.model, self, trainer, knobs, deferred)
             if knobs.get("shard_optimizer") == "node":  # every rank makes the node groups, in the same order
                 call = (f"`SuperpipeStrategy(shard_optimizer='node')` on devices={len(self.parallel_devices)},"
                         f" num_nodes={self.num_nodes}")

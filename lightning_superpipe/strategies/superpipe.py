@@ -141,12 +141,12 @@ class SuperpipeStrategy(RanksStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        converts = type(self.precision_plugin).convert_module is not Precision.convert_module
-        if self._deferred is not None and (converts or self.several_ranks):
-            self._deferred.materialize(self.model)  # the conversion, or rank 0's broadcast, reads every value
+        if self._deferred is not None and type(self.precision_plugin).convert_module is not Precision.convert_module:
+            self._deferred.materialize(self.model)  # it reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
-        self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS})  # several: same model and knobs
+        # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
+        self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS}, self._deferred)
         early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
         if early:
             self.setup_optimizers(trainer)

@@ -160,6 +160,45 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
         for tensor in tensors:
             self._run_pending(tensor)
 
+    def adopt_rank_zero_draws(self) -> None:
+        """On several ranks, before rank 0's values are broadcast: gives every record rank 0's generator state, so
+        that each rank's replay gives rank 0's values without them crossing between ranks (each rank built the same
+        model in the same order, so its records line up with rank 0's). A tensor whose first record writes only
+        part of it is initialized in place first: its other values are eager ones, which the broadcast brings.
+
+        Raises:
+            RanksDisagreeError: On every rank, where some rank recorded other calls than rank 0.
+        """
+        import torch.distributed as dist
+
+        from lightning_superpipe.streaming.distributed import RanksDisagreeError, agree
+
+        for key, records in list(self._pending.items()):
+            if not _covers_storage(records[0].target):
+                self._run_pending(records[0].target)
+        records = [record for pending in self._pending.values() for record in pending]
+        mine = [(getattr(r.func, "__qualname__", repr(r.func)), tuple(r.target.shape)) for r in records]
+        shared: list[Any] = [mine, [r.state for r in records]]
+        dist.broadcast_object_list(shared, src=0)
+        error = None
+        if shared[0] != mine:
+            theirs, ours = shared[0] + [None], mine + [None]
+            differ = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+            error = RanksDisagreeError(
+                f"configure_model made other init calls on rank {dist.get_rank()} than on rank 0 (call {differ}:"
+                f" {ours[differ]} here, {theirs[differ]} there): every rank must build the same model in the same"
+                " order."
+            )
+        agree(error, "initialize the model built in configure_model")
+        for record, state in zip(records, shared[1]):
+            record.state = state
+
+    def determines(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s values are its pending records' alone (it covers its storage, and so does the first
+        record), so that replaying them gives them whole."""
+        records = self._pending.get(_storage_key(tensor))
+        return records is not None and _covers_storage(tensor) and _covers_storage(records[0].target)
+
     def discard(self, tensors: Iterable[Tensor]) -> None:
         """Drops the records of ``tensors``' storages (values loaded from a checkpoint replace them)."""
         for tensor in tensors:
@@ -174,7 +213,7 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
             records = self._pending.get(_storage_key(tensor))
             if records is None:
                 values[name] = tensor.detach()
-            elif not (_covers_storage(tensor) and _covers_storage(records[0].target)):
+            elif not self.determines(tensor):
                 self._run_pending(tensor)  # shared, or its first record writes only part: start from its values
                 values[name] = tensor.detach()
             else:

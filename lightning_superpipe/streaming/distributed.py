@@ -539,15 +539,18 @@ def on_every_rank(work: Callable[[], T], what: str) -> T:
     return result
 
 
-def broadcast_from_rank_zero(model: nn.Module, device: torch.device) -> None:
-    """Gives every rank rank 0's parameters and buffers, as ``DistributedDataParallel`` does when it wraps a model.
+def broadcast_from_rank_zero(
+    model: nn.Module, device: torch.device, skip: Callable[[Tensor], bool] = lambda tensor: False
+) -> None:
+    """Gives every rank rank 0's parameters and buffers, as ``DistributedDataParallel`` does when it wraps a model,
+    but those ``skip`` names (every rank will compute rank 0's values for them).
 
     The tensors are host-resident: gloo broadcasts them where they are; NCCL through the device, one at a time.
     """
     nccl = dist.get_backend() == "nccl"
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type == "meta":
+            if tensor.device.type == "meta" or skip(tensor):
                 continue
             carrier = tensor.detach()
             if nccl:

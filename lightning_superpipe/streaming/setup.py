@@ -211,9 +211,13 @@ def as_devices(devices: Sequence[Union[int, str, torch.device]]) -> list[torch.d
     return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
 
 
-def join_ranks(model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, Any]) -> None:
+def join_ranks(
+    model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, Any], deferred: Optional[DeferredInit] = None
+) -> None:
     """Before a run on several ranks streams: the same model and knobs everywhere (else one error on every rank),
-    what is not supported there yet refused, and rank 0's parameters and buffers given to every rank.
+    what is not supported there yet refused, and rank 0's parameters and buffers given to every rank (those whose
+    init calls are ``deferred`` are given rank 0's random draws instead, and stay uninitialized until the disk tier
+    writes their blocks).
 
     Raises:
         RanksDisagreeError: The ranks differ (the message names what and where).
@@ -242,7 +246,11 @@ def join_ranks(model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, A
             " it writes the averaged weights into the parameters on every rank, and the node's ranks share one copy of"
             " the blocks. Use `shard_optimizer=True` (each rank its own copy of the masters) with it."
         )
-    broadcast_from_rank_zero(model, strategy.root_device)
+    if deferred is not None:
+        deferred.adopt_rank_zero_draws()
+        broadcast_from_rank_zero(model, strategy.root_device, skip=deferred.determines)
+    else:
+        broadcast_from_rank_zero(model, strategy.root_device)
 
 
 
