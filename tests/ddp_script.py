@@ -123,7 +123,7 @@ def rank() -> int:
 
 def fit(
     name: str, out: Path, strategy: Any, ckpt_path: Any = None, callbacks: tuple[Callback, ...] = (),
-    task_class: type[SyncedTask] = SyncedTask, **options: Any,
+    task_class: type[SyncedTask] = SyncedTask, validate: bool = False, **options: Any,
 ) -> None:
     pl.seed_everything(7, verbose=False)
     task = task_class()
@@ -131,12 +131,14 @@ def fit(
     record = Record()
     options.setdefault("devices", 2)
     trainer = models.trainer(strategy, callbacks=[record, *callbacks], **options)
-    trainer.fit(task, models.data("lm"), ckpt_path=ckpt_path)
+    val = models.data("lm", batches=4, seed=1) if validate else None
+    trainer.fit(task, models.data("lm"), val, ckpt_path=ckpt_path)
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     rss, peak_rss = rss_bytes()
     torch.save(
         {
             "losses": task.losses,
+            "val_losses": task.val_losses,
             "weights": {key: value.detach().clone() for key, value in task.state_dict().items()},
             "metrics": metrics,
             "report": {k: v for k, v in record.report.items() if isinstance(v, (int, float))},
@@ -212,8 +214,8 @@ def nodes(out: Path) -> None:
 def disk(out: Path) -> None:
     """The disk tier on two ranks (each rank's files in a folder of its own under ``offload_path``) against DDP: with
     clipping by norm and accumulation 2 (the earlier micro-batch's gradients spilled, read back into the last one's
-    reduction), also on the emulated link; the overlapped step; a model built in ``configure_model``; checkpointed
-    (rank 0's files beside the ``.ckpt``) and resumed by both ranks."""
+    reduction), also on the emulated link; the overlapped step; ``bf16-mixed``; validation between steps; a model
+    built in ``configure_model``; checkpointed (rank 0's files beside the ``.ckpt``) and resumed by both ranks."""
     tier = out / "tier"
     tier.mkdir(exist_ok=True)
 
@@ -225,6 +227,12 @@ def disk(out: Path) -> None:
     fit("disk_emulated", out, on_disk(link=EmulatedLink(mode="thread", seed=1)), max_steps=6)
     fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
     fit("disk_overlapped", out, on_disk(overlap_optimizer=True), max_steps=4, gradient_clip_val=None)
+    # Mixed precision (the masters cast on the fly) against the host tier, and validation between the steps.
+    fit("superpipe_bf16", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=4, precision="bf16-mixed")
+    fit("disk_bf16", out, on_disk(), max_steps=4, precision="bf16-mixed")
+    validating = dict(max_steps=4, limit_val_batches=2, val_check_interval=2, validate=True)
+    fit("ddp_validated", out, "ddp", **validating)
+    fit("disk_validated", out, on_disk(), **validating)
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
     # Whether each block parameter's values were made apart from its own memory (never initialized whole).
     from lightning_superpipe.streaming.deferred_init import DeferredInit

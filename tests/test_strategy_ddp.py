@@ -182,6 +182,15 @@ def test_the_disk_tier_on_two_ranks_equals_plain_ddp_with_each_ranks_files_in_a_
         assert rank["report"]["overlapped_block_steps"] == 4 * rank["report"]["num_blocks"]
         assert rank["losses"] == plain["losses"]
         assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    # bf16-mixed (the masters cast on the fly as they stream) equals the host tier's; validation between the steps.
+    for host, rank, plain in zip(_load(disk_run, "superpipe_bf16"), _load(disk_run, "disk_bf16"), _load(disk_run, "ddp")):
+        assert rank["losses"] == host["losses"]
+        assert _max_difference(rank["weights"], host["weights"]) == 0.0
+        assert rank["losses"] != plain["losses"][:4]  # bf16 compute indeed
+    for plain, rank in zip(_load(disk_run, "ddp_validated"), _load(disk_run, "disk_validated")):
+        assert len(rank["val_losses"]) == 8 and rank["val_losses"] == plain["val_losses"]
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
     # Built in configure_model under each rank's own seed: every rank starts from rank 0's values, its init calls
     # replayed with rank 0's draws block by block into fresh tensors (the parameters' own memory never written).
     for plain, rank in zip(_load(disk_run, "ddp_configured"), _load(disk_run, "disk_configured")):
