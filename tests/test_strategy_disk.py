@@ -121,6 +121,33 @@ def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_ligh
     assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
 
 
+class _DefaultsAdamW(torch.optim.AdamW):
+    """A user's AdamW with defaults of its own: the update is AdamW's."""
+
+    def __init__(self, params: Any, lr: float = 5e-3) -> None:
+        super().__init__(params, lr=lr, betas=(0.8, 0.95), weight_decay=0.05)
+
+
+class _DefaultsTask(models.Task):
+    def configure_optimizers(self) -> Any:
+        return _DefaultsAdamW(self.parameters())
+
+
+def test_a_subclass_that_only_sets_defaults_trains_on_the_disk_tier_and_in_the_overlapped_step(tmp_path: Path) -> None:
+    """A subclass of a per-parameter optimizer that overrides only ``__init__`` is stepped block by block (from
+    disk, and during backward) exactly as plain Lightning steps it."""
+    def fit(strategy: Any, **options: Any) -> models.Task:
+        return models.fit_task(lambda: _DefaultsTask(models.llama, "lm"), strategy, models.data("lm"), **options)
+
+    _assert_same(fit(_disk(tmp_path / "tier")), fit("superpipe"))
+    unclipped = dict(gradient_clip_val=None)
+    plain = fit("auto", **unclipped)
+    for strategy in (_disk(tmp_path / "tier"), SuperpipeStrategy(overlap_optimizer=True)):
+        during = fit(strategy, **unclipped)
+        assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
+        assert during.losses == plain.losses and models.max_relative_difference(during, plain) == 0.0
+
+
 @pytest.mark.usefixtures("emulated_link")
 def test_memory_budgets_hold_and_train_as_the_host_tier(tmp_path: Path) -> None:
     """``memory_budget=`` with the disk tier: the profiled steps, then the plan, from the least budget to one with
@@ -415,6 +442,10 @@ class _Manual(models.Task):
 class _OwnSGD(torch.optim.SGD):
     """A user's optimizer: its ``step`` may look at every parameter, so the tier cannot step it block by block."""
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
 
 class _OwnOptimizer(models.Task):
     def configure_optimizers(self) -> Any:
@@ -449,7 +480,8 @@ def _refusal_cases() -> list[Any]:
                      call + r"manual optimization is not supported .* Use offload_device='cpu' for this run\.$",
                      id="manual"),
         pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
-                     r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop\)", id="own-optimizer"),
+                     r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, and subclasses of them that override only"
+                     r" __init__\)", id="own-optimizer"),
         pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
         pytest.param(_Fused, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
                      call + r"AdamW unscales the gradients inside its step under a gradient scaler", id="16-mixed-fused"),

@@ -56,7 +56,11 @@ from lightning_superpipe.memory.host import ParamSlice
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS, OverlappedStep
+from lightning_superpipe.streaming.overlap import (
+    PER_PARAMETER_OPTIMIZERS,
+    OverlappedStep,
+    updates_each_parameter_alone,
+)
 
 #: Where a checkpoint keeps the disk tier's manifest.
 DISK_KEY = "superpipe_disk_tier"
@@ -131,11 +135,11 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
         refusal = "manual optimization is not supported (the blocks' gradients and state are in files)"
     elif len(optimizers) != 1:
         refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
-    elif type(optimizers[0]) not in PER_PARAMETER_OPTIMIZERS:
+    elif not updates_each_parameter_alone(optimizers[0]):
         names = ", ".join(cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS)
         refusal = (
             f"{type(optimizers[0]).__name__} is not known to update each parameter on its own, and the tier steps"
-            f" block by block (supported: {names})"
+            f" block by block (supported: {names}, and subclasses of them that override only __init__)"
         )
     elif optimizers[0]._optimizer_step_pre_hooks or optimizers[0]._optimizer_step_post_hooks:
         refusal = "the optimizer has step hooks, which would run once per block"

@@ -20,6 +20,7 @@ the last of an accumulation.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +40,30 @@ PER_PARAMETER_OPTIMIZERS = tuple(
 )
 
 
+#: What a subclass of a per-parameter optimizer may define and still update as its base does (its defaults).
+_NEUTRAL_ATTRIBUTES = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
+                       "__annotations__", "__firstlineno__", "__static_attributes__"}
+
+
+def updates_each_parameter_alone(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s update of a parameter depends on that parameter's gradient and state alone: an
+    instance of one of :data:`PER_PARAMETER_OPTIMIZERS`, or of a subclass that overrides nothing of it but
+    ``__init__`` (e.g. a user's class with other defaults). Stepping it block by block is then exact."""
+    mro = type(optimizer).__mro__
+    known = next((i for i, klass in enumerate(mro) if klass in PER_PARAMETER_OPTIMIZERS), None)
+    if known is None:
+        return False
+    base = mro[known]
+
+    def overrides(name: str, value: Any) -> bool:
+        # torch wraps an optimizer class's inherited ``step`` for its profiler on the first instance (the class
+        # then holds a wrapper of the same function): not an override.
+        return hasattr(base, name) and inspect.unwrap(value) is not inspect.unwrap(getattr(base, name))
+
+    return not any(overrides(name, value) for klass in mro[:known] for name, value in vars(klass).items()
+                   if name not in _NEUTRAL_ATTRIBUTES)
+
+
 def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool = True) -> Optional[str]:
     """Why stepping block by block during backward would not give the step after backward's result (or, with
     ``only_where_it_pays``, would only compete with compute), or ``None``."""
@@ -54,7 +79,7 @@ def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool
         )
     if not module.automatic_optimization:
         return "manual optimization steps after its backward"
-    if type(optimizer) not in PER_PARAMETER_OPTIMIZERS:
+    if not updates_each_parameter_alone(optimizer):
         return f"{type(optimizer).__name__} is not known to update each parameter on its own"
     if trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", module, LightningModule):
         return "gradient clipping needs every gradient before any parameter moves"
