@@ -5,8 +5,9 @@ Lightning's subprocess launcher starts this script again for rank 1; both ranks 
 each, and rank 0 reports:
 
 * the median step time of each after warm-up, and superpipe's as a ratio of DDP's;
-* host memory per node, with the optimizer state replicated (the default), sharded (``shard_optimizer=True``) and
-  sharded with one shared copy of the blocks per node (``shard_optimizer="node"``): the sum over both ranks of the
+* host memory per node, with the optimizer state replicated (the default), sharded (``shard_optimizer=True``),
+  sharded with one shared copy of the blocks per node (``shard_optimizer="node"``), and in files
+  (``offload_device="disk"``: each rank its own copy under ``--disk-path``): the sum over both ranks of the
   training state (fp32 masters, the ``.grad`` each rank keeps, optimizer state, from the strategy's report), of the
   strategy's own count of host bytes (``host_bytes``: homes, transfer copies, staging), and of each process's
   resident set growth during the run, against the same figures of one process training the same model with
@@ -86,6 +87,12 @@ class StepTimes(Callback):
             self.report = {k: v for k, v in report.items() if isinstance(v, (int, float))}
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             self.report["grad_bytes"] = sum(g.numel() * g.element_size() for g in grads)
+            if report.get("offload_device") == "disk":
+                # The block parameters hold placeholders (their masters are in files): count the bytes behind the
+                # parameters, and the tier's pool of block buffers as host bytes of the strategy.
+                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pl_module.parameters()}
+                self.report["param_bytes"] = sum(storages.values())
+                self.report["host_bytes"] += report["peak_disk_pool_host_bytes"]
             # The masters in the node's shared homes (shard_optimizer="node"): every rank's param_bytes counts them.
             shared = report["shared_host_bytes"] > 0
             homes = [home for home in trainer.strategy.engine.homes if home is not None] if shared else []
@@ -137,7 +144,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--first", choices=("node", "sharded", "superpipe"), default="node",
+    parser.add_argument("--disk-path", type=Path, default=Path("/tmp/superpipe-bench-ddp-disk"),
+                        help="offload_path of the disk-tier run (on a local disk)")
+    parser.add_argument("--first", choices=("node", "sharded", "superpipe", "disk"), default="node",
                         help="the superpipe variant run first: only its resident set growth is measured")
     parser.add_argument("--single", action="store_true", help="internal: the one-process baseline, printed as JSON")
     args = parser.parse_args()
@@ -152,7 +161,9 @@ def main() -> None:
         "superpipe": lambda: SuperpipeStrategy(),
         "sharded": lambda: SuperpipeStrategy(shard_optimizer=True),
         "node": lambda: SuperpipeStrategy(shard_optimizer="node"),
+        "disk": lambda: SuperpipeStrategy(offload_device="disk", offload_path=args.disk_path),
     }
+    args.disk_path.mkdir(parents=True, exist_ok=True)  # the same offload_path on every rank
     order = [args.first] + [name for name in variants if name != args.first]
     runs = {name: train(variants[name](), 2, args) for name in order}
     runs["ddp"] = train("ddp", 2, args)
