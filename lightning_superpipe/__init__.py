@@ -9,9 +9,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_superpipe.generation import generate
 from lightning_superpipe.moe import PagedMoECallback
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.deferred_init import load_safetensors
+from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy", "generate", "load_safetensors"]
+__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy", "generate", "load_safetensors",
+           "save_safetensors"]

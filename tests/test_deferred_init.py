@@ -116,3 +116,55 @@ def test_load_safetensors_refuses_a_layout_that_transformers_converts(tmp_path: 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         load_safetensors(saved, tmp_path / "empty")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "t5"])
+def test_save_safetensors_writes_what_from_pretrained_reads_one_tensor_at_a_time(family: str, tmp_path: object) -> None:
+    """Beside the config ``save_pretrained`` writes, the file ``save_safetensors`` writes is a model ``from_pretrained``
+    loads bitwise; a tied weight is written once, under its first name; ``dtype`` casts only floating-point tensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from lightning_superpipe import save_safetensors
+
+    saved = _saved(family, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    aliases = save_safetensors(saved, tmp_path / "model.safetensors")
+    state = saved.state_dict()
+    written = load_file(tmp_path / "model.safetensors")
+    assert sorted(written) == sorted(name for name in state if name not in aliases)
+    assert all(torch.equal(written[name], state[name]) for name in written)
+    tied = [name for name in aliases if state[name].data_ptr() in {state[n].data_ptr() for n in written}]
+    assert tied == aliases  # only names that are another's tensor are left out
+    assert bool(aliases) == bool(getattr(saved.config, "tie_word_embeddings", False))
+    loaded = type(saved).from_pretrained(tmp_path)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    save_safetensors(saved, tmp_path / "half.safetensors", dtype=torch.bfloat16)
+    half = load_file(tmp_path / "half.safetensors")
+    assert all(half[n].dtype == (torch.bfloat16 if state[n].is_floating_point() else state[n].dtype) for n in half)
+    assert all(torch.equal(half[n], state[n].to(half[n].dtype)) for n in half)
+    header = json.loads((tmp_path / "half.safetensors").read_bytes()[8:][: int.from_bytes(
+        (tmp_path / "half.safetensors").read_bytes()[:8], "little")])
+    assert header["__metadata__"] == {"format": "pt"}
+
+
+def test_save_safetensors_refuses_tensors_without_values_and_leaves_no_file_when_writing_fails(tmp_path: object) -> None:
+    from lightning_superpipe import save_safetensors
+    from lightning_superpipe.memory.disk import DiskTierError, write_safetensors
+
+    with torch.device("meta"):
+        meta = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="weight holds no values"):
+        save_safetensors(meta, tmp_path / "meta.safetensors")
+    parked = nn.Linear(4, 4)
+    parked.weight.data = torch.zeros(()).expand(4, 4)  # what the disk tier's parameters hold while it streams
+    with pytest.raises(ValueError, match=r"weight holds no values .* after `Trainer.fit` returns"):
+        save_safetensors(parked, tmp_path / "parked.safetensors")
+    with pytest.raises(DiskTierError, match="missing"):
+        save_safetensors(nn.Linear(4, 4), tmp_path / "missing" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"b has shape \(3,\), not shape \(2,\)"):
+        write_safetensors(tmp_path / "short.safetensors", [("a", torch.float32, (2,)), ("b", torch.float32, (2,))],
+                          [torch.zeros(2), torch.zeros(3)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no file, whole or partial

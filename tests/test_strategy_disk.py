@@ -395,6 +395,32 @@ def test_after_a_run_the_blocks_map_their_committed_files_and_no_later_run_write
     assert torch.equal(weight, expected["mlp.down_proj.weight"])
 
 
+def test_after_a_run_save_safetensors_exports_the_trained_model_and_refuses_while_it_streams(tmp_path: Path) -> None:
+    """The way to a file for inference: after ``fit`` the parameters are views of the tier's files and
+    ``save_safetensors`` writes them one at a time; inside the run they are placeholders, which it refuses."""
+    from safetensors.torch import load_file
+
+    from lightning_superpipe import save_safetensors
+
+    class SaveInside(models.pl.Callback):
+        error: ValueError | None = None
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if self.error is None:
+                try:
+                    save_safetensors(pl_module.model, tmp_path / "inside.safetensors")
+                except ValueError as error:
+                    self.error = error
+
+    inside = SaveInside()
+    task = models.fit("llama", _disk(tmp_path / "tier"), callbacks=[inside])
+    assert "holds no values" in str(inside.error) and not (tmp_path / "inside.safetensors").exists()
+    save_safetensors(task.model, tmp_path / "model.safetensors")
+    written, state = load_file(tmp_path / "model.safetensors"), task.model.state_dict()
+    assert written.keys() == state.keys() and all(torch.equal(written[k], state[k]) for k in state)
+    _assert_same(task, models.fit("llama", "superpipe"))  # the weights trained are the host tier's
+
+
 def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

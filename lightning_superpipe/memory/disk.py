@@ -61,13 +61,14 @@ import ctypes
 import errno
 import inspect
 import json
+import math
 import os
 import pickle
 import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1605,45 +1606,19 @@ class DiskStore:
         clash = set(names) & set(extra)
         if clash:
             raise ValueError(f"extra repeats names the blocks already hold: {sorted(clash)[:5]}.")
+        layout = [(self.names[i][e.param], e.dtype, e.shape) for i, r in enumerate(self.records) for e in r.masters()]
+        layout += [(name, t.dtype, tuple(t.shape)) for name, t in extra.items()]
 
-        def out_dtype(d: torch.dtype) -> torch.dtype:
-            return dtype if dtype is not None and d.is_floating_point else d
+        def tensors() -> Iterator[Tensor]:
+            for index in range(len(self.records)):
+                lease = self.prefetch_masters(index)
+                try:
+                    yield from lease.wait()
+                finally:
+                    lease.release()
+            yield from extra.values()
 
-        header: dict[str, Any] = {"__metadata__": {"format": "pt", "superpipe_step": str(self.step_count)}}
-        offset = 0
-        shapes = [(self.names[i][e.param], e.dtype, e.shape) for i, r in enumerate(self.records) for e in r.masters()]
-        shapes += [(name, t.dtype, tuple(t.shape)) for name, t in extra.items()]
-        for name, d, shape in shapes:
-            numel = 1
-            for s in shape:
-                numel *= s
-            nbytes = numel * out_dtype(d).itemsize
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[out_dtype(d)], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        target = Path(path)
-        temporary = target.with_name(target.name + ".tmp")
-        try:
-            with open(temporary, "wb") as out:
-                out.write(len(text).to_bytes(8, "little"))
-                out.write(text)
-                for index in range(len(self.records)):
-                    lease = self.prefetch_masters(index)
-                    try:
-                        for view in lease.wait():
-                            _write_tensor(out, view.to(out_dtype(view.dtype)))
-                    finally:
-                        lease.release()
-                for tensor in extra.values():
-                    _write_tensor(out, tensor.detach().to("cpu", out_dtype(tensor.dtype)))
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, target)
-        except OSError as error:
-            temporary.unlink(missing_ok=True)
-            raise _io_error("writing", target, error) from error
+        write_safetensors(path, layout, tensors(), dtype, {"superpipe_step": str(self.step_count)})
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
@@ -1717,6 +1692,61 @@ def _inside(tensor: Tensor, buffer: Tensor) -> bool:
 def _fill(record: Record, buffer: Tensor, params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> None:
     for entry in record.entries:
         entry.view_of(buffer).copy_(_tensor_of(entry, params, states))
+
+
+def write_safetensors(
+    path: PathLike,
+    layout: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    tensors: Iterable[Tensor],
+    dtype: Optional[torch.dtype] = None,
+    metadata: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Writes a safetensors file one tensor at a time (``safetensors``' own writer holds every tensor's bytes at
+    once): the header from ``layout`` (name, dtype, shape of each), then each of ``tensors`` in that order, cast to
+    ``dtype`` where it is floating-point. The file appears whole or not at all (written beside, ``fsync``ed, renamed).
+
+    Raises:
+        DiskTierError: Naming the file, where writing it failed (a missing folder, a full disk).
+    """
+
+    def out_dtype(d: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, d, shape in layout:
+        nbytes = math.prod(shape) * out_dtype(d).itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[out_dtype(d)], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    target = Path(path)
+    temporary = target.with_name(target.name + ".tmp")
+    iterator = iter(tensors)
+    try:
+        with open(temporary, "wb") as out:
+            out.write(len(text).to_bytes(8, "little"))
+            out.write(text)
+            for name, _, shape in layout:
+                tensor = next(iterator, None)
+                if tensor is None or tuple(tensor.shape) != tuple(shape):
+                    found = "no tensor" if tensor is None else f"shape {tuple(tensor.shape)}"
+                    raise ValueError(f"write_safetensors: {name} has {found}, not shape {tuple(shape)}.")
+                _write_tensor(out, tensor.detach().to("cpu", out_dtype(tensor.dtype)))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, target)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise _io_error("writing", target, error) from error
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # a generator's clean-up (a lease it holds) runs now, also after a failure
 
 
 def _write_tensor(out: Any, tensor: Tensor) -> None:

@@ -310,6 +310,44 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike[str], Seque
     return missing
 
 
+def save_safetensors(module: nn.Module, path: Union[str, os.PathLike[str]], dtype: Optional[torch.dtype] = None) -> list[str]:
+    """Writes ``module``'s state dict as one safetensors file, one tensor at a time (``safetensors``' own writer holds
+    every tensor's bytes at once), so that a model larger than host memory is exported for inference without being
+    gathered: after a run on the disk tier its parameters are views of the tier's files, read page by page here.
+    A tensor that is an earlier name's (tied weights) is written once, under its first name, as ``save_pretrained``
+    writes it and :func:`load_safetensors` and ``from_pretrained`` read it. ``dtype`` casts the floating-point
+    tensors (e.g. ``torch.bfloat16`` for inference).
+
+    Returns:
+        The names left out as another name's tensor.
+
+    Raises:
+        ValueError: A tensor holds no values (on the meta device, or a disk tier's placeholder while it runs).
+        DiskTierError: Writing the file failed (it names the file; nothing is left half-written).
+    """
+    from lightning_superpipe.memory.disk import write_safetensors
+
+    layout, tensors, aliases = [], [], []
+    seen: set[tuple[Any, ...]] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        # A parameter whose storage is smaller than its elements is a broadcast placeholder (the disk tier's).
+        placeholder = isinstance(tensor, nn.Parameter) and tensor.untyped_storage().nbytes() < tensor.nbytes
+        if tensor.device.type == "meta" or placeholder:
+            raise ValueError(
+                f"save_safetensors: {name} holds no values (a tensor on the meta device, or a placeholder of the disk"
+                " tier while it streams); save the model after `Trainer.fit` returns, or from a checkpoint."
+            )
+        view = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if view in seen:
+            aliases.append(name)
+            continue
+        seen.add(view)
+        layout.append((name, tensor.dtype, tuple(tensor.shape)))
+        tensors.append(tensor)
+    write_safetensors(path, layout, tensors, dtype)
+    return aliases
+
+
 def _model_names(module: nn.Module, keys: list[str], targets: Mapping[str, Tensor]) -> tuple[dict[str, str], list[str]]:
     """Each file key's name in ``module``, renamed as ``from_pretrained`` renames it (``transformers``' renamings of
     legacy names and of the base model's prefix), and the keys that would need one of its conversions (tensors
