@@ -234,22 +234,8 @@ def disk(out: Path) -> None:
     fit("ddp_validated", out, "ddp", **validating)
     fit("disk_validated", out, on_disk(), **validating)
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
-    # Whether each block parameter's values were made apart from its own memory (never initialized whole).
-    from lightning_superpipe.streaming.deferred_init import DeferredInit
-
-    fresh: dict[str, bool] = {}
-    initial_values = DeferredInit.initial_values
-
-    def spy(self: DeferredInit, block: Any) -> dict[str, torch.Tensor]:
-        values = initial_values(self, block)
-        fresh.update({name: values[name].data_ptr() != block[name].data_ptr() for name in block})
-        return values
-
-    DeferredInit.initial_values = spy  # type: ignore[method-assign]
-    try:
+    with models.fresh_initial_values() as fresh:
         fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
-    finally:
-        DeferredInit.initial_values = initial_values  # type: ignore[method-assign]
     torch.save(fresh, out / f"disk_configured_fresh_rank{rank()}.pt")
     epochs = dict(max_steps=-1, limit_train_batches=8)
     fit("uninterrupted", out, on_disk(), max_epochs=2, **epochs)

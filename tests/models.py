@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -172,3 +174,24 @@ def fit_task(make: Callable[[], Task], strategy: Any, train: DataLoader, val: Da
 def fit(family: str, strategy: Any, seed: int = 7, optimizer: str = "adamw", **overrides: Any) -> Task:
     build, kind = FAMILIES[family]
     return fit_task(lambda: Task(build, kind, optimizer=optimizer), strategy, data(kind), seed=seed, **overrides)
+
+
+@contextmanager
+def fresh_initial_values() -> Iterator[dict[str, bool]]:
+    """Spies on the disk tier's deferred init inside: for each block parameter it wrote, whether its values were made
+    apart from the parameter's own memory (``True``: the parameter was never initialized whole in host memory)."""
+    from lightning_superpipe.streaming.deferred_init import DeferredInit
+
+    fresh: dict[str, bool] = {}
+    original = DeferredInit.initial_values
+
+    def spy(self: DeferredInit, block: Any) -> dict[str, Tensor]:
+        values = original(self, block)
+        fresh.update({name: values[name].data_ptr() != block[name].data_ptr() for name in block})
+        return values
+
+    DeferredInit.initial_values = spy  # type: ignore[method-assign]
+    try:
+        yield fresh
+    finally:
+        DeferredInit.initial_values = original  # type: ignore[method-assign]

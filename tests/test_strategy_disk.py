@@ -617,25 +617,15 @@ def _fit_configure_model(family: str, strategy: Any, **overrides: Any) -> _Built
 @pytest.mark.usefixtures("emulated_link")
 @pytest.mark.parametrize("family", ["llama", "gpt2", "vit"])
 def test_a_model_built_in_configure_model_reaches_the_files_block_by_block_with_eager_values(
-    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, family: str
 ) -> None:
     """Under the disk tier the init calls of ``configure_model`` are recorded and each block's run into fresh tensors
     as it is written (the parameters' own memory is never written): the run equals the host tier's, which builds
     the model eagerly, bitwise, and the random stream after the build (dropout) is the same."""
-    from lightning_superpipe.streaming.deferred_init import DeferredInit
-
-    fresh: dict[str, bool] = {}
-    original = DeferredInit.initial_values
-
-    def spy(self: DeferredInit, block: Any) -> dict[str, torch.Tensor]:
-        values = original(self, block)
-        fresh.update({name: values[name].data_ptr() != block[name].data_ptr() for name in block})
-        return values
-
-    monkeypatch.setattr(DeferredInit, "initial_values", spy)
-    host = _fit_configure_model(family, "superpipe")
-    assert not fresh  # the host tier builds eagerly
-    streamed = _fit_configure_model(family, _disk(tmp_path / "tier"))
+    with models.fresh_initial_values() as fresh:
+        host = _fit_configure_model(family, "superpipe")
+        assert not fresh  # the host tier builds eagerly
+        streamed = _fit_configure_model(family, _disk(tmp_path / "tier"))
     _assert_same(streamed, host)
     manifest = json.loads((tmp_path / "tier" / disk.MANIFEST).read_text())
     blocks = {name for block in manifest["names"] for name in block}
