@@ -310,6 +310,26 @@ def test_the_console_script_runs_a_recipe_and_reports_bad_input_in_one_line(tmp_
     assert "Traceback" not in failed.stderr
 
 
+def test_the_full_recipe_runs_on_two_devices_with_the_disk_tier(tmp_path: Path) -> None:
+    """``--trainer.devices 2`` on the CPU: Lightning launches a second process, each rank keeps its files in its own
+    folder, and rank 0 writes the memory report (asking for the run's folder is a collective on every rank)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    done = subprocess.run(
+        [superpipe_command(), "fit", "--config", FULL, *FEW_STEPS, *QUIET, "--trainer.devices", "2",
+         "--trainer.strategy.init_args.memory_budget", "null", "--trainer.strategy.init_args.offload_device", "disk",
+         "--trainer.strategy.init_args.offload_path", str(tier)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = run_dir(tmp_path, "finetune_full")
+    report = json.loads((run / "memory_report.json").read_text())
+    assert report["strategy_report"]["offload_device"] == "disk"
+    assert sorted(p.name for p in tier.iterdir()) == ["rank-0", "rank-1"]
+    assert len(logged(metric_rows(run), "val/loss")) == 1
+
+
 def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])

@@ -346,6 +346,8 @@ class MemoryReport(Callback):
         return statistics.median(times) if times else None
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # On several ranks `log_dir` is a broadcast from rank 0: every rank asks, or rank 0 waits for ever.
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         summary = self.summary
         if summary is None or not trainer.is_global_zero:
             return
@@ -354,7 +356,6 @@ class MemoryReport(Callback):
         for callback in paged_moe_callbacks(trainer):
             summary.paged_moe = callback.reports.get(summary_stage) or summary.paged_moe
         print(f"\n{summary.table()}\n", flush=True)
-        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         written = [log_dir / REPORT_FILENAME]
         written[0].write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
