@@ -221,6 +221,26 @@ def test_the_disk_tier_on_two_ranks_checkpoints_rank_zeros_files_and_both_resume
         assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
 
 
+def test_a_disk_tier_checkpoint_of_two_ranks_resumes_on_one_device(disk_run: Path, tmp_path: Path) -> None:
+    """Rank 0's files beside the ``.ckpt`` are the whole training state: one device (in this process) resumes from
+    them, with the weights the two ranks had, and trains on."""
+    from tests import ddp_script
+
+    first = _load(disk_run, "disk_first")[0]
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    options = dict(devices=1, max_steps=-1, limit_train_batches=8, ckpt_path=disk_run / "checkpoints" / "last.ckpt")
+    ddp_script.fit("restored", tmp_path, SuperpipeStrategy(offload_device="disk", offload_path=tier), max_epochs=1,
+                   **options)
+    restored = torch.load(tmp_path / "restored_rank0.pt", weights_only=False)
+    assert restored["losses"] == [] and _max_difference(restored["weights"], first["weights"]) == 0.0
+    ddp_script.fit("continued", tmp_path, SuperpipeStrategy(offload_device="disk", offload_path=tier), max_epochs=2,
+                   **options)
+    continued = torch.load(tmp_path / "continued_rank0.pt", weights_only=False)
+    assert len(continued["losses"]) == 8 and continued["steps"] == first["steps"] + 4
+    assert _max_difference(continued["weights"], first["weights"]) > 0
+
+
 def _node_bytes(ranks: list[dict[str, Any]]) -> dict[str, int]:
     """A node's host bytes from its ranks' reports: each rank's own, plus the shared region once (all ranks map it)."""
     shared = {rank["report"]["shared_host_bytes"] for rank in ranks}
