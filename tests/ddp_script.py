@@ -10,9 +10,9 @@ Modes:
     same with ``shard_optimizer=True`` and with ``shard_optimizer="node"`` (the blocks' homes shared by both ranks),
     also under ``bf16-mixed`` against ``shard_optimizer=True``.
     ``node``: only the ``shard_optimizer="node"`` runs (with ``ddp`` to compare against).
-    ``nodes``: two nodes of one device each (this script started once per node, with ``NODE_RANK``): ``"ddp"`` and
+    ``nodes``: two nodes of one device each (this script started once per node, with ``NODE_RANK``): ``"ddp"``,
     ``shard_optimizer="node"`` (each node's copy stepped by its own rank, from the gradients all-reduced across
-    nodes), each checkpointed at the end.
+    nodes) and the disk tier, each checkpointed at the end.
     ``disk``: the disk tier (see :func:`disk`).
     ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
     too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
@@ -207,7 +207,11 @@ def node(out: Path, ddp: bool = True) -> None:
 def nodes(out: Path) -> None:
     """Two nodes of one rank each: ``strategy="ddp"`` and ``shard_optimizer="node"``, each checkpointed at the end."""
     two = dict(devices=1, num_nodes=2, enable_checkpointing=True)
-    for name, strategy in (("ddp", "ddp"), ("node", SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT))):
+    (out / "tier").mkdir(exist_ok=True)  # both "nodes" see one folder here: the ranks' files apart by global rank
+    for name, strategy in (
+        ("ddp", "ddp"), ("node", SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT)),
+        ("disk", SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT)),
+    ):
         fit(name, out, strategy, max_steps=6, callbacks=(ModelCheckpoint(dirpath=out / name, save_last=True),), **two)
 
 

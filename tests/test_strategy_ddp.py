@@ -326,6 +326,12 @@ def test_shard_optimizer_node_on_two_nodes_steps_each_nodes_copy_alike_and_equal
     assert list(node["state"]) == list(plain["state"]) and node["param_groups"] == plain["param_groups"]
     for index, state in plain["state"].items():
         assert all(torch.equal(state[key], node["state"][index][key]) for key in state)
+    # The disk tier on two nodes: each rank's files apart (here in one folder both nodes see), equal to DDP.
+    for plain, rank in zip(_load(nodes_run, "ddp"), _load(nodes_run, "disk")):
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    assert sorted(p.name for p in (nodes_run / "tier").iterdir()) == ["rank-0", "rank-1"]
+    assert len(list((nodes_run / "disk" / "last.ckpt.disk-tier").iterdir())) == 1
 
 
 def test_ranks_with_different_knobs_fail_with_one_clear_error_on_every_rank(disagree_run: Path) -> None:
