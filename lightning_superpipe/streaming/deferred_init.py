@@ -173,9 +173,9 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
 
         from lightning_superpipe.streaming.distributed import RanksDisagreeError, agree
 
-        for key, records in list(self._pending.items()):
-            if not _covers_storage(records[0].target):
-                self._run_pending(records[0].target)
+        for pending in list(self._pending.values()):
+            if not _covers_storage(pending[0].target):
+                self._run_pending(pending[0].target)
         records = [record for pending in self._pending.values() for record in pending]
         mine = [(getattr(r.func, "__qualname__", repr(r.func)), tuple(r.target.shape)) for r in records]
         shared: list[Any] = [mine, [r.state for r in records]]

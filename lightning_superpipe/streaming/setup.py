@@ -128,14 +128,14 @@ def start_streaming(
     # Checked here rather than in the strategy's __init__: LightningCLI reports a constructor's error as a type
     # mismatch.
     try:
+        if shard_optimizer not in (True, False, "node"):
+            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         if disk and ranks > 1 and shard_optimizer:
             raise ValueError(
                 f"{call} keeps each rank's copy of the training state in files of its own, so"
                 f" shard_optimizer={shard_optimizer!r} does not apply: leave it False, or use offload_device='cpu'"
                 " to shard the optimizer state across ranks."
             )
-        if shard_optimizer not in (True, False, "node"):
-            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
         check_offload(offload_device, offload_path, host_buffer_bytes)
         if disk and fitting:
