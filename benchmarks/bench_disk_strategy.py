@@ -25,6 +25,10 @@ each peak RSS is its own:
   step makes), for what the disk gives reads and writes that share it; once before the training runs and once
   after, each figure the faster of the two (a shared virtual disk drifts within minutes).
 
+After the ``disk`` run the trained model (its parameters mapped from the tier's files) is written for inference with
+``lightning_superpipe.save_safetensors``: its peak RSS from then on (``VmHWM`` reset), against the host tier's
+whole run, and its GB/s.
+
 Reported: peak RSS (``VmHWM`` from ``/proc/self/status``) of each over the whole process, and over training alone
 (``VmHWM`` reset through ``/proc/self/clear_refs`` when training starts: the model is built in host memory first,
 4 bytes per parameter, in both runs), and their ratios, and the resumed run's whole-process peak against the host
@@ -210,13 +214,24 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(task, DataLoader(TensorDataset(tokens), batch_size=args.batch),
                 ckpt_path=args.folder / "last.ckpt" if resumed else None)
     report = trainer.strategy.memory_report()
+    peak_rss = peak_rss_bytes()  # since the reset (or the start, without one): training and the teardown after it
+    export: dict[str, Any] = {}
+    if args.role == "disk":  # the trained model, mapped from the tier's files, written for inference
+        from lightning_superpipe import save_safetensors
+
+        path = args.folder / "export.safetensors"
+        exported = time.perf_counter()
+        reset = reset_peak_rss()
+        save_safetensors(task.model, path)
+        export = {"export_s": time.perf_counter() - exported, "export_bytes": path.stat().st_size,
+                  "peak_rss_export_bytes": peak_rss_bytes() if reset else None}
+        path.unlink()
     return {
         "step_s": probe.step_s, "losses": probe.losses, "io_intervals": probe.io, "fit_s": time.perf_counter() - began,
         "disk_seconds": probe.clock, "finish_step_s": probe.finish_step_s,
         "peak_rss_before_training_bytes": probe.rss_before_training,
         "peak_rss_training_bytes": probe.rss_training or None,
-        # Since the reset (or the start, without one): training and the teardown after it.
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss, **export,
         "disk_bytes": report.get("disk_bytes"), "peak_disk_pool_host_bytes": report.get("peak_disk_pool_host_bytes"),
         "disk_bytes_read": report.get("disk_bytes_read"), "disk_bytes_written": report.get("disk_bytes_written"),
         "direct_io": probe.direct_io,
@@ -370,6 +385,11 @@ def main() -> None:
                    peak_rss_loaded_disk_bytes=whole[4], peak_rss_loaded_ratio=whole[4] / whole[0],
                    peak_rss_before_training_loaded_disk_bytes=loaded["peak_rss_before_training_bytes"],
                    losses_loaded_equal_disk=loaded["losses"] == disk["losses"])
+    # save_safetensors after the disk run: its peak against the host tier's whole run, its bytes per second.
+    if disk.get("peak_rss_export_bytes"):
+        figures.update(export_s=disk["export_s"], export_gbps=disk["export_bytes"] / disk["export_s"] / GB,
+                       peak_rss_export_bytes=disk["peak_rss_export_bytes"],
+                       peak_rss_export_ratio=disk["peak_rss_export_bytes"] / whole[0])
     print(json.dumps(figures, indent=2))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))

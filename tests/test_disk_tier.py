@@ -1054,3 +1054,33 @@ def test_a_lease_gives_a_blocks_masters_in_the_host_tiers_flat_layout(tmp_path: 
         assert store.spilled(1) and store.has_norms(1) and not store.spilled(0)
     finally:
         store.close()
+
+
+def test_mapped_files_give_back_only_file_pages_and_keep_every_value(tmp_path: Path) -> None:
+    """What ``save_safetensors`` calls after each tensor: pages of a file mapping are reclaimed (read again from the
+    file when touched), a page written since keeps its new value, and memory that is not a file's is never advised."""
+    from lightning_superpipe.memory.disk import MappedFiles
+
+    values = torch.arange(3 * 4096, dtype=torch.float32)
+    (tmp_path / "weights.bin").write_bytes(values.numpy().tobytes())
+    mapped = torch.from_file(str(tmp_path / "weights.bin"), shared=False, size=values.numel(), dtype=torch.float32)
+    mapped[5] = -1.0  # copy-on-write: this page is the process's own now, not the file's
+    expected = values.clone()
+    expected[5] = -1.0
+    heap = values.clone()
+    files = MappedFiles()
+    assert files.maps(mapped) and files.maps(mapped[4096:]) and not files.maps(heap)
+    advised: list[tuple[int, int]] = []
+    madvise = files._libc.madvise
+
+    def spy(address: Any, length: Any, advice: int) -> int:
+        advised.append((address.value, length.value))
+        return madvise(address, length, advice)
+
+    files._libc.madvise = spy
+    files.release(heap)
+    assert advised == []
+    files.release(mapped)
+    assert advised == [(mapped.data_ptr(), mapped.numel() * 4)]
+    assert torch.equal(mapped, expected)  # reclaimed pages come back from the file; the written one kept its value
+    assert torch.equal(torch.from_file(str(tmp_path / "weights.bin"), size=values.numel(), dtype=torch.float32), values)

@@ -1700,10 +1700,12 @@ def write_safetensors(
     tensors: Iterable[Tensor],
     dtype: Optional[torch.dtype] = None,
     metadata: Optional[Mapping[str, str]] = None,
+    written: Optional[Callable[[Tensor], None]] = None,
 ) -> None:
     """Writes a safetensors file one tensor at a time (``safetensors``' own writer holds every tensor's bytes at
     once): the header from ``layout`` (name, dtype, shape of each), then each of ``tensors`` in that order, cast to
-    ``dtype`` where it is floating-point. The file appears whole or not at all (written beside, ``fsync``ed, renamed).
+    ``dtype`` where it is floating-point, each handed to ``written`` once its bytes are out. The file appears whole or
+    not at all (written beside, ``fsync``ed, renamed).
 
     Raises:
         DiskTierError: Naming the file, where writing it failed (a missing folder, a full disk).
@@ -1734,6 +1736,8 @@ def write_safetensors(
                     found = "no tensor" if tensor is None else f"shape {tuple(tensor.shape)}"
                     raise ValueError(f"write_safetensors: {name} has {found}, not shape {tuple(shape)}.")
                 _write_tensor(out, tensor.detach().to("cpu", out_dtype(tensor.dtype)))
+                if written is not None:
+                    written(tensor)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, target)
@@ -1747,6 +1751,47 @@ def write_safetensors(
         close = getattr(iterator, "close", None)
         if close is not None:
             close()  # a generator's clean-up (a lease it holds) runs now, also after a failure
+
+
+#: ``madvise`` advice that reclaims pages now (Linux 5.4): clean file pages are dropped, to be read again if touched.
+_MADV_PAGEOUT = 21
+
+
+class MappedFiles:
+    """This process's file-backed mappings (``/proc/self/maps``, read when built), so that a reader of tensors mapped
+    from files (:meth:`DiskStore.map_masters`: the parameters after a disk-tier run) can give their pages back once
+    read: mapped pages count in the resident set until reclaimed. Anonymous memory (a model in RAM) is never
+    advised: reclaiming it would push it to swap."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/") and int(fields[4]) != 0:
+                        start, end = (int(address, 16) for address in fields[0].split("-"))
+                        self._ranges.append((start, end))
+        except OSError:
+            pass  # not Linux: nothing to give back
+        self._ranges.sort()
+        self._libc = ctypes.CDLL(None, use_errno=True) if self._ranges else None
+
+    def maps(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s bytes (a contiguous tensor's) lie in a file mapping."""
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        return any(low <= start and end <= high for low, high in self._ranges)
+
+    def release(self, tensor: Tensor) -> None:
+        """Reclaims the pages of a contiguous ``tensor`` if it is file-mapped (its values stay: they are read again
+        from the file, or from swap for pages written since, when touched). Silently nothing on older kernels."""
+        if self._libc is None or not tensor.is_contiguous() or not self.maps(tensor):
+            return
+        start = tensor.data_ptr()
+        first = start - start % PAGE
+        length = start + tensor.numel() * tensor.element_size() - first
+        self._libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_PAGEOUT)
 
 
 def _write_tensor(out: Any, tensor: Tensor) -> None:
