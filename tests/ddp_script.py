@@ -218,8 +218,9 @@ def nodes(out: Path) -> None:
 def disk(out: Path) -> None:
     """The disk tier on two ranks (each rank's files in a folder of its own under ``offload_path``) against DDP: with
     clipping by norm and accumulation 2 (the earlier micro-batch's gradients spilled, read back into the last one's
-    reduction), also on the emulated link; the overlapped step; ``bf16-mixed``; validation between steps; a model
-    built in ``configure_model``; checkpointed (rank 0's files beside the ``.ckpt``) and resumed by both ranks."""
+    reduction), also on the emulated link; the overlapped step; ``bf16-mixed`` and ``16-mixed``; validation between
+    steps, and alone; a model built in ``configure_model``; checkpointed (rank 0's files beside the ``.ckpt``) and
+    resumed by both ranks."""
     tier = out / "tier"
     tier.mkdir(exist_ok=True)
 
@@ -237,6 +238,16 @@ def disk(out: Path) -> None:
     validating = dict(max_steps=4, limit_val_batches=2, val_check_interval=2, validate=True)
     fit("ddp_validated", out, "ddp", **validating)
     fit("disk_validated", out, on_disk(), **validating)
+    # 16-mixed: the gradient scaler's checks cover the spilled blocks on every rank alike.
+    fit("superpipe_16", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=4, precision="16-mixed")
+    fit("disk_16", out, on_disk(), max_steps=4, precision="16-mixed")
+    # Evaluation alone (no optimizer: the tier's records hold masters only).
+    for name, strategy in (("ddp_validate", "ddp"), ("disk_validate", on_disk())):
+        pl.seed_everything(7, verbose=False)
+        task = SyncedTask()
+        trainer = models.trainer(strategy, devices=2, limit_val_batches=4)
+        trainer.validate(task, models.data("lm", batches=8, seed=1), verbose=False)
+        torch.save({"val_losses": task.val_losses}, out / f"{name}_rank{trainer.global_rank}.pt")
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
     with models.fresh_initial_values() as fresh:
         fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
