@@ -90,7 +90,8 @@ class StepTimes(Callback):
             if report.get("offload_device") == "disk":
                 # The block parameters hold placeholders (their masters are in files): count the bytes behind the
                 # parameters, and the tier's pool of block buffers as host bytes of the strategy.
-                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in pl_module.parameters()}
+                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                            for p in pl_module.parameters()}
                 self.report["param_bytes"] = sum(storages.values())
                 self.report["host_bytes"] += report["peak_disk_pool_host_bytes"]
             # The masters in the node's shared homes (shard_optimizer="node"): every rank's param_bytes counts them.

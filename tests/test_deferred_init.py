@@ -150,7 +150,9 @@ def test_save_safetensors_writes_what_from_pretrained_reads_one_tensor_at_a_time
     assert header["__metadata__"] == {"format": "pt"}
 
 
-def test_save_safetensors_refuses_tensors_without_values_and_leaves_no_file_when_writing_fails(tmp_path: object) -> None:
+def test_save_safetensors_refuses_tensors_without_values_and_leaves_no_file_when_writing_fails(
+    tmp_path: object,
+) -> None:
     from lightning_superpipe import save_safetensors
     from lightning_superpipe.memory.disk import DiskTierError, write_safetensors
 

@@ -183,7 +183,8 @@ def test_the_disk_tier_on_two_ranks_equals_plain_ddp_with_each_ranks_files_in_a_
         assert rank["losses"] == plain["losses"]
         assert _max_difference(rank["weights"], plain["weights"]) == 0.0
     # bf16-mixed (the masters cast on the fly as they stream) equals the host tier's; validation between the steps.
-    for host, rank, plain in zip(_load(disk_run, "superpipe_bf16"), _load(disk_run, "disk_bf16"), _load(disk_run, "ddp")):
+    runs = ("superpipe_bf16", "disk_bf16", "ddp")
+    for host, rank, plain in zip(*(_load(disk_run, name) for name in runs)):
         assert rank["losses"] == host["losses"]
         assert _max_difference(rank["weights"], host["weights"]) == 0.0
         assert rank["losses"] != plain["losses"][:4]  # bf16 compute indeed
