@@ -1068,8 +1068,10 @@ def test_mapped_files_give_back_only_file_pages_and_keep_every_value(tmp_path: P
     expected = values.clone()
     expected[5] = -1.0
     heap = values.clone()
+    shared = torch.from_file(str(tmp_path / "weights.bin"), shared=True, size=values.numel(), dtype=torch.float32)
     files = MappedFiles()
     assert files.maps(mapped) and files.maps(mapped[4096:]) and not files.maps(heap)
+    assert not files.maps(shared)  # a shared mapping may be another process's working memory: never advised
     advised: list[tuple[int, int]] = []
     madvise = files._libc.madvise
 

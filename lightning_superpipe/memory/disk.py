@@ -1758,7 +1758,7 @@ _MADV_PAGEOUT = 21
 
 
 class MappedFiles:
-    """This process's file-backed mappings (``/proc/self/maps``, read when built), so that a reader of tensors mapped
+    """This process's private file mappings (``/proc/self/maps``, read when built), so that a reader of tensors mapped
     from files (:meth:`DiskStore.map_masters`: the parameters after a disk-tier run) can give their pages back once
     read: mapped pages count in the resident set until reclaimed. Anonymous memory (a model in RAM) is never
     advised: reclaiming it would push it to swap."""
@@ -1769,7 +1769,10 @@ class MappedFiles:
             with open("/proc/self/maps") as maps:
                 for line in maps:
                     fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith("/") and int(fields[4]) != 0:
+                    # Private file mappings only: a shared one (the node's homes in /dev/shm) may be another
+                    # process's working memory.
+                    private = len(fields) == 6 and fields[1].endswith("p")
+                    if private and fields[5].startswith("/") and int(fields[4]) != 0:
                         start, end = (int(address, 16) for address in fields[0].split("-"))
                         self._ranges.append((start, end))
         except OSError:
