@@ -1000,7 +1000,7 @@ class DiskStore:
         folder = Path(path)
         _check_blocks(blocks)
         what = "two slots of every block's masters and optimizer state" + (", and its gradients" if spill_grads else "")
-        preflight(folder, cls.bytes_needed(blocks, optimizer, spill_grads), what)
+        preflight(folder, cls.bytes_needed([list(b.values()) for b in blocks], optimizer, spill_grads), what)
         if (folder / MANIFEST).exists():
             if not overwrite:
                 raise DiskTierError(
@@ -1038,15 +1038,15 @@ class DiskStore:
 
     @staticmethod
     def bytes_needed(
-        blocks: Sequence[Mapping[str, nn.Parameter]], optimizer: Optional[Optimizer] = None, spill_grads: bool = False
+        block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer] = None, spill_grads: bool = False
     ) -> int:
-        """The bytes of a new store's files: two slots of every block's record (masters and ``optimizer``'s state)
-        and, with ``spill_grads``, its gradient file."""
+        """The bytes of a new store's files for blocks of these parameters: two slots of every block's record
+        (masters and ``optimizer``'s state) and, with ``spill_grads``, its gradient file."""
         size = probe_state_size(optimizer)
         return sum(
-            2 * page_rounded(_master_bytes(list(b.values())) + sum(size.record_bytes(p.numel()) for p in b.values()))
-            + (page_rounded(_master_bytes(list(b.values()))) if spill_grads else 0)
-            for b in blocks
+            2 * page_rounded(_master_bytes(params) + sum(size.record_bytes(p.numel()) for p in params))
+            + (page_rounded(_master_bytes(params)) if spill_grads else 0)
+            for params in block_params
         )
 
     @classmethod

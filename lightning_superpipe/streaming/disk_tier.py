@@ -726,8 +726,7 @@ def rank_folder(
     except OSError as error:
         raise DiskTierError(f"Could not create the folder {str(folder)!r} for rank {rank}'s files: {error}.") from error
     if fresh:
-        blocks = [{str(i): p for i, p in enumerate(params)} for params in block_params]
-        needed = DiskStore.bytes_needed(blocks, optimizer, spill_grads=optimizer is not None)
+        needed = DiskStore.bytes_needed(block_params, optimizer, spill_grads=optimizer is not None)
         preflight(folder, local_ranks * needed,
                   f"{local_ranks} ranks on this node, each with two slots of every block's record and its gradients")
     return folder

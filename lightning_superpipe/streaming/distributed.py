@@ -540,7 +540,7 @@ def on_every_rank(work: Callable[[], T], what: str) -> T:
 
 
 def broadcast_from_rank_zero(
-    model: nn.Module, device: torch.device, skip: Callable[[Tensor], bool] = lambda tensor: False
+    model: nn.Module, device: torch.device, skip: Optional[Callable[[Tensor], bool]] = None
 ) -> None:
     """Gives every rank rank 0's parameters and buffers, as ``DistributedDataParallel`` does when it wraps a model,
     but those ``skip`` names (every rank will compute rank 0's values for them).
@@ -550,7 +550,7 @@ def broadcast_from_rank_zero(
     nccl = dist.get_backend() == "nccl"
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.device.type == "meta" or skip(tensor):
+            if tensor.device.type == "meta" or (skip is not None and skip(tensor)):
                 continue
             carrier = tensor.detach()
             if nccl:

@@ -248,9 +248,7 @@ def join_ranks(
         )
     if deferred is not None:
         deferred.adopt_rank_zero_draws()
-        broadcast_from_rank_zero(model, strategy.root_device, skip=deferred.determines)
-    else:
-        broadcast_from_rank_zero(model, strategy.root_device)
+    broadcast_from_rank_zero(model, strategy.root_device, skip=deferred.determines if deferred is not None else None)
 
 
 
