@@ -80,6 +80,26 @@ class DisagreeingTask(ConfiguredTask):
             torch.nn.init.uniform_(self.model.model.layers[0].mlp.up_proj.weight)
 
 
+class ManualTask(SyncedTask):
+    """Manual optimization: two backwards a batch (each reduced across ranks, as under DDP), clipping by norm
+    through ``self.clip_gradients``, the LR schedule stepped by hand, ``zero_grad`` after the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        for half in batch[0].chunk(2):
+            loss = self((half,))
+            self.losses.append(loss.item())
+            self.manual_backward(loss / 2)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.lr_schedulers().step()
+        optimizer.zero_grad()
+
+
 class Record(Callback):
     """Keeps the strategy's memory report and its all-reduce count, read before teardown closes the engine."""
 
@@ -219,8 +239,8 @@ def disk(out: Path) -> None:
     """The disk tier on two ranks (each rank's files in a folder of its own under ``offload_path``) against DDP: with
     clipping by norm and accumulation 2 (the earlier micro-batch's gradients spilled, read back into the last one's
     reduction), also on the emulated link; the overlapped step; ``bf16-mixed`` and ``16-mixed``; validation between
-    steps, and alone; a model built in ``configure_model``; checkpointed (rank 0's files beside the ``.ckpt``) and
-    resumed by both ranks."""
+    steps, and alone; manual optimization; a model built in ``configure_model``; checkpointed (rank 0's files beside
+    the ``.ckpt``) and resumed by both ranks."""
     tier = out / "tier"
     tier.mkdir(exist_ok=True)
 
@@ -248,6 +268,9 @@ def disk(out: Path) -> None:
         trainer = models.trainer(strategy, devices=2, limit_val_batches=4)
         trainer.validate(task, models.data("lm", batches=8, seed=1), verbose=False)
         torch.save({"val_losses": task.val_losses}, out / f"{name}_rank{trainer.global_rank}.pt")
+    manual = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None, task_class=ManualTask)
+    fit("ddp_manual", out, "ddp", **manual)
+    fit("disk_manual", out, on_disk(), **manual)
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
     with models.fresh_initial_values() as fresh:
         fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)

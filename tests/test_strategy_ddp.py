@@ -197,6 +197,9 @@ def test_the_disk_tier_on_two_ranks_equals_plain_ddp_with_each_ranks_files_in_a_
     for host, rank in zip(_load(disk_run, "superpipe_16"), _load(disk_run, "disk_16")):  # a gradient scaler
         assert rank["losses"] == host["losses"]
         assert _max_difference(rank["weights"], host["weights"]) == 0.0
+    for plain, rank in zip(_load(disk_run, "ddp_manual"), _load(disk_run, "disk_manual")):  # manual optimization
+        assert len(rank["losses"]) == 8 and rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
     # Built in configure_model under each rank's own seed: every rank starts from rank 0's values, its init calls
     # replayed with rank 0's draws block by block into fresh tensors (the parameters' own memory never written).
     for plain, rank in zip(_load(disk_run, "ddp_configured"), _load(disk_run, "disk_configured")):

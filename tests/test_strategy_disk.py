@@ -452,17 +452,119 @@ def test_clipping_by_value_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
 
 
 class _Manual(models.Task):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    """Manual optimization as users write it, one way per ``loop``:
+
+    * ``"halves"``: two backwards a batch (half a batch each), ``self.clip_gradients`` by norm, the step, the LR
+      schedule stepped by hand, ``zero_grad`` after the step;
+    * ``"accumulate"``: a backward every batch and a step every second one, zeroed by ``self.zero_grad()`` (the
+      module's), through ``step(closure=...)``;
+    * ``"skip"``: on every third batch the gradients are zeroed instead of stepped (a loss spike skipped), and
+      before each step one layer's MLP gradients are zeroed (part of a block: those parameters stay unstepped);
+    * ``"no-zero-grad"``, ``"step-twice"``: what the disk tier refuses (no ``zero_grad`` after a step).
+    """
+
+    def __init__(self, *args: Any, loop: str = "halves", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
+        self.loop = loop
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
-        loss = self(batch)
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        return loss
+        if self.loop == "halves":
+            for half in batch[0].chunk(2):
+                loss = self((half,))
+                self.losses.append(loss.item())
+                self.manual_backward(loss / 2)
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            optimizer.step()
+            self.lr_schedulers().step()
+            optimizer.zero_grad()
+        elif self.loop == "accumulate":
+
+            def backward() -> None:
+                loss = self(batch)
+                self.losses.append(loss.item())
+                self.manual_backward(loss / 2)
+
+            if batch_idx % 2 == 0:
+                backward()
+                return
+            optimizer.step(closure=backward)
+            self.zero_grad()
+        elif self.loop == "skip":
+            loss = self(batch)
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+            if batch_idx % 3 == 2:
+                optimizer.zero_grad()
+                return
+            self.model.model.layers[1].mlp.zero_grad()
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            loss = self(batch)
+            self.losses.append(loss.item())
+            self.manual_backward(loss)
+            optimizer.step()
+            if self.loop == "step-twice":
+                optimizer.step()
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_manual_optimization_equals_plain_lightning_bitwise(tmp_path: Path) -> None:
+    """Two backwards a step, clipping by norm through ``self.clip_gradients``, an LR schedule stepped by hand: the
+    losses and weights of plain Lightning (every block's gradients spilled, then stepped from disk)."""
+    options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
+    build, kind = models.FAMILIES["llama"]
+    plain, streamed = (
+        models.fit_task(lambda: _Manual(build, kind), strategy, models.data(kind), **options)
+        for strategy in ("auto", _disk(tmp_path / "tier"))
+    )
+    assert len(plain.losses) == 8
+    _assert_same(streamed, plain)
+    assert models.max_relative_difference(plain, models.build_task("llama")) > 1e-3  # they trained
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "skip"])
+def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp_path: Path, loop: str) -> None:
+    """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled
+    gradients accumulate across batches until a step, and are dropped (whole blocks, or part of one) when zeroed."""
+    options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
+    build, kind = models.FAMILIES["llama"]
+    plain, streamed = (
+        models.fit_task(lambda: _Manual(build, kind, loop=loop), strategy, models.data(kind), **options)
+        for strategy in ("auto", _disk(tmp_path / "tier"))
+    )
+    _assert_same(streamed, plain)
+    if loop == "skip":  # the MLP zeroed before each step never moved, the rest did
+        mlp = {n for n, _ in plain.named_parameters() if ".layers.1.mlp." in n}
+        initial = models.build_task("llama")
+        before = dict(initial.named_parameters())
+        after = dict(streamed.named_parameters())
+        assert mlp and all(torch.equal(after[n], before[n]) for n in mlp)
+        assert not torch.equal(after["model.model.layers.1.self_attn.q_proj.weight"],
+                               before["model.model.layers.1.self_attn.q_proj.weight"])
+    vars_left = [m for m in streamed.modules() if "zero_grad" in vars(m)]
+    assert vars_left == [] and "zero_grad" not in vars(streamed.trainer.optimizers[0])  # the hooks are gone
+
+
+@pytest.mark.parametrize(("loop", "message"), [
+    ("no-zero-grad", r"backward added to its gradient, but no zero_grad came since the last optimizer step consumed"
+                     r" the gradient of 'model\.model\.layers\.\d\.[\w.]+'.* Call optimizer\.zero_grad\(\) between"),
+    ("step-twice", r"the optimizer is stepping it again, but no zero_grad came since the last optimizer step"),
+])
+def test_manual_steps_over_consumed_gradients_are_refused(tmp_path: Path, loop: str, message: str) -> None:
+    """The host tier would add to (or step again with) gradients the tier no longer has: one clear error, and the
+    files stay at the last committed step."""
+    build, kind = models.FAMILIES["llama"]
+    models.pl.seed_everything(7, verbose=False)
+    task = _Manual(build, kind, loop=loop)
+    tier = tmp_path / "tier"
+    with pytest.raises(RuntimeError, match=message):
+        models.trainer(_disk(tier), max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None).fit(
+            task, models.data(kind))
+    assert len(task.losses) == (2 if loop == "no-zero-grad" else 1)
+    assert json.loads((tier / "manifest.json").read_text())["step"] == 1
 
 
 class _OwnSGD(torch.optim.SGD):
@@ -502,9 +604,6 @@ def _refusal_cases() -> list[Any]:
                      id="ema"),
         pytest.param(models.Task, dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                      call + r"the callback StochasticWeightAveraging is not supported", id="swa"),
-        pytest.param(_Manual, dict(gradient_clip_val=None, accumulate_grad_batches=1),
-                     call + r"manual optimization is not supported .* Use offload_device='cpu' for this run\.$",
-                     id="manual"),
         pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
                      r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, and subclasses of them that override only"
                      r" __init__\)", id="own-optimizer"),

@@ -1446,14 +1446,26 @@ class DiskStore:
             future.exception()
         self._pending = {}
 
-    def discard_grads(self) -> None:
-        """Drops every block's spilled gradients unstepped (a step a gradient scaler skips for non-finite ones)."""
-        for future in self._spill_writes.values():
-            future.exception()
-        self._spill_writes = {}
-        for index, present in enumerate(self._grads_present):
-            present.clear()
-            self._grad_norms.pop(index, None)
+    def discard_grads(self, index: Optional[int] = None, params: Optional[Iterable[int]] = None) -> None:
+        """Drops spilled gradients unstepped: every block's (a step a gradient scaler skips for non-finite ones), or
+        block ``index``'s, or only those of its parameters at the positions ``params`` (a ``zero_grad`` of part of
+        the block: the next spill writes theirs afresh, and adds to the others')."""
+        indices = range(len(self.params)) if index is None else [index]
+        for block in indices:
+            present = self._grads_present[block]
+            if params is None:
+                future = self._spill_writes.pop(block, None)
+                if future is not None:
+                    future.exception()
+                present.clear()
+            else:
+                present.difference_update(params)
+            self._grad_norms.pop(block, None)
+
+    def spilled_params(self, index: int) -> list[nn.Parameter]:
+        """Block ``index``'s parameters whose gradients are spilled (and not consumed by a committed step)."""
+        present = self._grads_present[index]
+        return [param for position, param in enumerate(self.params[index]) if position in present]
 
     def _current(self, index: int) -> Record:
         """Block ``index``'s newest record: stepped but not committed yet (once written), else committed."""

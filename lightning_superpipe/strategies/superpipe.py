@@ -49,6 +49,7 @@ from lightning_superpipe.streaming.setup import (
     start_streaming,
     strategy_report,
     uninstall_clipping,
+    watch_zero_grad,
 )
 from lightning_superpipe.strategies.ranks import RanksStrategy
 
@@ -155,6 +156,8 @@ class SuperpipeStrategy(RanksStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
+        if self._fitting:  # the disk tier's gradients are in files: it must see `zero_grad` (after the wrappers)
+            self._hooks += watch_zero_grad(self._engine, self.model, [*self.optimizers, *self._lightning_optimizers])
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
 
     @override
@@ -265,6 +268,8 @@ class SuperpipeStrategy(RanksStrategy):
         overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None)
         overlap = overlap and self.sharded_optimizer is None
         self.engine.arm_overlap(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto", overlap)
+        if self.engine.tier is not None:  # a step over gradients already consumed is refused before it starts
+            closure = self.engine.tier.checked(closure)
         start = time.perf_counter()
         try:
             output = super().optimizer_step(optimizer, planner.timed_closure(closure) if planner else closure, model, **kwargs)

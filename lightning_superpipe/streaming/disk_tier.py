@@ -15,6 +15,8 @@ know a block's layout but hold no memory, and :class:`DiskTier` does the rest:
   block's gradients are spilled to its gradient file as they complete and dropped, and the blocks are stepped from
   disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
   ``torch.nn.utils.clip_grad_norm_`` computes it. The trunk (embeddings, head) is stepped in memory, as today.
+  The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:class:`ZeroGradHook`), which is what
+  manual optimization needs; a step consumes them.
 * **Checkpoints**: the ``.ckpt`` holds the store's manifest; the committed files are hard-linked (or copied) into a
   new subfolder of :func:`~lightning_superpipe.memory.disk.checkpoint_folder` beside it, named in the manifest, and
   a resume restores them from there. Older subfolders go once the new ``.ckpt`` is written, so a kill during a save
@@ -33,7 +35,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -121,7 +123,6 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
     Raises:
         ValueError: With the user's call and what to do instead.
     """
-    module = trainer.lightning_module
     averaging = weight_averaging_callbacks(trainer)
     refusal = None
     if averaging:
@@ -131,8 +132,6 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
             " tier keeps the blocks' values in its files (the parameters hold placeholders during the run). Remove"
             " it, or, to keep weight averaging, train"
         )
-    elif not module.automatic_optimization:
-        refusal = "manual optimization is not supported (the blocks' gradients and state are in files)"
     elif len(optimizers) != 1:
         refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
     elif not updates_each_parameter_alone(optimizers[0]):
@@ -189,6 +188,43 @@ def gradient_readers(trainer: Any) -> list[str]:
     for callback in trainer.callbacks:
         found += [f"{type(callback).__name__}.{hook}" for hook in hooks[:2] if is_overridden(hook, callback, Callback)]
     return found
+
+
+class ZeroGradHook:
+    """Tells the tier when the user zeroes gradients, which it must know because a block's gradients are in its
+    files, not in ``.grad``: wraps ``zero_grad`` of the optimizer, of Lightning's wrapper of it (which calls
+    ``Optimizer.zero_grad`` on itself, not on the optimizer), and of every module holding block parameters (the
+    LightningModule's ``self.zero_grad()``). Each wrapper tells :meth:`DiskTier.zero_grad` which block parameters
+    it zeroes, then runs the original.
+    """
+
+    def __init__(self, tier: DiskTier, model: nn.Module, optimizers: Sequence[Any]) -> None:
+        streamed = {p for params in tier.store.params for p in params}
+        params_of = [(o, [p for g in o.param_groups for p in g["params"] if p in streamed]) for o in optimizers]
+        params_of += [(m, [p for p in m.parameters() if p in streamed]) for m in model.modules()]
+        self._tier = tier
+        self._targets = [(owner, params) for owner, params in params_of if params]
+        self._wrappers: list[tuple[Any, Callable[..., Any]]] = []
+
+    def attach(self) -> None:
+        if self._wrappers:
+            return
+        for owner, params in self._targets:
+            original = owner.zero_grad
+
+            def zero_grad(*args: Any, original: Callable[..., Any] = original, params: list[nn.Parameter] = params,
+                          **kwargs: Any) -> Any:
+                self._tier.zero_grad(params)
+                return original(*args, **kwargs)
+
+            vars(owner)["zero_grad"] = zero_grad
+            self._wrappers.append((owner, zero_grad))
+
+    def detach(self) -> None:
+        for owner, wrapper in self._wrappers:
+            if vars(owner).get("zero_grad") is wrapper:
+                del vars(owner)["zero_grad"]
+        self._wrappers = []
 
 
 class DiskHome:
@@ -290,6 +326,11 @@ class DiskTier:
         self.overlap: Optional[OverlappedStep] = None
         #: The micro-batch running is the last of an accumulation (its backward runs inside the optimizer step).
         self.last_micro_batch = False
+        #: Manual optimization: any backward may be the last before a step (``self.clip_gradients`` needs norms).
+        self.manual_optimization = False
+        # Parameters whose gradients a step consumed (the tier keeps none after it) and no zero_grad has zeroed since.
+        self._consumed: set[nn.Parameter] = set()
+        self._stepping: set[nn.Parameter] = set()  # those of the blocks stepped during this backward
         self._grad_scale: Optional[Tensor] = None
         self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
         self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
@@ -438,10 +479,15 @@ class DiskTier:
         when the overlapped step is armed, else spilled to disk; either way they leave host memory."""
         assert self.overlap is not None
         self._completed.add(index)
-        if self.overlap.armed:
+        late = [p for p in self.store.params[index] if p.grad is not None and p in self._consumed]
+        if late:
+            raise RuntimeError(self._not_zeroed(late[0], "backward added to its gradient"))
+        if self.overlap.armed:  # stepped now: the gradients are consumed once the step is done
+            self._stepping.update(p for p in self.store.params[index] if p.grad is not None)
+            self._stepping.update(self.store.spilled_params(index))
             self.overlap.block_done(index)
         else:
-            self._spill(index, norms=self.last_micro_batch)
+            self._spill(index, norms=self.last_micro_batch or self.manual_optimization)
 
     def finish_backward(self) -> None:
         """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
@@ -468,6 +514,42 @@ class DiskTier:
         self.store.spill_grads(index, grads, accumulate=self.store.spilled(index), wait=False, norms=norms)
         for param in params:
             param.grad = None
+
+    def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
+        """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
+        :class:`ZeroGradHook`): what backward spilled of them is dropped, as ``.grad`` would be."""
+        by_block: dict[int, set[nn.Parameter]] = {}
+        for param in params:
+            index = self._param_block.get(param)
+            if index is not None:
+                by_block.setdefault(index, set()).add(param)
+        for index, zeroed in by_block.items():
+            self._consumed -= zeroed
+            if self.store.spilled(index):
+                positions = [i for i, p in enumerate(self.store.params[index]) if p in zeroed]
+                self.store.discard_grads(index, None if len(positions) == len(self.store.params[index]) else positions)
+
+    def checked(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer step's closure, then (before anything is stepped) a refusal of a step over gradients the
+        last step consumed, which the host tier would apply again (no ``zero_grad`` since: it names a parameter)."""
+
+        def closure_then_check() -> Any:
+            result = closure()
+            if self._consumed:
+                raise RuntimeError(self._not_zeroed(next(iter(self._consumed)), "the optimizer is stepping it again"))
+            return result
+
+        return closure_then_check
+
+    def _not_zeroed(self, param: nn.Parameter, what: str) -> str:
+        index = self._param_block[param]
+        name = self.store.names[index][next(i for i, p in enumerate(self.store.params[index]) if p is param)]
+        return (
+            f"SuperpipeStrategy(offload_device='disk'): {what}, but no zero_grad came since the last optimizer step"
+            f" consumed the gradient of {name!r} (the tier keeps a block's gradients on disk only until the step"
+            " that reads them). Call optimizer.zero_grad() between optimizer.step() and the next backward, as"
+            " Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
+        )
 
     def _step_block(self, optimizer: Optimizer, index: int, params: list[nn.Parameter]) -> None:
         """The overlapped step of one block, on the optimizer thread: through the store, written to the block's
@@ -561,6 +643,10 @@ class DiskTier:
         whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. Returns
         the blocks stepped."""
         unscale, self._grad_unscale = self._grad_unscale, None
+        self._consumed |= self._stepping  # the host tier keeps them in .grad until zero_grad
+        self._stepping = set()
+        for index in range(len(self.store.params)):
+            self._consumed.update(self.store.spilled_params(index))
         if self._found_inf:
             self._found_inf, self._grad_scale, self._grad_clip_value = False, None, None
             self.store.abort()

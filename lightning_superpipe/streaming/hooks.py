@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -424,7 +424,13 @@ def _cache_length(cache: Any) -> int:
         return 0
 
 
-Hook = Union[BlockStreamingHook, TrunkHook, CallerDeviceHook]
+class Hook(Protocol):
+    """What the strategy keeps of a hook (these, and the disk tier's ``ZeroGradHook``): attaching or detaching it
+    twice is harmless."""
+
+    def attach(self) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:

@@ -29,6 +29,7 @@ from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters,
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
     DiskTier,
+    ZeroGradHook,
     check_offload,
     check_training,
     disk_host_bytes,
@@ -199,7 +200,21 @@ def start_streaming(
         # Owners among the node's ranks (the same on every node) when they share the homes, else among all.
         owners = assign_owners(parts, node.local_size if node is not None else ranks) if shard_optimizer else None
         engine.gradients.averager = GradientAverager(device, owners, node=node)
+    if tier is not None and optimizer is not None:
+        tier.manual_optimization = not trainer.lightning_module.automatic_optimization
     return Streaming(engine, attach_hooks(engine, model, blocks), planner, stacks)
+
+
+def watch_zero_grad(engine: Optional[StreamingEngine], model: nn.Module, optimizers: Sequence[Any]) -> list[Hook]:
+    """Under the disk tier while fitting: the hook that tells the tier of the user's ``zero_grad`` calls, attached
+    (:class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`). ``optimizers``: the optimizer and Lightning's
+    wrappers of it, as ``LightningModule.optimizers()`` returns them once the precision plugin has connected (it
+    makes new wrappers)."""
+    if engine is None or engine.tier is None or not optimizers or not engine.tier.store.spills:
+        return []
+    hook = ZeroGradHook(engine.tier, model, optimizers)
+    hook.attach()
+    return [hook]
 
 
 def _or(value: Any, default: Any) -> Any:
