@@ -61,8 +61,9 @@ class Task(pl.LightningModule):
     Args:
         build: Builds the model (called under the seed the test set).
         kind: ``"lm"`` (causal LM on token ids), ``"image"`` (classification of images) or ``"vector"``.
-        optimizer: ``"adamw"`` (a for-loop), ``"adamw-fused"``, ``"sgd"``, or the name of another class of
-            ``torch.optim`` (its defaults, ``lr``, two groups, a warm-up).
+        optimizer: ``"adamw"`` (a for-loop), ``"adamw-fused"``, ``"sgd"``, ``"transformers-adafactor"`` (its
+            defaults, two groups), or the name of another class of ``torch.optim`` (its defaults, ``lr``, two groups,
+            a warm-up).
     """
 
     def __init__(self, build: Callable[[], nn.Module], kind: str, lr: float = 1e-2, optimizer: str = "adamw") -> None:
@@ -100,6 +101,10 @@ class Task(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        if self.optimizer_name == "transformers-adafactor":  # its defaults: relative step sizes, no LR to schedule
+            from transformers.optimization import Adafactor
+
+            return Adafactor([{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=None)
         if hasattr(torch.optim, self.optimizer_name):
             optimizer = getattr(torch.optim, self.optimizer_name)(
                 [{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=self.lr

@@ -105,11 +105,12 @@ def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: s
     assert adapters and all(p.abs().sum() > 0 for p in adapters)  # B starts at zero: it trained
 
 
-@pytest.mark.parametrize("name", [cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS[3:]])
+@pytest.mark.parametrize("name", [c.__name__ for c in PER_PARAMETER_OPTIMIZERS[3:]] + ["transformers-adafactor"])
 def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_lightning(tmp_path: Path, name: str) -> None:
     """Each other optimizer of ``torch.optim`` that updates a parameter from its own gradient and state, with two
-    groups and a warm-up: stepped from disk after backward (clipping, accumulation 2: spilled gradients) and through
-    the store during backward (no clipping), bitwise as the host tier (and its overlapped step) and plain Lightning."""
+    groups and a warm-up (and ``transformers``' Adafactor with its defaults: relative step sizes): stepped from disk
+    after backward (clipping, accumulation 2: spilled gradients) and through the store during backward (no clipping),
+    bitwise as the host tier (and its overlapped step) and plain Lightning."""
     clipped = models.fit("llama", _disk(tmp_path / "tier"), optimizer=name)
     host = models.fit("llama", "superpipe", optimizer=name)
     _assert_same(clipped, host)
@@ -605,8 +606,8 @@ def _refusal_cases() -> list[Any]:
         pytest.param(models.Task, dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                      call + r"the callback StochasticWeightAveraging is not supported", id="swa"),
         pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
-                     r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, and subclasses of them that override only"
-                     r" __init__\)", id="own-optimizer"),
+                     r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, transformers\.optimization\.Adafactor,"
+                     r" and subclasses of them that override only __init__\)", id="own-optimizer"),
         pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
         pytest.param(_Fused, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
                      call + r"AdamW unscales the gradients inside its step under a gradient scaler", id="16-mixed-fused"),

@@ -59,8 +59,8 @@ from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.overlap import (
-    PER_PARAMETER_OPTIMIZERS,
     OverlappedStep,
+    per_parameter_optimizers,
     updates_each_parameter_alone,
 )
 
@@ -135,7 +135,8 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
     elif len(optimizers) != 1:
         refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
     elif not updates_each_parameter_alone(optimizers[0]):
-        names = ", ".join(cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS)
+        names = ", ".join(cls.__name__ if cls.__module__.startswith("torch.") else f"{cls.__module__}.{cls.__name__}"
+                          for cls in per_parameter_optimizers())
         refusal = (
             f"{type(optimizers[0]).__name__} is not known to update each parameter on its own, and the tier steps"
             f" block by block (supported: {names}, and subclasses of them that override only __init__)"

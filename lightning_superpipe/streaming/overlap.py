@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,6 +41,16 @@ PER_PARAMETER_OPTIMIZERS = tuple(
 )
 
 
+def per_parameter_optimizers() -> tuple[type[Optimizer], ...]:
+    """:data:`PER_PARAMETER_OPTIMIZERS` and those of ``transformers`` that update each parameter alone (its
+    ``Adafactor``, which fine-tuning recipes use for its factored second moments), the latter only where
+    ``transformers.optimization`` is imported already (an optimizer of it in use imported it): a check never
+    imports ``transformers``."""
+    module = sys.modules.get("transformers.optimization")
+    adafactor = getattr(module, "Adafactor", None)
+    return PER_PARAMETER_OPTIMIZERS + ((adafactor,) if isinstance(adafactor, type) else ())
+
+
 #: What a subclass of a per-parameter optimizer may define and still update as its base does (its defaults).
 _NEUTRAL_ATTRIBUTES = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__",
                        "__annotations__", "__firstlineno__", "__static_attributes__"}
@@ -47,10 +58,11 @@ _NEUTRAL_ATTRIBUTES = {"__init__", "__module__", "__qualname__", "__doc__", "__d
 
 def updates_each_parameter_alone(optimizer: Optimizer) -> bool:
     """Whether ``optimizer``'s update of a parameter depends on that parameter's gradient and state alone: an
-    instance of one of :data:`PER_PARAMETER_OPTIMIZERS`, or of a subclass that overrides nothing of it but
+    instance of one of :func:`per_parameter_optimizers`, or of a subclass that overrides nothing of it but
     ``__init__`` (e.g. a user's class with other defaults). Stepping it block by block is then exact."""
     mro = type(optimizer).__mro__
-    known = next((i for i, klass in enumerate(mro) if klass in PER_PARAMETER_OPTIMIZERS), None)
+    known_classes = per_parameter_optimizers()
+    known = next((i for i, klass in enumerate(mro) if klass in known_classes), None)
     if known is None:
         return False
     base = mro[known]
