@@ -196,9 +196,11 @@ class BudgetPlanner:
 
         return timed
 
-    def after_step(self, strategy: Any, optimizer: Any, step_s: float, refresh_s: float) -> None:
+    def after_step(self, engine: Any, trainer: Any, overlap_optimizer: Any, optimizer: Any, step_s: float,
+                   refresh_s: float) -> None:
         """Records a profiled step's host time (``step_s`` covers ``optimizer_step``, closure included); after the
-        last profiled step, solves for the plan, gives it to the engine and prints its table.
+        last profiled step, solves for the plan, gives it to the engine and prints its table. ``overlap_optimizer``:
+        the strategy's knob.
 
         Raises:
             MisconfigurationException: If no placement fits the budget with the measured activations.
@@ -215,20 +217,18 @@ class BudgetPlanner:
         self._profiling_step = False
         if len(self._samples) < self.PROFILED_STEPS:
             return
-        self.profile = self._profile(strategy, optimizer)
+        self.profile = self._profile(engine, trainer, overlap_optimizer, optimizer)
         try:
             plan = solve(self.profile, self.budget_bytes, **self.pinned)
         except InfeasibleBudget as error:
             raise MisconfigurationException(f"{self.call}: {error}") from error
-        strategy.engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
+        engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
         self.plan = plan
         rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}")
 
-    def _profile(self, strategy: Any, optimizer: Any) -> Profile:
+    def _profile(self, engine: Any, trainer: Any, overlap_optimizer: Any, optimizer: Any) -> Profile:
         from lightning_superpipe.streaming.overlap import overlap_refusal
 
-        engine = strategy.engine
-        trainer = strategy.lightning_module.trainer
         best = {name: min(s[name] for s in self._samples) for name in ("optimizer_s", "refresh_s")}
         profilers = [s["profiler"] for s in self._samples]
 
@@ -259,9 +259,7 @@ class BudgetPlanner:
         blocks = _alike_blocks_alike(blocks)
         h2d = _speed(profilers, "h2d")
         d2h = _speed(profilers, "d2h") or h2d
-        overlap = bool(strategy.overlap_optimizer) and (
-            overlap_refusal(trainer, optimizer, strategy.overlap_optimizer == "auto") is None
-        )
+        overlap = bool(overlap_optimizer) and overlap_refusal(trainer, optimizer, overlap_optimizer == "auto") is None
         ledger_peak = max(s["ledger_peak"] for s in self._samples)
         margin = max(s["cuda_peak"] for s in self._samples) - ledger_peak if "cuda_peak" in self._samples[0] else 0
         return Profile(

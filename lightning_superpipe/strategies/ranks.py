@@ -29,8 +29,6 @@ from lightning_superpipe.streaming.distributed import (
     every_ranks_rng_states,
     gather_optimizer_state,
     on_every_rank,
-    share_stepped,
-    share_stepped_on_node,
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -125,17 +123,6 @@ class RanksStrategy(DDPStrategy):
         """The engine's averager where each rank keeps and steps only its share (``shard_optimizer``), else ``None``."""
         averager = self._engine.gradients.averager if self._engine is not None else None
         return averager if averager is not None and averager.sharded else None
-
-    def share_stepped(self, optimizer: Optimizer) -> None:
-        """After the optimizer step with ``shard_optimizer``: every rank gets the new weights from their owners (with
-        ``"node"``: the trunk's; the blocks' are in the node's shared homes, which the owners wrote)."""
-        averager = self.sharded_optimizer
-        if averager is not None and self._engine is not None:
-            params = {p for group in optimizer.param_groups for p in group["params"]}
-            if averager.node is not None:
-                share_stepped_on_node(self._engine, params, averager)
-            else:
-                share_stepped(self._engine.homes, self._engine.trunk_parameters(), params, averager)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -12,7 +12,6 @@ the gradients are averaged block by block on the way back (:mod:`lightning_super
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -41,7 +40,7 @@ from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.hooks import Hook
+from lightning_superpipe.streaming.session import StreamingSession
 from lightning_superpipe.streaming.setup import (
     KNOBS,
     EmptyInit,
@@ -49,7 +48,6 @@ from lightning_superpipe.streaming.setup import (
     start_streaming,
     strategy_report,
     uninstall_clipping,
-    watch_zero_grad,
 )
 from lightning_superpipe.strategies.ranks import RanksStrategy
 
@@ -128,12 +126,10 @@ class SuperpipeStrategy(RanksStrategy):
         self.shard_optimizer = shard_optimizer
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
         self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` under the disk tier
-        self._engine: Optional[StreamingEngine] = None
-        self._hooks: list[Hook] = []
+        self._streaming: Optional[StreamingSession] = None
+        self._planner: Optional[BudgetPlanner] = None  # kept after the run, for `plan` and its profile
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
-        self._streamed_stacks: list[str] = []
-        self._planner: Optional[BudgetPlanner] = None
 
     # ------------------------------------------------------------------ set-up and tear-down
 
@@ -156,8 +152,8 @@ class SuperpipeStrategy(RanksStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
-        if self._fitting:  # the disk tier's gradients are in files: it must see `zero_grad` (after the wrappers)
-            self._hooks += watch_zero_grad(self._engine, self.model, [*self.optimizers, *self._lightning_optimizers])
+        if self._fitting and self._streaming is not None:  # the disk tier must see `zero_grad` (on the new wrappers)
+            self._streaming.watch_zero_grad(self.model, [*self.optimizers, *self._lightning_optimizers])
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
 
     @override
@@ -168,7 +164,7 @@ class SuperpipeStrategy(RanksStrategy):
         model = self.model
         trainer = self.lightning_module.trainer if self._fitting and self.lightning_module is not None else None
         with self._deferred.settled(model) if self._deferred is not None else nullcontext():
-            streaming = start_streaming(
+            self._streaming = start_streaming(
                 model, self.root_device, fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers),
                 transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)), resume=self._resume,
                 ranks=self.world_size if self.several_ranks else 1, rank=self.global_rank,
@@ -176,26 +172,22 @@ class SuperpipeStrategy(RanksStrategy):
                 **{knob: getattr(self, knob) for knob in KNOBS},
             )
         self._resume = self._deferred = None
-        self._engine, self._hooks, self._planner = streaming.engine, streaming.hooks, streaming.planner
-        self._streamed_stacks = streaming.stacks
+        self._planner = self._streaming.planner
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
+        if self._streaming is not None:
             self._last_report = self.memory_report()
         self._stop_streaming()
         uninstall_clipping(self.precision_plugin)
         super().teardown()
 
     def _stop_streaming(self) -> None:
-        for hook in self._hooks:
-            hook.detach()
-        self._hooks = []
-        if self._engine is not None:
-            self._engine.close()
-        self._engine = None
+        if self._streaming is not None:
+            self._streaming.stop()
+        self._streaming = None
 
     @override
     @contextmanager
@@ -220,16 +212,23 @@ class SuperpipeStrategy(RanksStrategy):
     # ------------------------------------------------------------------ steps
 
     @property
-    def engine(self) -> StreamingEngine:
-        if self._engine is None:
+    def streaming(self) -> StreamingSession:
+        """The run's engine, hooks and planner (:class:`~lightning_superpipe.streaming.session.StreamingSession`)."""
+        if self._streaming is None:
             raise RuntimeError("SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`.")
-        return self._engine
+        return self._streaming
+
+    @property
+    def engine(self) -> StreamingEngine:
+        return self.streaming.engine
+
+    @property
+    def _engine(self) -> Optional[StreamingEngine]:  # type: ignore[override]
+        return self._streaming.engine if self._streaming is not None else None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self.engine.start_pass(training=True)
-        if self._planner is not None:
-            self._planner.start_micro_batch(self.engine)
+        self.streaming.start_training_step()
         output = super().training_step(*args, **kwargs)
         # Straight from the ledger: the full report walks every parameter and optimizer state.
         ledger = self.engine.ledger
@@ -246,9 +245,7 @@ class SuperpipeStrategy(RanksStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        self.engine.finish_backward()
-        if self._planner is not None:
-            self._planner.end_backward(self.engine)
+        self.streaming.finish_autograd_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -261,29 +258,11 @@ class SuperpipeStrategy(RanksStrategy):
         model: Optional[Union[LightningModule, nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        planner = self._planner
-        # The closure's backward steps block by block where that is exact; not while the planner times the step.
         assert self._lightning_module is not None
-        # With shard_optimizer each rank steps its share after backward, then the ranks exchange the new weights.
-        overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None)
-        overlap = overlap and self.sharded_optimizer is None
-        self.engine.arm_overlap(self._lightning_module.trainer, optimizer, self.overlap_optimizer == "auto", overlap)
-        if self.engine.tier is not None:  # a step over gradients already consumed is refused before it starts
-            closure = self.engine.tier.checked(closure)
-        start = time.perf_counter()
-        try:
-            output = super().optimizer_step(optimizer, planner.timed_closure(closure) if planner else closure, model, **kwargs)
-        finally:
-            self.engine.disarm_overlap()
-        if self.engine.tier is not None:  # the blocks: committed, or stepped from their spilled gradients
-            self.engine.tier.finish_step(optimizer)
-        self.share_stepped(optimizer)  # shard_optimizer: every block's new masters from its owner
-        stepped = time.perf_counter()
-        # The next forward must stream the weights this step produced.
-        self.engine.refresh(changed=(p for group in optimizer.param_groups for p in group["params"]))
-        if planner is not None:  # after the profiled steps, the engine takes the plan
-            planner.after_step(self, optimizer, stepped - start, time.perf_counter() - stepped)
-        return output
+        parent = super().optimizer_step
+        return self.streaming.optimizer_step(
+            self._lightning_module.trainer, optimizer, closure, lambda run: parent(optimizer, run, model, **kwargs)
+        )
 
     @property
     def plan(self) -> Optional[Plan]:
@@ -292,22 +271,18 @@ class SuperpipeStrategy(RanksStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._forward_only("validation_step", *args, **kwargs)
+        with self.streaming.forward_only():
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        return self._forward_only("test_step", *args, **kwargs)
+        with self.streaming.forward_only():
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward_only("predict_step", *args, **kwargs)
-
-    def _forward_only(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        self.engine.start_pass(training=False)
-        try:
-            return getattr(super(), step)(*args, **kwargs)
-        finally:
-            self.engine.finish_pass()
+        with self.streaming.forward_only():
+            return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -369,11 +344,11 @@ class SuperpipeStrategy(RanksStrategy):
         engine's figures (:meth:`StreamingEngine.memory_report`), ``param_bytes``, ``trainable_param_bytes``,
         ``optimizer_state_bytes``, ``streamed_stacks`` (e.g. ``['model.encoder.block: 2 x T5Block', ...]``),
         ``plan`` (with ``memory_budget``) and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it ended with."""
-        if self._engine is None and self._last_report is not None:
+        if self._streaming is None and self._last_report is not None:
             return dict(self._last_report)
         assert self.lightning_module is not None
-        params = list(self.lightning_module.parameters())
-        return strategy_report(self.engine, params, self.optimizers, self._streamed_stacks, self.plan, self.root_device)
+        params, streaming = list(self.lightning_module.parameters()), self.streaming
+        return strategy_report(streaming.engine, params, self.optimizers, streaming.stacks, self.plan, self.root_device)
 
     @classmethod
     @override

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -29,7 +28,6 @@ from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters,
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
     DiskTier,
-    ZeroGradHook,
     check_offload,
     check_training,
     disk_host_bytes,
@@ -47,7 +45,8 @@ from lightning_superpipe.streaming.distributed import (
     ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
-from lightning_superpipe.streaming.hooks import Hook, attach_hooks
+from lightning_superpipe.streaming.hooks import attach_hooks
+from lightning_superpipe.streaming.session import StreamingSession
 
 
 class EmptyInit(UnfilledNewTensors, _EmptyInit):
@@ -75,16 +74,6 @@ KNOBS = ("memory_budget", "resident_blocks", "prefetch", "activations", "overlap
          "offload_device", "offload_path", "host_buffer_bytes", "shard_optimizer")
 
 
-@dataclass
-class Streaming:
-    """What :func:`start_streaming` built: the engine, the hooks on the blocks, the planner, where the blocks are."""
-
-    engine: StreamingEngine
-    hooks: list[Hook]
-    planner: Optional[BudgetPlanner]
-    stacks: list[str]
-
-
 def start_streaming(
     model: nn.Module,
     device: torch.device,
@@ -110,7 +99,7 @@ def start_streaming(
     rank: int = 0,
     local_ranks: int = 1,
     node: Optional[NodeShare] = None,
-) -> Streaming:
+) -> StreamingSession:
     """Finds the blocks, checks the knobs, builds the homes and the engine, and hooks the blocks.
 
     Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
@@ -202,19 +191,7 @@ def start_streaming(
         engine.gradients.averager = GradientAverager(device, owners, node=node)
     if tier is not None and optimizer is not None:
         tier.manual_optimization = not trainer.lightning_module.automatic_optimization
-    return Streaming(engine, attach_hooks(engine, model, blocks), planner, stacks)
-
-
-def watch_zero_grad(engine: Optional[StreamingEngine], model: nn.Module, optimizers: Sequence[Any]) -> list[Hook]:
-    """Under the disk tier while fitting: the hook that tells the tier of the user's ``zero_grad`` calls, attached
-    (:class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`). ``optimizers``: the optimizer and Lightning's
-    wrappers of it, as ``LightningModule.optimizers()`` returns them once the precision plugin has connected (it
-    makes new wrappers)."""
-    if engine is None or engine.tier is None or not optimizers or not engine.tier.store.spills:
-        return []
-    hook = ZeroGradHook(engine.tier, model, optimizers)
-    hook.attach()
-    return [hook]
+    return StreamingSession(engine, attach_hooks(engine, model, blocks), planner, stacks, overlap_optimizer)
 
 
 def _or(value: Any, default: Any) -> Any:
