@@ -526,6 +526,23 @@ def test_manual_optimization_equals_plain_lightning_bitwise(tmp_path: Path) -> N
     assert models.max_relative_difference(plain, models.build_task("llama")) > 1e-3  # they trained
 
 
+def test_manual_optimization_under_a_gradient_scaler_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
+    """``16-mixed`` with a scale so large that the first steps overflow: the scaler skips them (the tier drops the
+    blocks' spilled gradients, the user's ``zero_grad`` follows) and lowers the scale, as on the host tier."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def run(strategy: Any) -> models.Task:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None,
+                       plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        build, kind = models.FAMILIES["llama"]
+        task = models.fit_task(lambda: _Manual(build, kind), strategy, models.data(kind), **options)
+        assert scaler.get_scale() < 2.0**24  # a step was skipped
+        return task
+
+    _assert_same(run(_disk(tmp_path / "tier")), run("superpipe"))
+
+
 @pytest.mark.parametrize("loop", ["accumulate", "skip"])
 def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp_path: Path, loop: str) -> None:
     """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled
