@@ -649,6 +649,18 @@ def test_what_the_tier_cannot_train_is_refused_with_the_users_call_before_traini
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
 
 
+def test_a_step_hook_for_every_optimizer_is_refused_too(tmp_path: Path) -> None:
+    """``register_optimizer_step_pre_hook`` (profilers use it) would run once per block as well."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        with pytest.raises(MisconfigurationException, match="the optimizer has step hooks, which would run once per"):
+            models.fit("llama", _disk(tmp_path / "tier"), max_steps=1)
+    finally:
+        handle.remove()
+
+
 def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_there(tmp_path: Path) -> None:
     """An overridden ``on_before_optimizer_step`` (e.g. logging gradient norms) gets one warning naming it; it sees
     the trunk's gradients and ``None`` for the blocks'. Without such a hook, no warning."""

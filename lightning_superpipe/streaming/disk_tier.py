@@ -60,7 +60,8 @@ from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.overlap import (
     OverlappedStep,
-    per_parameter_optimizers,
+    has_step_hooks,
+    per_parameter_optimizer_names,
     updates_each_parameter_alone,
 )
 
@@ -135,13 +136,12 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
     elif len(optimizers) != 1:
         refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
     elif not updates_each_parameter_alone(optimizers[0]):
-        names = ", ".join(cls.__name__ if cls.__module__.startswith("torch.") else f"{cls.__module__}.{cls.__name__}"
-                          for cls in per_parameter_optimizers())
         refusal = (
             f"{type(optimizers[0]).__name__} is not known to update each parameter on its own, and the tier steps"
-            f" block by block (supported: {names}, and subclasses of them that override only __init__)"
+            f" block by block (supported: {per_parameter_optimizer_names()}, and subclasses of them that override"
+            " only __init__)"
         )
-    elif optimizers[0]._optimizer_step_pre_hooks or optimizers[0]._optimizer_step_post_hooks:
+    elif has_step_hooks(optimizers[0]):
         refusal = "the optimizer has step hooks, which would run once per block"
     elif getattr(trainer.precision_plugin, "scaler", None) is not None and getattr(
         optimizers[0], "_step_supports_amp_scaling", False

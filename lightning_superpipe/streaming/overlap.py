@@ -41,14 +41,22 @@ PER_PARAMETER_OPTIMIZERS = tuple(
 )
 
 
+#: Where ``transformers`` keeps its optimizer that updates each parameter alone (``Adafactor``, which fine-tuning
+#: recipes use for its factored second moments).
+TRANSFORMERS_PER_PARAMETER = ("transformers.optimization", "Adafactor")
+
+
 def per_parameter_optimizers() -> tuple[type[Optimizer], ...]:
-    """:data:`PER_PARAMETER_OPTIMIZERS` and those of ``transformers`` that update each parameter alone (its
-    ``Adafactor``, which fine-tuning recipes use for its factored second moments), the latter only where
-    ``transformers.optimization`` is imported already (an optimizer of it in use imported it): a check never
-    imports ``transformers``."""
-    module = sys.modules.get("transformers.optimization")
-    adafactor = getattr(module, "Adafactor", None)
-    return PER_PARAMETER_OPTIMIZERS + ((adafactor,) if isinstance(adafactor, type) else ())
+    """:data:`PER_PARAMETER_OPTIMIZERS`, and :data:`TRANSFORMERS_PER_PARAMETER` where its module is imported already
+    (an optimizer of it in use imported it): a check never imports ``transformers``."""
+    module, name = TRANSFORMERS_PER_PARAMETER
+    found = getattr(sys.modules.get(module), name, None)
+    return PER_PARAMETER_OPTIMIZERS + ((found,) if isinstance(found, type) else ())
+
+
+def per_parameter_optimizer_names() -> str:
+    """Those optimizers' names, as error messages list them."""
+    return ", ".join([cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS] + [".".join(TRANSFORMERS_PER_PARAMETER)])
 
 
 #: What a subclass of a per-parameter optimizer may define and still update as its base does (its defaults).
@@ -102,9 +110,19 @@ def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool
         users += [c for c in trainer.callbacks if is_overridden(hook, c, Callback)]
         if users:
             return f"`{hook}` is overridden by {type(users[0]).__name__} and may read every gradient"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if has_step_hooks(optimizer):
         return "the optimizer has step hooks, which would run once per block"
     return None
+
+
+def has_step_hooks(optimizer: Optimizer) -> bool:
+    """Whether a step of ``optimizer`` runs hooks: its own, or those of every optimizer
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` and ``..._post_hook``). A step block by block would
+    run them once per block."""
+    from torch.optim import optimizer as optimizers
+
+    every = (getattr(optimizers, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or any(every))
 
 
 class OverlappedStep:
