@@ -118,6 +118,21 @@ class Task(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+def two_backwards_and_a_step(task: Task, batch: Any) -> None:
+    """A manual-optimization step as users write one: two backwards (half a batch each), clipping by norm 0.5 through
+    ``self.clip_gradients``, the step, the LR schedule (if any) stepped by hand, ``zero_grad``."""
+    optimizer = task.optimizers()
+    for half in batch[0].chunk(2):
+        loss = task((half,))
+        task.losses.append(loss.item())
+        task.manual_backward(loss / 2)
+    task.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+    optimizer.step()
+    if task.lr_schedulers() is not None:
+        task.lr_schedulers().step()
+    optimizer.zero_grad()
+
+
 def data(kind: str, batches: int = 24, batch_size: int = 4, seed: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(seed)
     n = batches * batch_size

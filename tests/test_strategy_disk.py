@@ -472,14 +472,7 @@ class _Manual(models.Task):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
         if self.loop == "halves":
-            for half in batch[0].chunk(2):
-                loss = self((half,))
-                self.losses.append(loss.item())
-                self.manual_backward(loss / 2)
-            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-            optimizer.step()
-            self.lr_schedulers().step()
-            optimizer.zero_grad()
+            models.two_backwards_and_a_step(self, batch)
         elif self.loop == "accumulate":
 
             def backward() -> None:

@@ -111,14 +111,7 @@ def test_manual_optimization_with_two_backwards_per_step() -> None:
             self.automatic_optimization = False
 
         def training_step(self, batch: Any, batch_idx: int) -> None:
-            optimizer = self.optimizers()
-            for half in batch[0].chunk(2):
-                loss = self((half,))
-                self.losses.append(loss.item())
-                self.manual_backward(loss / 2)
-            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-            optimizer.step()
-            optimizer.zero_grad()
+            models.two_backwards_and_a_step(self, batch)
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
