@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BaseFinetuning
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -131,6 +132,23 @@ def two_backwards_and_a_step(task: Task, batch: Any) -> None:
     if task.lr_schedulers() is not None:
         task.lr_schedulers().step()
     optimizer.zero_grad()
+
+
+class UnfreezeLayersAtEpochOne(BaseFinetuning):
+    """The usual transfer-learning schedule: train the head first, then the layers too."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.model.model.layers)
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: Any) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.model.layers, optimizer, lr=1e-2)
+
+
+class HeadFirstTask(Task):
+    def configure_optimizers(self) -> Any:  # UnfreezeLayersAtEpochOne adds the layers' group at epoch 1
+        head = [p for n, p in self.named_parameters() if ".layers." not in n]
+        return torch.optim.SGD(head, lr=self.lr, momentum=0.9)
 
 
 def data(kind: str, batches: int = 24, batch_size: int = 4, seed: int = 0) -> DataLoader:

@@ -536,6 +536,21 @@ def test_manual_optimization_under_a_gradient_scaler_equals_the_host_tier_bitwis
     _assert_same(run(_disk(tmp_path / "tier")), run("superpipe"))
 
 
+def test_base_finetuning_unfreezing_the_blocks_mid_run_equals_plain_lightning(tmp_path: Path) -> None:
+    """The blocks frozen first, then unfrozen into a new param group of the optimizer at epoch 1: the tier steps
+    them from then on, and sees the optimizer's zero_grad cover them."""
+    options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
+    plain, streamed = (
+        models.fit_task(lambda: models.HeadFirstTask(models.llama, "lm"), strategy, models.data("lm"),
+                        callbacks=[models.UnfreezeLayersAtEpochOne()], **options)
+        for strategy in ("auto", _disk(tmp_path / "tier"))
+    )
+    _assert_same(streamed, plain)
+    models.pl.seed_everything(7, verbose=False)
+    initial = models.HeadFirstTask(models.llama, "lm")
+    assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
+
+
 @pytest.mark.parametrize("loop", ["accumulate", "skip"])
 def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp_path: Path, loop: str) -> None:
     """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint
 from torch import nn
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
@@ -136,31 +136,14 @@ def test_a_checkpoint_saved_mid_run_holds_the_weights_of_that_step(tmp_path: Any
 # ---------------------------------------------------------------------------------------------------- flags
 
 
-class _UnfreezeAtEpochOne(BaseFinetuning):
-    """The usual transfer-learning schedule: train the head first, then the layers too."""
-
-    def freeze_before_training(self, pl_module: models.pl.LightningModule) -> None:
-        self.freeze(pl_module.model.model.layers)
-
-    def finetune_function(self, pl_module: models.pl.LightningModule, epoch: int, optimizer: Any) -> None:
-        if epoch == 1:
-            self.unfreeze_and_add_param_group(pl_module.model.model.layers, optimizer, lr=1e-2)
-
-
-class _HeadFirstTask(models.Task):
-    def configure_optimizers(self) -> Any:  # BaseFinetuning adds the layers' group at epoch 1
-        head = [p for n, p in self.named_parameters() if ".layers." not in n]
-        return torch.optim.SGD(head, lr=self.lr, momentum=0.9)
-
-
 def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
 
     models.pl.seed_everything(7, verbose=False)
-    initial = _HeadFirstTask(models.llama, "lm")
+    initial = models.HeadFirstTask(models.llama, "lm")
     plain, streamed = (
         models.fit_task(
-            lambda: _HeadFirstTask(models.llama, "lm"), s, models.data("lm"), callbacks=[_UnfreezeAtEpochOne()], **options
+            lambda: models.HeadFirstTask(models.llama, "lm"), s, models.data("lm"), callbacks=[models.UnfreezeLayersAtEpochOne()], **options
         )
         for s in _strategies()
     )

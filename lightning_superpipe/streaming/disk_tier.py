@@ -201,21 +201,27 @@ class ZeroGradHook:
 
     def __init__(self, tier: DiskTier, model: nn.Module, optimizers: Sequence[Any]) -> None:
         streamed = {p for params in tier.store.params for p in params}
-        params_of = [(o, [p for g in o.param_groups for p in g["params"] if p in streamed]) for o in optimizers]
-        params_of += [(m, [p for p in m.parameters() if p in streamed]) for m in model.modules()]
+        # An optimizer's groups are read at each call: BaseFinetuning adds the blocks' group mid-run.
+        targets: list[tuple[Any, Callable[[], Iterable[nn.Parameter]]]] = [
+            (o, lambda o=o: (p for group in o.param_groups for p in group["params"])) for o in optimizers
+        ]
+        for module in model.modules():
+            params = [p for p in module.parameters() if p in streamed]
+            if params:
+                targets.append((module, lambda params=params: params))
         self._tier = tier
-        self._targets = [(owner, params) for owner, params in params_of if params]
+        self._targets = targets
         self._wrappers: list[tuple[Any, Callable[..., Any]]] = []
 
     def attach(self) -> None:
         if self._wrappers:
             return
-        for owner, params in self._targets:
+        for owner, params_of in self._targets:
             original = owner.zero_grad
 
-            def zero_grad(*args: Any, original: Callable[..., Any] = original, params: list[nn.Parameter] = params,
-                          **kwargs: Any) -> Any:
-                self._tier.zero_grad(params)
+            def zero_grad(*args: Any, original: Callable[..., Any] = original,
+                          params_of: Callable[[], Iterable[nn.Parameter]] = params_of, **kwargs: Any) -> Any:
+                self._tier.zero_grad(params_of())
                 return original(*args, **kwargs)
 
             vars(owner)["zero_grad"] = zero_grad
