@@ -551,6 +551,49 @@ def test_base_finetuning_unfreezing_the_blocks_mid_run_equals_plain_lightning(tm
     assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
 
 
+class _StateDictAtStep2(models.pl.Callback):
+    """Takes ``state_dict()`` after the second step (and a clone of it); with ``load``, then loads one whose
+    embedding is zeroed."""
+
+    def __init__(self, load: bool = False) -> None:
+        self.load = load
+        self.taken: dict[str, torch.Tensor] = {}
+        self.cloned: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == 2 and not self.taken:
+            self.taken = pl_module.state_dict()
+            self.cloned = {key: value.clone() for key, value in self.taken.items()}
+            if self.load:
+                pl_module.load_state_dict({**self.cloned, "model.model.embed_tokens.weight": torch.zeros(96, 32)})
+
+
+def test_state_dict_during_the_run_holds_the_weights_of_that_step(tmp_path: Path) -> None:
+    """The block parameters hold placeholders during the run; ``state_dict()`` gives their committed values, mapped
+    from the files, bitwise plain Lightning's at that step, and they stay those values as training goes on (the
+    store writes those slots into new files)."""
+    plain, streamed = _StateDictAtStep2(), _StateDictAtStep2()
+    models.fit("llama", "auto", callbacks=[plain])
+    models.fit("llama", _disk(tmp_path / "tier"), callbacks=[streamed])
+    blocks = [key for key in plain.cloned if ".layers." in key]
+    assert blocks and plain.cloned.keys() == streamed.cloned.keys()
+    assert all(torch.equal(streamed.cloned[key], plain.cloned[key]) for key in plain.cloned)
+    assert all(torch.equal(streamed.taken[key], streamed.cloned[key]) for key in blocks)  # not rewritten under it
+    assert any(not torch.equal(plain.taken[key], plain.cloned[key]) for key in blocks)  # (plain's alias the params)
+
+
+def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:
+    callback = _StateDictAtStep2(load=True)
+    build, kind = models.FAMILIES["llama"]
+    models.pl.seed_everything(7, verbose=False)
+    task = models.Task(build, kind)
+    message = (r"load_state_dict during the run would write 'model\.model\.layers\.0\.[\w.]+', a block parameter"
+               r" whose values are in the tier's files .* Nothing was loaded\.$")
+    with pytest.raises(RuntimeError, match=message):
+        models.trainer(_disk(tmp_path / "tier"), callbacks=[callback]).fit(task, models.data(kind))
+    assert torch.equal(task.model.model.embed_tokens.weight, callback.cloned["model.model.embed_tokens.weight"])
+
+
 @pytest.mark.parametrize("loop", ["accumulate", "skip"])
 def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp_path: Path, loop: str) -> None:
     """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled

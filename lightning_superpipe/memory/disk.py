@@ -704,6 +704,11 @@ class _Files:
         #: A write's interval ends once it is durable (its ``fsync``, when asked for, included).
         self.intervals: Optional[list[tuple[str, float, float, int]]] = None
 
+    def hand_over(self, path: Path) -> None:
+        """``path`` is mapped by a reader now: it is never written again, a write makes a new file instead."""
+        with self._lock:
+            self._created.discard(path)
+
     def close(self) -> None:
         self._jobs.shutdown(wait=True)
         self._chunks.shutdown(wait=True)
@@ -1148,8 +1153,9 @@ class DiskStore:
     def map_masters(self, index: int) -> dict[str, Tensor]:
         """Block ``index``'s committed masters by name, as copy-on-write views of its committed file (a private
         ``mmap``): no host memory until read, and then page cache the kernel may reclaim; writing into them copies
-        the page and never reaches the file. No store writes into a file it did not create (:class:`_Files`), so the
-        views keep the committed values while the folder is reused or removed (an unlinked file lives while mapped).
+        the page and never reaches the file. No store writes into a file it did not create, or mapped so
+        (:class:`_Files`), so the views keep the committed values while this store steps on, or the folder is
+        reused or removed (an unlinked file lives while mapped).
 
         Raises:
             DiskTierError: The file is missing or shorter than its record.
@@ -1162,6 +1168,7 @@ class DiskStore:
         finally:
             os.close(fd)
         mapped = torch.from_file(str(path), shared=False, size=record.file_bytes, dtype=torch.uint8)
+        self.files.hand_over(path)  # this store too writes the slot into a new file from now on
         return {self.names[index][e.param]: e.view_of(mapped) for e in record.masters()}
 
     def read_block(self, index: int) -> BlockState:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -234,6 +235,58 @@ class ZeroGradHook:
         self._wrappers = []
 
 
+class BlockValuesHook:
+    """``state_dict()`` and ``load_state_dict()`` during the run, where the block parameters hold placeholders: a
+    state dict gets each block's committed masters, mapped copy-on-write from its file (no host memory until read;
+    the store writes that slot into a new file from then on, so the values stay those of the step the state dict
+    was taken at), and a load that would write block parameters is refused before anything is loaded (the tier's
+    files are the weights; loading into placeholders would fail deep inside torch, or be lost).
+
+    Hooks every module holding block parameters: the state-dict hook on their owners, the load pre-hook on every
+    module above them too, so that a load is refused at the module it was called on.
+    """
+
+    def __init__(self, tier: DiskTier, model: nn.Module) -> None:
+        self._tier = tier
+        streamed = set(tier._param_block)
+        self._owners = [(m, [(n, p) for n, p in m._parameters.items() if p in streamed]) for m in model.modules()]
+        self._owners = [(m, owned) for m, owned in self._owners if owned]
+        self._holders = [(m, [n for n, p in m.named_parameters() if p in streamed]) for m in model.modules()]
+        self._holders = [(m, names) for m, names in self._holders if names]
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for module, owned in self._owners:
+            self._handles.append(module.register_state_dict_post_hook(partial(self._committed, owned)))
+        for module, names in self._holders:
+            self._handles.append(module.register_load_state_dict_pre_hook(partial(self._refuse_load, names)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _committed(self, owned: list[tuple[str, nn.Parameter]], module: nn.Module, state_dict: dict[str, Any],
+                   prefix: str, local_metadata: Any) -> None:
+        for name, param in owned:
+            key = prefix + name
+            if key in state_dict and state_dict[key] is not param:  # keep_vars=True asks for the parameter itself
+                state_dict[key] = self._tier.committed_master(param)
+
+    def _refuse_load(self, names: list[str], module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                     *args: Any) -> None:
+        loaded = next((prefix + name for name in names if prefix + name in state_dict), None)
+        if loaded is not None:
+            raise RuntimeError(
+                f"SuperpipeStrategy(offload_device='disk'): load_state_dict during the run would write {loaded!r}, a"
+                " block parameter whose values are in the tier's files (the parameter holds a placeholder). Load"
+                " the weights before fit (or resume with trainer.fit(..., ckpt_path=...)), or after it, or use"
+                " offload_device='cpu'. Nothing was loaded."
+            )
+
+
 class DiskHome:
     """A block's home under the disk tier: the layout of :class:`~lightning_superpipe.memory.host.BlockHome` (one
     flat buffer, each parameter at its record offset), with the values in the store's files.
@@ -338,6 +391,7 @@ class DiskTier:
         # Parameters whose gradients a step consumed (the tier keeps none after it) and no zero_grad has zeroed since.
         self._consumed: set[nn.Parameter] = set()
         self._stepping: set[nn.Parameter] = set()  # those of the blocks stepped during this backward
+        self._mapped: dict[int, tuple[int, dict[str, Tensor]]] = {}  # block -> (step, masters mapped at that step)
         self._grad_scale: Optional[Tensor] = None
         self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
         self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
@@ -521,6 +575,16 @@ class DiskTier:
         self.store.spill_grads(index, grads, accumulate=self.store.spilled(index), wait=False, norms=norms)
         for param in params:
             param.grad = None
+
+    def committed_master(self, param: nn.Parameter) -> Tensor:
+        """``param``'s committed master (a block parameter), mapped from its block's file (:meth:`DiskStore.map_masters`,
+        once per block and committed step)."""
+        index = self._param_block[param]
+        cached = self._mapped.get(index)
+        if cached is None or cached[0] != self.store.step_count:
+            cached = self._mapped[index] = (self.store.step_count, self.store.map_masters(index))
+        position = next(i for i, p in enumerate(self.store.params[index]) if p is param)
+        return cached[1][self.store.names[index][position]]
 
     def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
         """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
@@ -754,6 +818,7 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        self._mapped = {}
         self.release_all()
         self.store.pool.close()
         try:

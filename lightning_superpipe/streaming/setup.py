@@ -27,6 +27,7 @@ from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
+    BlockValuesHook,
     DiskTier,
     check_offload,
     check_training,
@@ -189,9 +190,13 @@ def start_streaming(
         # Owners among the node's ranks (the same on every node) when they share the homes, else among all.
         owners = assign_owners(parts, node.local_size if node is not None else ranks) if shard_optimizer else None
         engine.gradients.averager = GradientAverager(device, owners, node=node)
-    if tier is not None and optimizer is not None:
-        tier.manual_optimization = not trainer.lightning_module.automatic_optimization
-    return StreamingSession(engine, attach_hooks(engine, model, blocks), planner, stacks, overlap_optimizer)
+    hooks = attach_hooks(engine, model, blocks)
+    if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
+        hooks.append(BlockValuesHook(tier, model))
+        hooks[-1].attach()
+        if optimizer is not None:
+            tier.manual_optimization = not trainer.lightning_module.automatic_optimization
+    return StreamingSession(engine, hooks, planner, stacks, overlap_optimizer)
 
 
 def _or(value: Any, default: Any) -> Any:
