@@ -577,8 +577,8 @@ class DiskTier:
             param.grad = None
 
     def committed_master(self, param: nn.Parameter) -> Tensor:
-        """``param``'s committed master (a block parameter), mapped from its block's file (:meth:`DiskStore.map_masters`,
-        once per block and committed step)."""
+        """``param``'s committed master (a block parameter), mapped from its block's file
+        (:meth:`DiskStore.map_masters`, once per block and committed step)."""
         index = self._param_block[param]
         cached = self._mapped.get(index)
         if cached is None or cached[0] != self.store.step_count:
