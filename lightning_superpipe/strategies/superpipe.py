@@ -300,6 +300,12 @@ class SuperpipeStrategy(RanksStrategy):
             tier.checkpoint_saved(checkpoint, filepath)
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        tier = self._engine.tier if self._engine is not None else None
+        with tier.placeholders_in_state_dict() if tier is not None else nullcontext():  # the files go beside
+            return super().lightning_module_state_dict()
+
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
         if self.offload_device == "disk" and self.is_global_zero:

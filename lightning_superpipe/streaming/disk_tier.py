@@ -35,7 +35,8 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -270,6 +271,8 @@ class BlockValuesHook:
 
     def _committed(self, owned: list[tuple[str, nn.Parameter]], module: nn.Module, state_dict: dict[str, Any],
                    prefix: str, local_metadata: Any) -> None:
+        if self._tier.checkpointing:
+            return
         for name, param in owned:
             key = prefix + name
             if key in state_dict and state_dict[key] is not param:  # keep_vars=True asks for the parameter itself
@@ -392,6 +395,8 @@ class DiskTier:
         self._consumed: set[nn.Parameter] = set()
         self._stepping: set[nn.Parameter] = set()  # those of the blocks stepped during this backward
         self._mapped: dict[int, tuple[int, dict[str, Tensor]]] = {}  # block -> (step, masters mapped at that step)
+        #: A checkpoint's state dict is being taken: the blocks' entries stay placeholders (the files go beside it).
+        self.checkpointing = False
         self._grad_scale: Optional[Tensor] = None
         self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
         self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
@@ -575,6 +580,16 @@ class DiskTier:
         self.store.spill_grads(index, grads, accumulate=self.store.spilled(index), wait=False, norms=norms)
         for param in params:
             param.grad = None
+
+    @contextmanager
+    def placeholders_in_state_dict(self) -> Iterator[None]:
+        """Around the state dict of a ``.ckpt``: its blocks' entries are dropped for the files linked beside it
+        (:meth:`add_to_checkpoint`), so they are not mapped (nor their slots handed over to readers)."""
+        self.checkpointing = True
+        try:
+            yield
+        finally:
+            self.checkpointing = False
 
     def committed_master(self, param: nn.Parameter) -> Tensor:
         """``param``'s committed master (a block parameter), mapped from its block's file
