@@ -143,7 +143,8 @@ def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
     initial = models.HeadFirstTask(models.llama, "lm")
     plain, streamed = (
         models.fit_task(
-            lambda: models.HeadFirstTask(models.llama, "lm"), s, models.data("lm"), callbacks=[models.UnfreezeLayersAtEpochOne()], **options
+            lambda: models.HeadFirstTask(models.llama, "lm"), s, models.data("lm"),
+            callbacks=[models.UnfreezeLayersAtEpochOne()], **options
         )
         for s in _strategies()
     )

@@ -121,7 +121,7 @@ def has_step_hooks(optimizer: Optimizer) -> bool:
     run them once per block."""
     from torch.optim import optimizer as optimizers
 
-    every = (getattr(optimizers, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))
+    every = (getattr(optimizers, f"_global_optimizer_{when}_hooks", None) for when in ("pre", "post"))
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or any(every))
 
 
