@@ -594,6 +594,37 @@ def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp
     assert torch.equal(task.model.model.embed_tokens.weight, callback.cloned["model.model.embed_tokens.weight"])
 
 
+@pytest.mark.parametrize(("precision", "optimizer"), [("bf16-true", "adamw"), ("16-true", "sgd")])
+def test_true_half_precision_trains_as_plain_lightning_on_both_tiers(
+    tmp_path: Path, precision: str, optimizer: str
+) -> None:
+    """``precision="bf16-true"``/``"16-true"``: the model, its masters on disk included, in half precision (clipping
+    by norm, accumulation 2). SGD for fp16: AdamW's eps underflows there and plain Lightning's losses turn NaN."""
+    options = dict(precision=precision, optimizer=optimizer)
+    plain = models.fit("llama", "auto", **options)
+    assert next(plain.parameters()).dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float16)
+    assert all(np.isfinite(plain.losses))
+    for strategy in ("superpipe", _disk(tmp_path / "tier")):
+        _assert_same(models.fit("llama", strategy, **options), plain)
+
+
+def test_an_accumulation_schedule_that_changes_between_epochs_equals_plain_lightning(tmp_path: Path) -> None:
+    """``GradientAccumulationScheduler``: one micro-batch a step (each block stepped during backward), then two (the
+    first spilled and added) from epoch 1."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    options = dict(accumulate_grad_batches=1, max_steps=-1, max_epochs=2, limit_train_batches=6,
+                   gradient_clip_val=None)
+    plain, streamed = (
+        models.fit("llama", strategy, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})], **options)
+        for strategy in ("auto", _disk(tmp_path / "tier"))
+    )
+    assert len(plain.losses) == 12
+    _assert_same(streamed, plain)
+    report = streamed.trainer.strategy.memory_report()
+    assert report["overlapped_block_steps"] == 3 * (6 + 3)  # 3 blocks: 6 steps in epoch 0, 3 in epoch 1
+
+
 @pytest.mark.parametrize("loop", ["accumulate", "skip"])
 def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp_path: Path, loop: str) -> None:
     """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled
