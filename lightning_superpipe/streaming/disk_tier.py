@@ -193,6 +193,12 @@ def gradient_readers(trainer: Any) -> list[str]:
     return found
 
 
+def _modules_holding(model: nn.Module, tier: DiskTier) -> list[tuple[nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """Each module of ``model`` that holds block parameters (its own or its submodules'), with them by name in it."""
+    held = [(m, [(n, p) for n, p in m.named_parameters() if p in tier._place]) for m in model.modules()]
+    return [(module, params) for module, params in held if params]
+
+
 class ZeroGradHook:
     """Tells the tier when the user zeroes gradients, which it must know because a block's gradients are in its
     files, not in ``.grad``: wraps ``zero_grad`` of the optimizer, of Lightning's wrapper of it (which calls
@@ -202,15 +208,13 @@ class ZeroGradHook:
     """
 
     def __init__(self, tier: DiskTier, model: nn.Module, optimizers: Sequence[Any]) -> None:
-        streamed = {p for params in tier.store.params for p in params}
         # An optimizer's groups are read at each call: BaseFinetuning adds the blocks' group mid-run.
         targets: list[tuple[Any, Callable[[], Iterable[nn.Parameter]]]] = [
             (o, lambda o=o: (p for group in o.param_groups for p in group["params"])) for o in optimizers
         ]
-        for module in model.modules():
-            params = [p for p in module.parameters() if p in streamed]
-            if params:
-                targets.append((module, lambda params=params: params))
+        for module, held in _modules_holding(model, tier):
+            params = [p for _, p in held]
+            targets.append((module, lambda params=params: params))
         self._tier = tier
         self._targets = targets
         self._wrappers: list[tuple[Any, Callable[..., Any]]] = []
@@ -249,11 +253,9 @@ class BlockValuesHook:
 
     def __init__(self, tier: DiskTier, model: nn.Module) -> None:
         self._tier = tier
-        streamed = set(tier._param_block)
-        self._owners = [(m, [(n, p) for n, p in m._parameters.items() if p in streamed]) for m in model.modules()]
+        self._owners = [(m, [(n, p) for n, p in m._parameters.items() if p in tier._place]) for m in model.modules()]
         self._owners = [(m, owned) for m, owned in self._owners if owned]
-        self._holders = [(m, [n for n, p in m.named_parameters() if p in streamed]) for m in model.modules()]
-        self._holders = [(m, names) for m, names in self._holders if names]
+        self._holders = [(m, [n for n, _ in held]) for m, held in _modules_holding(model, tier)]
         self._handles: list[Any] = []
 
     def attach(self) -> None:
@@ -377,7 +379,8 @@ class DiskTier:
             end = max(e.offset + _entry_aligned(e.nbytes) for e in entries)
             self.homes.append(DiskHome(index, params, [e.offset for e in entries], end,
                                        transfer_dtype or params[0].dtype, self))
-        self._param_block = {p: i for i, params in enumerate(block_params) for p in params}
+        #: Each block parameter's block and position in it (as the store lists them).
+        self._place = {p: (i, j) for i, params in enumerate(block_params) for j, p in enumerate(params)}
         self._lock = threading.Lock()
         self._ahead: dict[int, MasterLease] = {}
         self._in_flight: deque[tuple[Event, MasterLease]] = deque()
@@ -594,25 +597,27 @@ class DiskTier:
     def committed_master(self, param: nn.Parameter) -> Tensor:
         """``param``'s committed master (a block parameter), mapped from its block's file
         (:meth:`DiskStore.map_masters`, once per block and committed step)."""
-        index = self._param_block[param]
+        index = self._place[param][0]
         cached = self._mapped.get(index)
         if cached is None or cached[0] != self.store.step_count:
             cached = self._mapped[index] = (self.store.step_count, self.store.map_masters(index))
-        position = next(i for i, p in enumerate(self.store.params[index]) if p is param)
-        return cached[1][self.store.names[index][position]]
+        return cached[1][self._name(param)]
+
+    def _name(self, param: nn.Parameter) -> str:
+        index, position = self._place[param]
+        return self.store.names[index][position]
 
     def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
         """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
         :class:`ZeroGradHook`): what backward spilled of them is dropped, as ``.grad`` would be."""
-        by_block: dict[int, set[nn.Parameter]] = {}
+        by_block: dict[int, set[int]] = {}
         for param in params:
-            index = self._param_block.get(param)
-            if index is not None:
-                by_block.setdefault(index, set()).add(param)
-        for index, zeroed in by_block.items():
-            self._consumed -= zeroed
+            place = self._place.get(param)
+            if place is not None:
+                by_block.setdefault(place[0], set()).add(place[1])
+                self._consumed.discard(param)
+        for index, positions in by_block.items():
             if self.store.spilled(index):
-                positions = [i for i, p in enumerate(self.store.params[index]) if p in zeroed]
                 self.store.discard_grads(index, None if len(positions) == len(self.store.params[index]) else positions)
 
     def checked(self, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -628,11 +633,9 @@ class DiskTier:
         return closure_then_check
 
     def _not_zeroed(self, param: nn.Parameter, what: str) -> str:
-        index = self._param_block[param]
-        name = self.store.names[index][next(i for i, p in enumerate(self.store.params[index]) if p is param)]
         return (
             f"SuperpipeStrategy(offload_device='disk'): {what}, but no zero_grad came since the last optimizer step"
-            f" consumed the gradient of {name!r} (the tier keeps a block's gradients on disk only until the step"
+            f" consumed the gradient of {self._name(param)!r} (the tier keeps a block's gradients on disk only until the step"
             " that reads them). Call optimizer.zero_grad() between optimizer.step() and the next backward, as"
             " Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
         )
@@ -665,7 +668,7 @@ class DiskTier:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             trunk = [p for group in optimizer.param_groups for p in group["params"]
-                     if p not in self._param_block and p.grad is not None]
+                     if p not in self._place and p.grad is not None]
             if trunk:
                 torch.nn.utils.clip_grad_value_(trunk, clip_val)
             self._grad_clip_value = float(clip_val)
@@ -675,7 +678,7 @@ class DiskTier:
         trunk_grads: list[Tensor] = []
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param in self._param_block:
+                if param in self._place:
                     norm = block_norms.get(param)
                     if norm is not None:
                         if self._grad_unscale is not None:  # a power of two: the unscaled gradient's norm exactly
@@ -769,7 +772,7 @@ class DiskTier:
         from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(int(i) < len(params) and params[int(i)] in self._param_block for i in state.get("state", {})):
+        if any(int(i) < len(params) and params[int(i)] in self._place for i in state.get("state", {})):
             raise MisconfigurationException(
                 "This checkpoint was written with offload_device='cpu': it holds the blocks' optimizer state, which the"
                 " disk tier keeps in its files and cannot take from a .ckpt yet. Resume it with offload_device='cpu',"
