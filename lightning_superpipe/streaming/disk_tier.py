@@ -548,9 +548,10 @@ class DiskTier:
         when the overlapped step is armed, else spilled to disk; either way they leave host memory."""
         assert self.overlap is not None
         self._completed.add(index)
-        late = [p for p in self.store.params[index] if p.grad is not None and p in self._consumed]
-        if late:
-            raise RuntimeError(self._not_zeroed(late[0], "backward added to its gradient"))
+        if self._consumed:  # empty in Lightning's loop, which zeroes before each backward
+            late = [p for p in self.store.params[index] if p.grad is not None and p in self._consumed]
+            if late:
+                raise RuntimeError(self._not_zeroed(late[0], "backward added to its gradient"))
         if self.overlap.armed:  # stepped now: the gradients are consumed once the step is done
             self._stepping.update(p for p in self.store.params[index] if p.grad is not None)
             self._stepping.update(self.store.spilled_params(index))
