@@ -37,6 +37,12 @@ from lightning_superpipe.planning.planner import BudgetPlanner
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
+from lightning_superpipe.streaming.checkpoints import (
+    blocks_left_to_files,
+    load_model_state,
+    load_optimizer_states,
+    tier_files_beside,
+)
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -230,11 +236,8 @@ class SuperpipeStrategy(RanksStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.streaming.start_training_step()
         output = super().training_step(*args, **kwargs)
-        # Straight from the ledger: the full report walks every parameter and optimizer state.
-        ledger = self.engine.ledger
         assert self.lightning_module is not None
-        for key, value in (("device_bytes", ledger.total_bytes), ("peak_device_bytes", ledger.peak_bytes)):
-            self.lightning_module.log(f"superpipe/{key}", float(value), on_step=True, on_epoch=False)
+        self.streaming.log_device_bytes(self.lightning_module)
         return output
 
     @override
@@ -292,17 +295,12 @@ class SuperpipeStrategy(RanksStrategy):
     ) -> None:
         self.add_rng_states(checkpoint)
         # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
-        tier = self._engine.tier if self._engine is not None and self.is_global_zero else None
-        if tier is not None:  # the files first: a .ckpt implies them
-            tier.add_to_checkpoint(checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if tier is not None:  # the .ckpt is in place: older copies go
-            tier.checkpoint_saved(checkpoint, filepath)
+        with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        tier = self._engine.tier if self._engine is not None else None
-        with tier.placeholders_in_state_dict() if tier is not None else nullcontext():  # the files go beside
+        with blocks_left_to_files(self._engine):
             return super().lightning_module_state_dict()
 
     @override
@@ -322,26 +320,13 @@ class SuperpipeStrategy(RanksStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        if self._deferred is not None:  # what the checkpoint holds is not initialized later
-            held = self.lightning_module.state_dict(keep_vars=True)
-            self._deferred.discard(held[name] for name in checkpoint["state_dict"] if name in held)
-        if disk_tier.DISK_KEY in checkpoint:  # the blocks come from the tier's files when streaming starts
-            disk_tier.load_state_dict(self.lightning_module, checkpoint, strict, self._engine is not None)
-            return
-        if self._engine is not None:
-            self._engine.copier.synchronize()  # no copy may still be reading the masters about to change
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if self._engine is not None:
-            self._engine.refresh()
+        parent = super().load_model_state_dict
+        load_model_state(self.lightning_module, checkpoint, strict, self._engine, self._deferred,
+                         lambda state, strict: parent(state, strict=strict))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # The parent moves optimizer state to the device; here it stays with the host parameters.
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._engine is not None and self._engine.tier is not None and disk_tier.DISK_KEY not in checkpoint:
-                self._engine.tier.check_optimizer_state(optimizer, state)
-            optimizer.load_state_dict(state)
-            self.keep_own_optimizer_state(optimizer)  # shard_optimizer: this rank's share only
+        load_optimizer_states(self.optimizers, checkpoint, self._engine, self.keep_own_optimizer_state)
 
     # ------------------------------------------------------------------ memory report
 
