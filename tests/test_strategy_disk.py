@@ -396,30 +396,40 @@ def test_after_a_run_the_blocks_map_their_committed_files_and_no_later_run_write
     assert torch.equal(weight, expected["mlp.down_proj.weight"])
 
 
-def test_after_a_run_save_safetensors_exports_the_trained_model_and_refuses_while_it_streams(tmp_path: Path) -> None:
-    """The way to a file for inference: after ``fit`` the parameters are views of the tier's files and
-    ``save_safetensors`` writes them one at a time; inside the run they are placeholders, which it refuses."""
+def test_save_safetensors_exports_the_model_during_the_run_and_after_it(tmp_path: Path) -> None:
+    """The way to a file for inference: during the run (a callback at step 2) the blocks hold placeholders and
+    ``save_safetensors`` writes their committed values, mapped from the tier's files: bitwise plain Lightning's
+    weights at that step; after ``fit`` the parameters are views of the files, written one at a time."""
     from safetensors.torch import load_file
 
     from lightning_superpipe import save_safetensors
 
-    class SaveInside(models.pl.Callback):
-        error: ValueError | None = None
-
+    class SaveAtStep2(models.pl.Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            if self.error is None:
-                try:
-                    save_safetensors(pl_module.model, tmp_path / "inside.safetensors")
-                except ValueError as error:
-                    self.error = error
+            if trainer.global_step == 2:
+                save_safetensors(pl_module, tmp_path / "inside.safetensors")
 
-    inside = SaveInside()
-    task = models.fit("llama", _disk(tmp_path / "tier"), callbacks=[inside])
-    assert "holds no values" in str(inside.error) and not (tmp_path / "inside.safetensors").exists()
+    plain = _StateDictAtStep2()
+    models.fit("llama", "auto", callbacks=[plain])
+    task = models.fit("llama", _disk(tmp_path / "tier"), callbacks=[SaveAtStep2()])
+    inside = load_file(tmp_path / "inside.safetensors")
+    blocks = [key for key in inside if ".layers." in key]
+    assert blocks and inside.keys() == plain.cloned.keys()
+    assert all(torch.equal(inside[key], plain.cloned[key]) for key in plain.cloned)
+    assert any(not torch.equal(inside[key], task.state_dict()[key]) for key in blocks)  # trained on after step 2
     save_safetensors(task.model, tmp_path / "model.safetensors")
     written, state = load_file(tmp_path / "model.safetensors"), task.model.state_dict()
     assert written.keys() == state.keys() and all(torch.equal(written[k], state[k]) for k in state)
     _assert_same(task, models.fit("llama", "superpipe"))  # the weights trained are the host tier's
+
+
+def test_save_safetensors_refuses_a_placeholder_outside_a_run() -> None:
+    from lightning_superpipe import save_safetensors
+
+    module = torch.nn.Linear(4, 3)
+    module.weight = torch.nn.Parameter(torch.zeros(()).expand(3, 4))  # what the tier's placeholders are
+    with pytest.raises(ValueError, match=r"save_safetensors: weight holds no values"):
+        save_safetensors(module, "never-written.safetensors")
 
 
 def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(

@@ -316,7 +316,9 @@ def save_safetensors(
     """Writes ``module``'s state dict as one safetensors file, one tensor at a time (``safetensors``' own writer holds
     every tensor's bytes at once), so that a model larger than host memory is exported for inference without being
     gathered: after a run on the disk tier its parameters are views of the tier's files, read page by page here, and
-    each tensor's pages are given back once written (:class:`~lightning_superpipe.memory.disk.MappedFiles`).
+    each tensor's pages are given back once written (:class:`~lightning_superpipe.memory.disk.MappedFiles`); during
+    the run (a callback exporting every few steps) the blocks' committed values are written the same way, mapped
+    from the tier's files: those of the last step committed.
     A tensor that is an earlier name's (tied weights) is written once, under its first name, as ``save_pretrained``
     writes it and :func:`load_safetensors` and ``from_pretrained`` read it. ``dtype`` casts the floating-point
     tensors (e.g. ``torch.bfloat16`` for inference).
@@ -325,20 +327,27 @@ def save_safetensors(
         The names left out as another name's tensor.
 
     Raises:
-        ValueError: A tensor holds no values (on the meta device, or a disk tier's placeholder while it runs).
+        ValueError: A tensor holds no values (on the meta device, or a disk tier's placeholder outside its run).
         DiskTierError: Writing the file failed (it names the file; nothing is left half-written).
     """
     from lightning_superpipe.memory.disk import MappedFiles, write_safetensors
 
     layout, tensors, aliases = [], [], []
     seen: set[tuple[Any, ...]] = set()
+    committed: Optional[dict[str, Tensor]] = None
+    # The parameters themselves (keep_vars), so that tied ones are found by their storage.
     for name, tensor in module.state_dict(keep_vars=True).items():
-        # A parameter whose storage is smaller than its elements is a broadcast placeholder (the disk tier's).
-        placeholder = isinstance(tensor, nn.Parameter) and tensor.untyped_storage().nbytes() < tensor.nbytes
+        placeholder = isinstance(tensor, nn.Parameter) and _placeholder(tensor)
+        if placeholder:
+            # A disk tier's block parameter during its run: the plain state dict holds its committed value there,
+            # mapped from the tier's file (its state-dict hook), tied parameters one mapping alike.
+            committed = module.state_dict() if committed is None else committed
+            tensor = committed[name]
+            placeholder = _placeholder(tensor)
         if tensor.device.type == "meta" or placeholder:
             raise ValueError(
                 f"save_safetensors: {name} holds no values (a tensor on the meta device, or a placeholder of the disk"
-                " tier while it streams); save the model after `Trainer.fit` returns, or from a checkpoint."
+                " tier outside its run); save the model from a module that holds its weights, or from a checkpoint."
             )
         view = (_storage_key(tensor), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if view in seen:
@@ -351,6 +360,11 @@ def save_safetensors(
     # the peak resident set was 0.66 GB instead of 1.52 GB.
     write_safetensors(path, layout, tensors, dtype, written=MappedFiles().release)
     return aliases
+
+
+def _placeholder(tensor: Tensor) -> bool:
+    """A tensor whose storage is smaller than its elements: broadcast (for a parameter, the disk tier's placeholder)."""
+    return tensor.device.type != "meta" and tensor.untyped_storage().nbytes() < tensor.nbytes
 
 
 def _model_names(module: nn.Module, keys: list[str], targets: Mapping[str, Tensor]) -> tuple[dict[str, str], list[str]]:
