@@ -161,8 +161,8 @@ def test_save_safetensors_refuses_tensors_without_values_and_leaves_no_file_when
     with pytest.raises(ValueError, match="weight holds no values"):
         save_safetensors(meta, tmp_path / "meta.safetensors")
     parked = nn.Linear(4, 4)
-    parked.weight.data = torch.zeros(()).expand(4, 4)  # what the disk tier's parameters hold while it streams
-    with pytest.raises(ValueError, match=r"weight holds no values .* after `Trainer.fit` returns"):
+    parked.weight.data = torch.zeros(()).expand(4, 4)  # a disk tier's placeholder, outside its run (no hook)
+    with pytest.raises(ValueError, match=r"weight holds no values .* placeholder of the disk tier outside its run"):
         save_safetensors(parked, tmp_path / "parked.safetensors")
     with pytest.raises(DiskTierError, match="missing"):
         save_safetensors(nn.Linear(4, 4), tmp_path / "missing" / "model.safetensors")

@@ -423,15 +423,6 @@ def test_save_safetensors_exports_the_model_during_the_run_and_after_it(tmp_path
     _assert_same(task, models.fit("llama", "superpipe"))  # the weights trained are the host tier's
 
 
-def test_save_safetensors_refuses_a_placeholder_outside_a_run() -> None:
-    from lightning_superpipe import save_safetensors
-
-    module = torch.nn.Linear(4, 3)
-    module.weight = torch.nn.Parameter(torch.zeros(()).expand(3, 4))  # what the tier's placeholders are
-    with pytest.raises(ValueError, match=r"save_safetensors: weight holds no values"):
-        save_safetensors(module, "never-written.safetensors")
-
-
 def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -590,6 +581,22 @@ def test_state_dict_during_the_run_holds_the_weights_of_that_step(tmp_path: Path
     assert all(torch.equal(streamed.cloned[key], plain.cloned[key]) for key in plain.cloned)
     assert all(torch.equal(streamed.taken[key], streamed.cloned[key]) for key in blocks)  # not rewritten under it
     assert any(not torch.equal(plain.taken[key], plain.cloned[key]) for key in blocks)  # (plain's alias the params)
+
+
+def test_a_block_parameter_read_directly_during_the_run_is_nan_not_plausible_zeros(tmp_path: Path) -> None:
+    """A callback reading a block parameter's values itself gets the placeholder's NaN (its values are in the files;
+    ``state_dict()`` gives them), the trunk's parameters their values."""
+    class ReadWeights(models.pl.Callback):
+        block = trunk = torch.empty(0)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            self.block = pl_module.model.model.layers[0].mlp.down_proj.weight.detach().clone()
+            self.trunk = pl_module.model.model.embed_tokens.weight.detach().clone()
+
+    read = ReadWeights()
+    models.fit("llama", _disk(tmp_path / "tier"), callbacks=[read], max_steps=2)
+    assert read.block.numel() and bool(read.block.isnan().all())
+    assert bool(read.trunk.isfinite().all())
 
 
 def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:

@@ -1685,8 +1685,11 @@ def _grad_name(index: int) -> str:
 
 
 def _park(param: nn.Parameter) -> None:
-    """Points ``param`` at a placeholder of its shape and dtype that holds no memory (its value is on disk)."""
-    param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
+    """Points ``param`` at a placeholder of its shape and dtype that holds no memory (its value is on disk): NaN
+    where the dtype has it, so that code reading the parameter's values during the run (a callback logging weight
+    norms) gets NaN, not plausible zeros (``state_dict()`` gives the values)."""
+    fill = float("nan") if param.dtype.is_floating_point or param.dtype.is_complex else 0
+    param.data = torch.full((), fill, dtype=param.dtype).expand(param.shape)
 
 
 def _own_state(optimizer: Optional[Optimizer], param: nn.Parameter) -> dict[str, Any]:
