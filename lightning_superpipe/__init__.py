@@ -11,8 +11,9 @@ from lightning_superpipe.moe import PagedMoECallback
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
+from lightning_superpipe.streaming.overlap import register_per_parameter_optimizer
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy", "generate", "load_safetensors",
-           "save_safetensors"]
+           "register_per_parameter_optimizer", "save_safetensors"]

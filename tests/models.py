@@ -56,6 +56,37 @@ def sequential(dropout: float = 0.1) -> nn.Module:
     return nn.Sequential(nn.Linear(12, 24), nn.Sequential(*[block() for _ in range(4)]), nn.Linear(24, 3))
 
 
+class Lion(torch.optim.Optimizer):
+    """The Lion optimizer (Chen et al., 2023: the sign of an interpolated momentum, decoupled weight decay), as
+    third-party packages write one: an optimizer the strategy does not know, for
+    :func:`lightning_superpipe.register_per_parameter_optimizer`."""
+
+    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                exp_avg = state["exp_avg"]
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add_(param.grad, alpha=1 - beta1).sign_()
+                param.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(param.grad, alpha=1 - beta2)
+        return loss
+
+
 class Task(pl.LightningModule):
     """Trains ``model`` on a fixed batch stream and records every loss it sees.
 
@@ -63,7 +94,7 @@ class Task(pl.LightningModule):
         build: Builds the model (called under the seed the test set).
         kind: ``"lm"`` (causal LM on token ids), ``"image"`` (classification of images) or ``"vector"``.
         optimizer: ``"adamw"`` (a for-loop), ``"adamw-fused"``, ``"sgd"``, ``"transformers-adafactor"`` (its
-            defaults, two groups), or the name of another class of ``torch.optim`` (its defaults, ``lr``, two groups,
+            defaults, two groups), ``"lion"`` (:class:`Lion`, two groups, a warm-up), or the name of another class of ``torch.optim`` (its defaults, ``lr``, two groups,
             a warm-up).
     """
 
@@ -106,7 +137,9 @@ class Task(pl.LightningModule):
             from transformers.optimization import Adafactor
 
             return Adafactor([{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=None)
-        if hasattr(torch.optim, self.optimizer_name):
+        if self.optimizer_name == "lion":
+            optimizer = Lion([{"params": decay, "weight_decay": 0.1}, {"params": no_decay}], lr=self.lr / 10)
+        elif hasattr(torch.optim, self.optimizer_name):
             optimizer = getattr(torch.optim, self.optimizer_name)(
                 [{"params": decay, "weight_decay": 0.01}, {"params": no_decay}], lr=self.lr
             )

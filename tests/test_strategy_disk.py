@@ -122,6 +122,34 @@ def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_ligh
     assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
 
 
+def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lion as a third-party package writes it (``models.Lion``): refused by the disk tier, with the way out, and not
+    overlapped by the host tier until registered; registered, stepped from disk after backward (clipping: spilled
+    gradients) and during backward, bitwise plain Lightning."""
+    from lightning_superpipe import register_per_parameter_optimizer
+    from lightning_superpipe.streaming import overlap
+
+    monkeypatch.setattr(overlap, "REGISTERED_PER_PARAMETER", [])
+    during: dict[str, Any] = dict(optimizer="lion", gradient_clip_val=None)
+    with pytest.raises(MisconfigurationException, match=r"Lion is not known .* lightning_superpipe\.register_per_parameter_optimizer\(Lion\)"):
+        models.fit("llama", _disk(tmp_path / "refused"), **during)
+    unregistered = models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **during)
+    assert unregistered.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
+    assert register_per_parameter_optimizer(models.Lion) is models.Lion
+    for options in (dict(optimizer="lion"), during):
+        plain = models.fit("llama", "auto", **options)
+        assert models.max_relative_difference(plain, models.build_task("llama")) > 1e-3  # it trained
+        for strategy in (_disk(tmp_path / str(len(options))), SuperpipeStrategy(overlap_optimizer=True)):
+            streamed = models.fit("llama", strategy, **options)
+            assert models.max_relative_difference(streamed, plain) == 0.0
+            overlapped = streamed.trainer.strategy.memory_report()["overlapped_block_steps"]
+            assert overlapped == (3 * 10 if options is during else 0)
+    with pytest.raises(TypeError, match=r"register_per_parameter_optimizer\('object'\): expected a subclass"):
+        register_per_parameter_optimizer(object)  # type: ignore[arg-type]
+
+
 class _DefaultsAdamW(torch.optim.AdamW):
     """A user's AdamW with defaults of its own: the update is AdamW's."""
 
@@ -723,7 +751,9 @@ def _refusal_cases() -> list[Any]:
                      call + r"the callback StochasticWeightAveraging is not supported", id="swa"),
         pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
                      r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, transformers\.optimization\.Adafactor,"
-                     r" and subclasses of them that override only __init__\)", id="own-optimizer"),
+                     r" and subclasses of them that override only __init__; if it updates each parameter from that"
+                     r" parameter's gradient and state alone, declare it with"
+                     r" lightning_superpipe\.register_per_parameter_optimizer\(_OwnSGD\)\)", id="own-optimizer"),
         pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
         pytest.param(_Fused, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
                      call + r"AdamW unscales the gradients inside its step under a gradient scaler", id="16-mixed-fused"),

@@ -61,6 +61,7 @@ from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.overlap import (
+    REGISTER_HINT,
     OverlappedStep,
     has_step_hooks,
     per_parameter_optimizer_names,
@@ -138,10 +139,11 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
     elif len(optimizers) != 1:
         refusal = f"one optimizer is supported, configure_optimizers returned {len(optimizers)}"
     elif not updates_each_parameter_alone(optimizers[0]):
+        name = type(optimizers[0]).__name__
         refusal = (
-            f"{type(optimizers[0]).__name__} is not known to update each parameter on its own, and the tier steps"
-            f" block by block (supported: {per_parameter_optimizer_names()}, and subclasses of them that override"
-            " only __init__)"
+            f"{name} is not known to update each parameter on its own, and the tier steps block by block (supported:"
+            f" {per_parameter_optimizer_names()}, and subclasses of them that override only __init__; "
+            f"{REGISTER_HINT.format(name=name)})"
         )
     elif has_step_hooks(optimizers[0]):
         refusal = "the optimizer has step hooks, which would run once per block"

@@ -46,17 +46,52 @@ PER_PARAMETER_OPTIMIZERS = tuple(
 TRANSFORMERS_PER_PARAMETER = ("transformers.optimization", "Adafactor")
 
 
+#: Optimizer classes the user declared per-parameter (:func:`register_per_parameter_optimizer`).
+REGISTERED_PER_PARAMETER: list[type[Optimizer]] = []
+
+
+def register_per_parameter_optimizer(optimizer_class: type[Optimizer]) -> type[Optimizer]:
+    """Declares that ``optimizer_class`` updates each parameter from that parameter's gradient and state alone (as
+    Lion, or an 8-bit Adam, do), so that the overlapped step and the disk tier may step it block by block, as they
+    step the optimizers of :data:`PER_PARAMETER_OPTIMIZERS`; its subclasses that override only ``__init__`` too.
+    The caller vouches for it: an optimizer whose update mixes parameters (a global norm, a shared trust ratio)
+    would train differently. Returns the class, so that it also serves as a class decorator.
+
+    Raises:
+        TypeError: ``optimizer_class`` is not a subclass of ``torch.optim.Optimizer``, or it is ``LBFGS`` (its step
+            re-evaluates the closure over every parameter).
+    """
+    call = f"register_per_parameter_optimizer({getattr(optimizer_class, '__name__', optimizer_class)!r})"
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(f"{call}: expected a subclass of torch.optim.Optimizer.")
+    if issubclass(optimizer_class, torch.optim.LBFGS):
+        raise TypeError(f"{call}: LBFGS re-evaluates its closure over every parameter in one step.")
+    if optimizer_class not in REGISTERED_PER_PARAMETER:
+        REGISTERED_PER_PARAMETER.append(optimizer_class)
+    return optimizer_class
+
+
 def per_parameter_optimizers() -> tuple[type[Optimizer], ...]:
-    """:data:`PER_PARAMETER_OPTIMIZERS`, and :data:`TRANSFORMERS_PER_PARAMETER` where its module is imported already
-    (an optimizer of it in use imported it): a check never imports ``transformers``."""
+    """:data:`PER_PARAMETER_OPTIMIZERS`, :data:`TRANSFORMERS_PER_PARAMETER` where its module is imported already (an
+    optimizer of it in use imported it: a check never imports ``transformers``), and the classes registered with
+    :func:`register_per_parameter_optimizer`."""
     module, name = TRANSFORMERS_PER_PARAMETER
     found = getattr(sys.modules.get(module), name, None)
-    return PER_PARAMETER_OPTIMIZERS + ((found,) if isinstance(found, type) else ())
+    return PER_PARAMETER_OPTIMIZERS + ((found,) if isinstance(found, type) else ()) + tuple(REGISTERED_PER_PARAMETER)
 
 
 def per_parameter_optimizer_names() -> str:
     """Those optimizers' names, as error messages list them."""
-    return ", ".join([cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS] + [".".join(TRANSFORMERS_PER_PARAMETER)])
+    registered = [cls.__name__ for cls in REGISTERED_PER_PARAMETER]
+    return ", ".join([cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS] + [".".join(TRANSFORMERS_PER_PARAMETER)]
+                     + registered)
+
+
+#: What an error says to do about an optimizer it does not know.
+REGISTER_HINT = (
+    "if it updates each parameter from that parameter's gradient and state alone, declare it with"
+    " lightning_superpipe.register_per_parameter_optimizer({name})"
+)
 
 
 #: What a subclass of a per-parameter optimizer may define and still update as its base does (its defaults).
@@ -100,7 +135,8 @@ def overlap_refusal(trainer: Any, optimizer: Optimizer, only_where_it_pays: bool
     if not module.automatic_optimization:
         return "manual optimization steps after its backward"
     if not updates_each_parameter_alone(optimizer):
-        return f"{type(optimizer).__name__} is not known to update each parameter on its own"
+        name = type(optimizer).__name__
+        return f"{name} is not known to update each parameter on its own ({REGISTER_HINT.format(name=name)})"
     if trainer.gradient_clip_val or is_overridden("configure_gradient_clipping", module, LightningModule):
         return "gradient clipping needs every gradient before any parameter moves"
     if getattr(trainer.precision_plugin, "scaler", None) is not None:
