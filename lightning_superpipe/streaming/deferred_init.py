@@ -340,11 +340,11 @@ def save_safetensors(
         placeholder = isinstance(tensor, nn.Parameter) and _placeholder(tensor)
         if placeholder:
             # A disk tier's block parameter during its run: the plain state dict holds its committed value there,
-            # mapped from the tier's file (its state-dict hook), tied parameters one mapping alike.
+            # mapped from the tier's file (its state-dict hook), tied parameters one mapping alike; outside a run,
+            # the placeholder again.
             committed = module.state_dict() if committed is None else committed
             tensor = committed[name]
-            placeholder = _placeholder(tensor)
-        if tensor.device.type == "meta" or placeholder:
+        if tensor.device.type == "meta" or (placeholder and _placeholder(tensor)):
             raise ValueError(
                 f"save_safetensors: {name} holds no values (a tensor on the meta device, or a placeholder of the disk"
                 " tier outside its run); save the model from a module that holds its weights, or from a checkpoint."

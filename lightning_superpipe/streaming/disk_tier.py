@@ -555,8 +555,8 @@ class DiskTier:
             if late:
                 raise RuntimeError(self._not_zeroed(late[0], "backward added to its gradient"))
         if self.overlap.armed:  # stepped now: the gradients are consumed once the step is done
+            # (what earlier micro-batches spilled of them, finish_step counts with every block's spilled gradients)
             self._stepping.update(p for p in self.store.params[index] if p.grad is not None)
-            self._stepping.update(self.store.spilled_params(index))
             self.overlap.block_done(index)
         else:
             self._spill(index, norms=self.last_micro_batch or self.manual_optimization)

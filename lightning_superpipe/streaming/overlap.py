@@ -82,9 +82,9 @@ def per_parameter_optimizers() -> tuple[type[Optimizer], ...]:
 
 def per_parameter_optimizer_names() -> str:
     """Those optimizers' names, as error messages list them."""
+    torch_names = [cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS]
     registered = [cls.__name__ for cls in REGISTERED_PER_PARAMETER]
-    return ", ".join([cls.__name__ for cls in PER_PARAMETER_OPTIMIZERS] + [".".join(TRANSFORMERS_PER_PARAMETER)]
-                     + registered)
+    return ", ".join([*torch_names, ".".join(TRANSFORMERS_PER_PARAMETER), *registered])
 
 
 #: What an error says to do about an optimizer it does not know.
