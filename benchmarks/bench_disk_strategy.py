@@ -148,7 +148,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             self._began = 0.0
 
         def _files(self, trainer: pl.Trainer) -> Any:
-            tier = trainer.strategy._engine.tier  # the disk tier's writer keeps (kind, start, end, bytes) per file
+            tier = trainer.strategy._engine.home_kind  # the disk tier's writer keeps (kind, start, end, bytes) per file
             return None if tier is None else tier.store.files
 
         def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -156,7 +156,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             self.cleared = reset_peak_rss()
             files = self._files(trainer)
             self.direct_io = None if files is None else files.direct
-            tier = trainer.strategy._engine.tier
+            tier = trainer.strategy._engine.home_kind
             if tier is not None:  # time the optimizer step after backward (the blocks stepped from disk)
                 finish_step = tier.finish_step
 
@@ -177,7 +177,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             files = self._files(trainer)
             if files is not None:
                 files.intervals = []
-                self._clock_began = trainer.strategy._engine.tier.store.io_seconds()
+                self._clock_began = trainer.strategy._engine.home_kind.store.io_seconds()
             self._began = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
@@ -186,7 +186,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             files = self._files(trainer)
             if files is not None:
                 self.io.append(list(files.intervals))
-                now = trainer.strategy._engine.tier.store.io_seconds()
+                now = trainer.strategy._engine.home_kind.store.io_seconds()
                 self.clock.append({k: now[k] - self._clock_began[k] for k in now})
 
     callbacks: list[pl.Callback] = [probe := Probe()]

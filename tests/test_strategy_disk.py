@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,7 @@ class _PoisonOneBlock(models.pl.Callback):
         if trainer.global_step != 3 or trainer.fit_loop._should_accumulate():  # the last micro-batch of step 3
             return
         param = next(module.model.model.layers[1].parameters())
-        tier = trainer.strategy.engine.tier
+        tier = disk_tier.disk_tier_of(trainer.strategy.engine)
         if tier is None:
             param.grad.view(-1)[0] = float("inf")
             return
@@ -461,7 +462,7 @@ def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     assert source.count(old) == 1, "the mutation no longer applies: update it"
     body = "\n".join(line[4:] for line in source.replace(old, new).splitlines())
     namespace: dict[str, Any] = {}
-    exec(compile(body, "<mutated copy_in>", "exec"), vars(disk_tier), namespace)
+    exec(compile(body, "<mutated copy_in>", "exec"), vars(sys.modules[disk_tier.DiskTier.__module__]), namespace)
     monkeypatch.setattr(disk_tier.DiskTier, "copy_in", namespace["copy_in"])
     with pytest.raises(OrderingViolation, match="while it was in flight"):
         strategy = _disk(tmp_path / "tier", resident_blocks=0, link=EmulatedLink(mode="lazy", seed=1))

@@ -13,69 +13,53 @@ same pages, so a node holds one copy of the blocks whatever its number of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_superpipe.memory.home import (
+    ALIGNMENT,
+    DeviceLayout,
+    Event,
+    Homes,
+    Link,
+    ParamSlice,
+    aligned,
+    device_layout,
+)
+from lightning_superpipe.memory.host_memory import (
+    HostMemoryError,
+    available_host_bytes,
+    check_host_memory,
+    rss_bytes,
+    shared_rss_bytes,
+)
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
-from lightning_superpipe.units import format_bytes
 
-
-class HostMemoryError(MemoryError):
-    """Raised before pinning when the host lacks the memory a run needs, instead of an out-of-memory kill."""
-
-
-@dataclass(frozen=True)
-class ParamSlice:
-    """Where one parameter sits inside its block's flat buffers."""
-
-    param: nn.Parameter
-    offset: int
-    numel: int
-    shape: torch.Size
-
-    def view_of(self, flat: Tensor) -> Tensor:
-        return flat[self.offset : self.offset + self.numel].view(self.shape)
-
-
-@dataclass(frozen=True)
-class DeviceLayout:
-    """Where a block's streamed parameters sit in its device buffer while some of its parameters are withheld from
-    streaming (computed elsewhere, e.g. experts paged by ``PagedMoECallback``): the others packed in order, each
-    still starting on :data:`ALIGNMENT`, so that only their bytes cross the link and the slots shrink.
-
-    Attributes:
-        slices: The streamed parameters, with offsets into the device buffer.
-        numel: Elements of the device buffer.
-        ranges: ``(host offset, device offset, numel)`` of each copy: runs of adjacent streamed parameters.
-    """
-
-    slices: tuple[ParamSlice, ...]
-    numel: int
-    ranges: tuple[tuple[int, int, int], ...]
-
-
-def device_layout(slices: Sequence[ParamSlice], withheld: Container[nn.Parameter]) -> DeviceLayout:
-    """The device layout of a block whose home holds ``slices`` when the parameters in ``withheld`` do not stream."""
-    kept: list[ParamSlice] = []
-    ranges: list[tuple[int, int, int]] = []
-    offset = 0
-    for piece in slices:
-        if piece.param in withheld:
-            continue
-        span = _aligned(piece.numel)
-        kept.append(ParamSlice(piece.param, offset, piece.numel, piece.shape))
-        if ranges and ranges[-1][0] + ranges[-1][2] == piece.offset:  # adjacent at home too: one copy
-            host, device, numel = ranges[-1]
-            ranges[-1] = (host, device, numel + span)
-        else:
-            ranges.append((piece.offset, offset, span))
-        offset += span
-    return DeviceLayout(tuple(kept), offset, tuple(ranges))
+__all__ = [  # what other modules import from here, the layout types and host-memory checks included
+    "ALIGNMENT",
+    "BlockHome",
+    "DeviceLayout",
+    "HostHomes",
+    "HostMemoryError",
+    "ParamSlice",
+    "available_host_bytes",
+    "build_homes",
+    "check_host_memory",
+    "device_layout",
+    "home_bytes",
+    "host_bytes_to_come",
+    "master_state",
+    "rss_bytes",
+    "shared_rss_bytes",
+    "track_edits",
+    "training_state_bytes",
+    "transfer_bytes",
+    "untrack_edits",
+]
 
 
 class EditTrackedParameter(nn.Parameter):
@@ -136,7 +120,7 @@ class BlockHome:
         offset = 0
         for param in params:
             self.slices.append(ParamSlice(param, offset, param.numel(), param.shape))
-            offset += _aligned(param.numel())
+            offset += aligned(param.numel())
         self.numel = offset
         # A home shared by the node's ranks is written by local rank 0 only; the others' parameters (equal to rank
         # 0's, broadcast before) just point at it.
@@ -158,6 +142,16 @@ class BlockHome:
             if writes:
                 self.transfer.copy_(self.master)
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
+
+    def copy_in(self, dst: Tensor, link: Link, after: Event, what: str, layout: Optional[DeviceLayout] = None) -> Event:
+        """Copies the transfer buffer into the device buffer ``dst``: one copy, or with ``layout`` one per run of the
+        parameters that still stream (the link runs them in order: the last copy's event covers the others)."""
+        if layout is None:
+            return link.to_device(dst, self.transfer, after, what)
+        done = after  # nothing to copy: the buffer is ready when it is free
+        for host, device, numel in layout.ranges:
+            done = link.to_device(dst[device : device + numel], self.transfer[host : host + numel], after, what)
+        return done
 
     @property
     def trainable(self) -> list[ParamSlice]:
@@ -209,12 +203,17 @@ class BlockHome:
             untrack_edits(piece.param)
 
 
+class HostHomes(Homes):
+    """The host tier: each block's home a :class:`BlockHome` in host memory (the node's shared region with ``node``),
+    its gradients accumulated in the host ``.grad``. Every hook of :class:`~.home.Homes` keeps its default."""
+
+
 def build_homes(
     block_params: Sequence[Sequence[nn.Parameter]],
     transfer_dtype: Optional[torch.dtype],
     arena: HostArena,
     node: Optional[NodeRanks] = None,
-) -> list[Optional[BlockHome]]:
+) -> HostHomes:
     """The blocks' homes (``None`` for a block with nothing to stream), from ``arena``; with ``node``, all in one region
     that every rank of the node maps (:meth:`.HostArena.shared`), written by local rank 0.
 
@@ -226,76 +225,21 @@ def build_homes(
     """
     nbytes = sum(home_bytes(params, transfer_dtype or params[0].dtype) for params in block_params if params)
     with arena.shared(nbytes, node) if node is not None else nullcontext():
-        return [
-            BlockHome(params, transfer_dtype or params[0].dtype, arena) if params else None for params in block_params
-        ]
-
-
-#: Every parameter starts on a multiple of this many elements (256 bytes in fp32): kernels take the same aligned
-#: code paths as for separately allocated tensors, so results match plain training bit for bit.
-ALIGNMENT = 64
-
-
-def _aligned(numel: int) -> int:
-    return -(-numel // ALIGNMENT) * ALIGNMENT
+        return HostHomes(
+            [BlockHome(params, transfer_dtype or params[0].dtype, arena) if params else None for params in block_params]
+        )
 
 
 def transfer_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
     """The bytes one copy of a :class:`BlockHome` of ``params`` moves to the device (its flat transfer buffer)."""
-    return sum(_aligned(param.numel()) for param in params) * transfer_dtype.itemsize
+    return sum(aligned(param.numel()) for param in params) * transfer_dtype.itemsize
 
 
 def home_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
     """The arena bytes a :class:`BlockHome` of ``params`` takes: its masters and, if separate, its transfer copy."""
-    numel = sum(_aligned(param.numel()) for param in params)
+    numel = sum(aligned(param.numel()) for param in params)
     master = page_rounded(numel * params[0].element_size())
     return master if transfer_dtype == params[0].dtype else master + page_rounded(numel * transfer_dtype.itemsize)
-
-
-def _proc_bytes(path: str, key: str) -> int | None:
-    """A ``kB`` field of a ``/proc`` file (``MemAvailable`` of ``/proc/meminfo``, ``VmRSS`` of ``/proc/self/status``)
-    in bytes, or ``None`` where the platform does not report it."""
-    try:
-        with open(path) as fields:
-            for line in fields:
-                if line.startswith(f"{key}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo``, or ``None`` where the platform does not report it."""
-    return _proc_bytes("/proc/meminfo", "MemAvailable")
-
-
-def rss_bytes() -> tuple[int, int]:
-    """This process's resident set size now and at its peak, in bytes (Linux; zeros elsewhere)."""
-    return _proc_bytes("/proc/self/status", "VmRSS") or 0, _proc_bytes("/proc/self/status", "VmHWM") or 0
-
-
-def shared_rss_bytes() -> int:
-    """Bytes of this process's resident set in shared memory (``RssShmem``: e.g. a node's shared homes, which every
-    rank of the node maps and a sum of the ranks' resident sets counts once per rank), 0 where not reported."""
-    return _proc_bytes("/proc/self/status", "RssShmem") or 0
-
-
-def check_host_memory(needed_bytes: int, what: str) -> None:
-    """Raises :class:`HostMemoryError` when the host cannot hold ``needed_bytes`` more.
-
-    Args:
-        needed_bytes: Bytes the run is about to allocate on the host.
-        what: What the bytes are for, quoted in the message.
-    """
-    available = available_host_bytes()
-    if available is None or needed_bytes <= available:
-        return
-    raise HostMemoryError(
-        f"SuperpipeStrategy needs about {format_bytes(needed_bytes)} more host memory ({what}) but only {format_bytes(available)}"
-        " is available. Free host memory, train fewer parameters (e.g. LoRA), use `precision='bf16-true'`, or use"
-        " a machine with more RAM."
-    )
 
 
 def host_bytes_to_come(

@@ -27,6 +27,9 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
+from lightning_superpipe.memory.host_memory import HostMemoryError
+from lightning_superpipe.units import format_bytes
+
 log = logging.getLogger(__name__)
 
 #: Every buffer starts on a page: kernels see the alignment separately allocated tensors have, and the disk tier
@@ -217,8 +220,6 @@ def shared_space() -> Optional[int]:
 
 def _check_shared_space(nbytes: int, call: str) -> None:
     """Refuses a shared region that ``/dev/shm`` cannot hold: writing past its end would kill the process (SIGBUS)."""
-    from lightning_superpipe.memory.host import HostMemoryError
-    from lightning_superpipe.units import format_bytes
 
     free = shared_space()
     if free is None:

@@ -24,19 +24,19 @@ from lightning_superpipe.streaming.engine import StreamingEngine
 def tier_files_beside(engine: Optional[StreamingEngine], checkpoint: dict[str, Any], filepath: Any) -> Iterator[None]:
     """Around the write of a ``.ckpt`` (on the rank that writes it): the disk tier's committed files are linked
     beside it first, since a ``.ckpt`` implies them, and older copies go once the ``.ckpt`` is in place."""
-    tier = engine.tier if engine is not None else None
+    tier = disk_tier.disk_tier_of(engine)
     if tier is not None:
-        tier.add_to_checkpoint(checkpoint, filepath)
+        disk_tier.add_to_checkpoint(tier, checkpoint, filepath)
     yield
     if tier is not None:
-        tier.checkpoint_saved(checkpoint, filepath)
+        disk_tier.checkpoint_saved(checkpoint, filepath)
 
 
 @contextmanager
 def blocks_left_to_files(engine: Optional[StreamingEngine]) -> Iterator[None]:
     """Around the state dict of a ``.ckpt``: under the disk tier its blocks' entries are dropped for the files
     linked beside it (:meth:`~.disk_tier.DiskTier.placeholders_in_state_dict`)."""
-    tier = engine.tier if engine is not None else None
+    tier = disk_tier.disk_tier_of(engine)
     with tier.placeholders_in_state_dict() if tier is not None else nullcontext():
         yield
 
@@ -75,9 +75,9 @@ def load_optimizer_states(
     """Loads each optimizer's state from ``checkpoint``, kept with the host masters (Lightning's moves it to the
     device); ``keep_own`` drops what another rank steps (``shard_optimizer``). The disk tier refuses a host tier's
     state for its blocks first."""
-    tier = engine.tier if engine is not None else None
+    tier = disk_tier.disk_tier_of(engine)
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
         if tier is not None and disk_tier.DISK_KEY not in checkpoint:
-            tier.check_optimizer_state(optimizer, state)
+            disk_tier.check_optimizer_state(tier, optimizer, state)
         optimizer.load_state_dict(state)
         keep_own(optimizer)

@@ -21,10 +21,10 @@ Whatever changes a host master (an optimizer step, ``load_state_dict``, a callba
 evaluation of an LBFGS closure) is noticed at the start of the next pass from the parameters' version counters and
 storages, and the device copies of what changed are made again (:meth:`StreamingEngine.sync_with_masters`).
 
-With a :class:`~.disk_tier.DiskTier` (``offload_device="disk"``) the homes hold no memory: each copy into a slot
-reads the block's masters from the tier's files (read ahead beyond the slots, cast on the fly), gradients go to the
-tier as each block completes (stepped through its store or spilled to disk), and only the store's steps change the
-masters.
+The engine knows where the blocks live only through one interface, :mod:`lightning_superpipe.memory.home`: each
+block's home copies it into a device buffer and says whether its masters changed; the kind of home (host memory,
+the node's shared memory, the disk tier's files) decides what happens to complete gradients and reads ahead of the
+slots.
 """
 
 from __future__ import annotations
@@ -32,26 +32,22 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.host import (
-    DeviceLayout,
-    ParamSlice,
-    build_homes,
-    device_layout,
-    master_state,
-    track_edits,
-    untrack_edits,
-)
+from lightning_superpipe.memory.home import DeviceLayout, Home, Homes, ParamSlice, device_layout
+from lightning_superpipe.memory.host import master_state, track_edits, untrack_edits
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger
 from lightning_superpipe.streaming.overlap import OverlappedStep
+
+if TYPE_CHECKING:
+    from lightning_superpipe.streaming.emulated import EmulatedLink
 
 
 @dataclass(eq=False)
@@ -67,7 +63,10 @@ class _Slot:
 
 
 class StreamingEngine:
-    """Moves the weights of ``blocks`` between their host homes and the compute device.
+    """Moves the weights of ``blocks`` between their homes and the compute device.
+
+    The engine knows the blocks' homes only through :class:`~lightning_superpipe.memory.home.Homes` (what ``homes``
+    builds): whether they are in host memory, shared by the node's ranks or in files is the homes' business.
 
     Args:
         block_params: The parameters that stream with each block, in block order.
@@ -75,12 +74,10 @@ class StreamingEngine:
         device: The compute device.
         resident_blocks: How many blocks stay on the device permanently (evenly spaced), or which.
         prefetch: How many blocks are copied in ahead of the one computing.
-        transfer_dtype: The dtype block weights travel and compute in (``None``: the parameters' own dtype).
+        homes: Builds the blocks' homes from the engine's host arena (e.g. :func:`~lightning_superpipe.memory.host.
+            build_homes`, or a :class:`~lightning_superpipe.memory.disk_homes.DiskTier` already built).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
         activations: Where each block's activations live between forward and backward (:mod:`.activations`).
-        tier: A :class:`~.disk_tier.DiskTier` whose store holds the blocks' masters (``offload_device="disk"``);
-            ``None``: the host tier, the blocks' homes in host memory.
-        node: The node's ranks, with which the blocks' homes are shared (``shard_optimizer="node"``), or ``None``.
     """
 
     def __init__(
@@ -90,89 +87,94 @@ class StreamingEngine:
         device: torch.device,
         resident_blocks: Union[int, Sequence[int]],
         prefetch: int,
-        transfer_dtype: Optional[torch.dtype] = None,
-        link: Any = None,
+        homes: Callable[[HostArena], Homes],
+        link: Optional[EmulatedLink] = None,
         activations: ActivationsPolicy = "recompute",
-        tier: Any = None,
-        node: Any = None,
     ) -> None:
         self.device = device
-        self.tier = tier
         self.activation_modes = per_block_modes(activations, len(block_params))
         self.copier = make_copier(device, link)
-        self.homes: list[Optional[Any]] = []  # BlockHome, or the disk tier's DiskHome
+        self.homes: list[Optional[Home]] = []
         self._trunk: dict[nn.Parameter, Tensor] = {}
         try:
-            num_blocks = len(block_params)
             self.ledger = DeviceLedger()
-            resident = choose_resident(resident_blocks, num_blocks)
-            self.prefetch = _clamp("prefetch", prefetch, num_blocks - len(resident), "the number of streamed blocks")
-            pin = self.copier.pin_memory
-            self.arena = HostArena(pin=pin)
-            self.homes = tier.homes if tier is not None else build_homes(block_params, transfer_dtype, self.arena, node)
+            resident = choose_resident(resident_blocks, len(block_params))
+            self.prefetch = _clamp(
+                "prefetch", prefetch, len(block_params) - len(resident), "the number of streamed blocks"
+            )
+            self.arena = HostArena(pin=self.copier.pin_memory)
+            self.home_kind = homes(self.arena)
+            self.homes = self.home_kind.homes
             # A block's version grows whenever its masters change; a slot holding an older version is stale.
-            self._block_version = [0] * num_blocks
+            self._block_version = [0] * len(block_params)
             # Parameters that do not stream for now (computed elsewhere: paged experts), and the device layout of
             # each block that has some (the others use their home's layout).
             self._withheld: frozenset[nn.Parameter] = frozenset()
             self._layouts: dict[int, DeviceLayout] = {}
-
             self._resident: dict[int, Tensor] = {}
             self._resident_ready: dict[int, Event] = {}
             self._slots: list[_Slot] = []
             self._allocate_blocks(resident)
             self._busy: Optional[_Slot] = None
-
-            if pin:  # asynchronous copies need page-locked sources: the trunk's masters move into the arena too
-                self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
-                for param in trunk_params:
-                    pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
-                    pinned.copy_(param.detach())
-                    param.data = pinned
-            # The trunk keeps its masters' dtype on the device, as plain mixed precision does.
-            self._trunk = {param: torch.empty_like(param, device=device) for param in trunk_params}
-            self.ledger.add("trunk_weights", self.trunk_device_bytes())
-            self._trunk_ready: Event = None
-            for param in trunk_params:
-                track_edits(param)
-            self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
+            self._build_trunk(trunk_params)
             self._home_of = {piece.param: home for home in self.homes if home is not None for piece in home.slices}
-
-            self.gradients = GradientReturn(
-                self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=tier is None
-            )
-            self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
+            self._wire_gradients(block_params)
             self.activations = ActivationPlacement(self)
             #: A planner's ``StepProfiler`` while it measures a step, told by the hooks what compute is doing.
             self.profiler: Any = None
-            self.overlap = OverlappedStep(block_params)
-            self.gradients.on_block_complete = self.overlap.block_done
-            self.gradients.on_trunk_complete = self.overlap.trunk_done
-            self.overlap.on_stepped = self._sync_stepped_block
-            if tier is not None:  # gradients go to the store: stepped through it, or spilled to disk
-                tier.attach(self.copier, self.arena, self.overlap, len(self._slots))
-                self.gradients.on_block_complete = tier.block_done
-                self.gradients.before_reduce = tier.take_spilled
             self._synced_in_backward: set[int] = set()  # blocks whose homes the overlapped step already synced
-            # The buffers above are fresh: the allocator may have handed out memory that compute still reads (queued
-            # kernels of an earlier engine, freed activations), so their first copies wait for compute issued so far.
-            allocated = self.copier.mark_compute()
-            self._fill_blocks(allocated)
-
-            forward = list(range(num_blocks))
+            forward = list(range(len(block_params)))
             self._training_order = forward + forward[::-1]
             self._forward_order = forward
             self._order: list[int] = []
             self._cyclic = False
             self._cursor = -1
-            self._trunk_names = {p: f"trunk parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._trunk)}
-            for param, copy in self._trunk.items():
-                self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
-                self._trunk_seen[param] = master_state(param)
-            self.refresh()
+            self._start_copies()
         except BaseException:
             self.close()  # nothing half-built stays behind: threads, the emulated link's checker, parameter classes
             raise
+
+    def _build_trunk(self, trunk_params: Sequence[nn.Parameter]) -> None:
+        """The trunk's device copies (in its masters' dtype, as plain mixed precision keeps them), its masters moved
+        into the page-locked arena where copies are asynchronous, and their edits tracked."""
+        if self.copier.pin_memory:  # asynchronous copies need page-locked sources
+            self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
+            for param in trunk_params:
+                pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
+                pinned.copy_(param.detach())
+                param.data = pinned
+        self._trunk = {param: torch.empty_like(param, device=self.device) for param in trunk_params}
+        self.ledger.add("trunk_weights", self.trunk_device_bytes())
+        self._trunk_ready: Event = None
+        for param in trunk_params:
+            track_edits(param)
+        self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
+        self._trunk_names = {p: f"trunk parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._trunk)}
+        self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
+
+    def _wire_gradients(self, block_params: Sequence[Sequence[nn.Parameter]]) -> None:
+        """The way gradients go home: off the device (:class:`.GradientReturn`), then to the homes' kind, which hands
+        a complete block to the overlapped step (or steps or spills it itself)."""
+        kind = self.home_kind
+        self.gradients = GradientReturn(
+            self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=kind.keeps_gradients
+        )
+        self.overlap = OverlappedStep(block_params)
+        self.gradients.on_block_complete = kind.block_done
+        self.gradients.on_trunk_complete = self.overlap.trunk_done
+        self.gradients.before_reduce = kind.before_reduce
+        self.overlap.on_stepped = self._sync_stepped_block
+        kind.attach(self.copier, self.arena, self.overlap, len(self._slots))
+
+    def _start_copies(self) -> None:
+        """The first copies into the fresh buffers: the allocator may have handed out memory that compute still reads
+        (queued kernels of an earlier engine, freed activations), so they wait for compute issued so far."""
+        allocated = self.copier.mark_compute()
+        self._fill_blocks(allocated)
+        for param, copy in self._trunk.items():
+            self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
+            self._trunk_seen[param] = master_state(param)
+        self.refresh()
 
     def _allocate_blocks(self, resident: Sequence[int]) -> None:
         """Allocates the device buffers of the blocks: one per resident block, and ``prefetch + 1`` slots of the
@@ -258,12 +260,10 @@ class StreamingEngine:
         optimizer is about to write it)."""
         self._release_busy()
         self.gradients.finish()
-        if self.tier is not None:
-            self.tier.finish_backward()
+        self.home_kind.end_backward()
         self.overlap.finish()
         self.copier.synchronize()
-        if self.tier is not None:  # the step reads and writes through the pool
-            self.tier.release_all()
+        self.home_kind.copies_done()
 
     def close(self) -> None:
         """Waits for outstanding work, stops the gradient worker and gives the parameters their class back."""
@@ -275,14 +275,11 @@ class StreamingEngine:
         finally:
             try:
                 self.copier.close()
-                if self.tier is not None:  # the parameters get their committed values back
-                    self.tier.close()
+                if hasattr(self, "home_kind"):  # the parameters get their class, or their committed values, back
+                    self.home_kind.close()
             finally:
                 if hasattr(self, "arena"):
                     self.arena.close()
-        for home in self.homes:
-            if home is not None:
-                home.release()
         for param in self._trunk:
             untrack_edits(param)
 
@@ -480,8 +477,8 @@ class StreamingEngine:
         for index in window:
             if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
                 break
-        if self.tier is not None:  # the disk reads start further ahead than the slots, as far as its pool allows
-            self.tier.read_ahead(i for i in self._upcoming() if self._slot_holding(i) is None)
+        # Homes in slower storage start reading further ahead than the slots.
+        self.home_kind.read_ahead(i for i in self._upcoming() if self._slot_holding(i) is None)
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:
@@ -501,18 +498,10 @@ class StreamingEngine:
         return None
 
     def _copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
-        """Copies block ``index``'s weights into the device buffer ``dst``: from its host home, or read from the
-        disk tier (cast on the fly); with withheld parameters, one copy per run of the others."""
-        if self.tier is not None:
-            return self.tier.copy_in(dst, index, after, what)
-        layout = self._layouts.get(index)
-        if layout is None:
-            return self.copier.to_device(dst, self.homes[index].transfer, after, what)  # type: ignore[union-attr]
-        transfer = self.homes[index].transfer  # type: ignore[union-attr]
-        done = after  # nothing to copy: the buffer is ready when it is free
-        for host, device, numel in layout.ranges:  # one stream: the last copy's event covers the others
-            done = self.copier.to_device(dst[device : device + numel], transfer[host : host + numel], after, what)
-        return done
+        """Copies block ``index``'s weights from its home into the device buffer ``dst``."""
+        home = self.homes[index]
+        assert home is not None
+        return home.copy_in(dst, self.copier, after, what, self._layouts.get(index))
 
     # ------------------------------------------------------------------ withheld parameters
 
@@ -527,7 +516,7 @@ class StreamingEngine:
 
         Raises:
             ValueError: A parameter does not stream with a block (outside the blocks, or tied).
-            RuntimeError: With the disk tier, whose blocks are read from files whole.
+            RuntimeError: The blocks' homes cannot leave parameters out (the disk tier reads blocks whole).
         """
         params = frozenset(params)
         outside = [param for param in params if param not in self._home_of]
@@ -537,11 +526,8 @@ class StreamingEngine:
                 f" shape {tuple(outside[0].shape)}): only block parameters can stop streaming. Put the modules that"
                 " hold them inside the streamed blocks (`SuperpipeStrategy(blocks=...)`)."
             )
-        if params and self.tier is not None:
-            raise RuntimeError(
-                "SuperpipeStrategy(offload_device='disk') streams each block from its files whole and cannot leave"
-                " parameters out of it (e.g. experts paged by PagedMoECallback); evaluate with offload_device='cpu'."
-            )
+        if params:
+            self.home_kind.check_withhold(params)
         self._relayout(self._withheld | params)
 
     def release_withheld(self) -> None:
@@ -576,19 +562,18 @@ class StreamingEngine:
 
     def arm_overlap(self, trainer: Any, optimizer: Any, only_where_it_pays: bool, overlap: bool = True) -> None:
         """Before the backward inside the optimizer step (the last micro-batch of an accumulation): arms the
-        overlapped step, if ``overlap``, where it is exact. With the disk tier it always pays where exact (the
-        alternative spills the gradients to disk and reads them back), and the tier learns the micro-batch is the
+        overlapped step, if ``overlap``, where it is exact (the homes may say it always pays: the disk tier's
+        alternative spills the gradients to disk and reads them back), and the homes learn the micro-batch is the
         last."""
-        if self.tier is not None:
-            self.tier.last_micro_batch = True
+        self.home_kind.last_micro_batch = True
+        if self.home_kind.overlap_always_pays:
             only_where_it_pays = False
         if overlap:
             self.overlap.arm_if_exact(trainer, optimizer, only_where_it_pays)
 
     def disarm_overlap(self) -> None:
         """After the optimizer step: the groups are whole again; the next micro-batch is not the last yet."""
-        if self.tier is not None:
-            self.tier.last_micro_batch = False
+        self.home_kind.last_micro_batch = False
         self.overlap.disarm()
 
     def _holds_current(self, slot: _Slot) -> bool:
@@ -626,8 +611,8 @@ class StreamingEngine:
             ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
             ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
             backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
-            with the disk tier, its figures (:meth:`.DiskTier.memory_report`: bytes on disk, the pool's host bytes,
-            bytes read and written).
+            the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the disk tier's:
+            bytes on disk, the pool's host bytes, bytes read and written).
         """
         return {
             "peak_device_bytes": self.ledger.peak_bytes,
@@ -647,7 +632,7 @@ class StreamingEngine:
             "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
             "overlapped_block_steps": self.overlap.blocks_stepped,
             "overlapped_trunk_steps": self.overlap.trunk_params_stepped,
-            **(self.tier.memory_report() if self.tier is not None else {}),
+            **self.home_kind.memory_report(),
         }
 
     def is_persistent(self, address: int) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.streaming.disk_tier import ZeroGradHook
+from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
@@ -47,7 +47,7 @@ class StreamingSession:
         """Under the disk tier while fitting: hooks the user's ``zero_grad`` calls, which the tier must see
         (:class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`). ``optimizers``: the optimizer and
         Lightning's wrappers of it, once the precision plugin has connected (it makes new wrappers)."""
-        tier = self.engine.tier
+        tier = disk_tier_of(self.engine)
         if tier is None or not optimizers or not tier.store.spills:
             return
         hook = ZeroGradHook(tier, model, optimizers)
@@ -87,15 +87,13 @@ class StreamingSession:
         # backward and the ranks then exchange the new weights.
         overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None) and not sharded
         engine.arm_overlap(trainer, optimizer, self.overlap_optimizer == "auto", overlap)
-        if engine.tier is not None:  # a step over gradients already consumed is refused before it starts
-            closure = engine.tier.checked(closure)
+        closure = engine.home_kind.checked(closure)  # the disk tier refuses a step over gradients already consumed
         start = time.perf_counter()
         try:
             output = step(planner.timed_closure(closure) if planner is not None else closure)
         finally:
             engine.disarm_overlap()
-        if engine.tier is not None:  # the blocks: committed, or stepped from their spilled gradients
-            engine.tier.finish_step(optimizer)
+        engine.home_kind.finish_step(optimizer)  # the disk tier's blocks: committed, or stepped from spilled gradients
         params = {p for group in optimizer.param_groups for p in group["params"]}
         if sharded:  # every block's new masters (with "node": the trunk's) from its owner
             assert averager is not None

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
-from lightning_superpipe.memory.host import check_host_memory, host_bytes_to_come, training_state_bytes
+from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.streaming.activations import ActivationsPolicy
@@ -30,6 +30,7 @@ from lightning_superpipe.streaming.disk_tier import (
     BlockValuesHook,
     DiskTier,
     check_offload,
+    disk_tier_of,
     check_training,
     disk_host_bytes,
     offload_call,
@@ -180,9 +181,10 @@ def start_streaming(
         raise
     if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
         ready_on_every_rank("start streaming")
+    homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype, node=node)
     engine = StreamingEngine(
-        block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead,
-        transfer_dtype=transfer_dtype, link=link, activations=modes, tier=tier, node=node,
+        block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes, link=link,
+        activations=modes,
     )
     if ranks > 1:
         parts = [(params, sum(p.numel() * p.element_size() for p in params)) for params in block_params if params]
@@ -261,8 +263,9 @@ def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
     averager = engine.gradients.averager if engine is not None else None
-    if engine is not None and engine.tier is not None:
-        tier, scaler = engine.tier, getattr(plugin, "scaler", None)
+    tier = disk_tier_of(engine)
+    if tier is not None:
+        scaler = getattr(plugin, "scaler", None)
         plugin.clip_gradients = tier.clip_gradients
         if scaler is not None:
             unscale = scaler.unscale_

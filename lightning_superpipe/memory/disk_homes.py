@@ -1,0 +1,630 @@
+"""The disk tier's homes (``offload_device="disk"``): block masters stream from files, gradients are stepped or
+spilled block by block, and nothing of the blocks' training state stays in host memory between uses.
+
+Each streamed block's fp32 masters and optimizer state live in a :class:`~lightning_superpipe.memory.disk.DiskStore`
+under ``offload_path``; the block parameters hold placeholders. Each block's home is a :class:`DiskHome`, which
+knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of home, does the rest:
+
+* **Streaming**: a block's masters are read into a pool buffer (:meth:`DiskStore.prefetch_masters`), a few blocks
+  beyond the device slots, and copied from there into the slot; with mixed precision they are cast on the fly into
+  a host staging buffer of the transfer dtype first (no bf16 copy on disk: it would add 2 bytes per parameter of
+  writes to every step). A read's buffer goes back to the pool once the copy no longer reads it (its event).
+* **Gradients**: when the overlapped step is armed (exact: no clipping, a per-parameter optimizer), each block is
+  stepped through the store as soon as its gradients are complete (``step(blocks=[i], commit=False)``; gradients of
+  earlier micro-batches spilled first are added on disk) and the step is committed after backward. Otherwise each
+  block's gradients are spilled to its gradient file as they complete and dropped, and the blocks are stepped from
+  disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
+  ``torch.nn.utils.clip_grad_norm_`` computes it. The trunk (embeddings, head) is stepped in memory, as today.
+  The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:meth:`DiskTier.zero_grad`), which is
+  what manual optimization needs; a step consumes them.
+* **Several ranks**: each keeps its own store, stepped alike from the averaged gradients; under accumulation a
+  block's spilled gradients come back into ``.grad`` for the last micro-batch's reduction
+  (:meth:`DiskTier.before_reduce`).
+
+What Lightning sees of the tier (checks of the run, hooks on ``zero_grad`` and ``state_dict``, checkpoints beside the
+``.ckpt``) is :mod:`lightning_superpipe.streaming.disk_tier`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional, Protocol, Union
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.disk import (
+    ENTRY_ALIGNMENT,
+    DiskStore,
+    DiskTierError,
+    MasterLease,
+    limit_heap_retention,
+    probe_state_size,
+)
+from lightning_superpipe.memory.home import Arena, DeviceLayout, Event, Homes, Link, ParamSlice, StepHook
+from lightning_superpipe.memory.pinned import page_rounded
+
+#: Blocks whose masters are read ahead beyond the device slots.
+READ_AHEAD = 2
+
+
+class InitialValues(Protocol):
+    """The init calls still to run for the blocks' parameters (a ``DeferredInit`` of ``configure_model``)."""
+
+    def initial_values(self, params: Mapping[str, nn.Parameter]) -> Any: ...
+
+
+class DiskHome:
+    """A block's home under the disk tier: the layout of :class:`~lightning_superpipe.memory.host.BlockHome` (one
+    flat buffer, each parameter at its record offset), with the values in the store's files.
+
+    Args:
+        index: The block's index.
+        params: Its streamed parameters (placeholders), in record order.
+        offsets: Each master's byte offset in the record.
+        end: The byte where the masters' region ends (aligned).
+        transfer_dtype: The dtype the weights travel and compute in.
+        tier: The tier that reads it.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        offsets: Sequence[int],
+        end: int,
+        transfer_dtype: torch.dtype,
+        tier: DiskTier,
+    ) -> None:
+        dtypes = {param.dtype for param in params}
+        if len(dtypes) != 1:
+            raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
+        self.index = index
+        self.master_dtype = dtypes.pop()
+        itemsize = self.master_dtype.itemsize
+        self.slices = [ParamSlice(p, offset // itemsize, p.numel(), p.shape) for p, offset in zip(params, offsets)]
+        self.numel = end // itemsize
+        self.transfer_dtype = transfer_dtype
+        self._tier = tier
+        self._changed = False
+
+    @property
+    def trainable(self) -> list[ParamSlice]:
+        return [piece for piece in self.slices if piece.param.requires_grad]
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self.numel * self.transfer_dtype.itemsize
+
+    def mark_changed(self, param: nn.Parameter) -> None:
+        """A step of the store changed the block (its slots and reads ahead are stale)."""
+        self._changed = True
+
+    def changed(self) -> list[ParamSlice]:
+        return list(self.slices) if self._changed else []
+
+    def sync(self, pieces: Sequence[ParamSlice]) -> None:
+        """Nothing to copy on the host: the next read of the block reads the new record; reads ahead of the old
+        one are dropped."""
+        self._changed = False
+        self._tier.forget(self.index)
+
+    def copy_in(self, dst: Tensor, link: Link, after: Event, what: str, layout: Optional[DeviceLayout] = None) -> Event:
+        """Copies the block's masters, read from the tier's files, into ``dst`` (:meth:`DiskTier.copy_in`); a block is
+        read whole, so ``layout`` is always ``None`` (:meth:`DiskTier.check_withhold`)."""
+        return self._tier.copy_in(dst, self.index, after, what)
+
+    def release(self) -> None:
+        """Nothing to give back: the parameters keep their class (the tier puts their values back on close)."""
+
+
+class DiskTier(Homes):
+    """The disk tier's kind of home, the engine's side of a :class:`DiskStore`: reads ahead, copies in, steps or
+    spills gradients, clips, commits.
+
+    Args:
+        store: The blocks' store (parameters parked).
+        block_params: Each block's streamed parameters, in block order (as the store holds them).
+        transfer_dtype: The dtype the weights travel in (``None``: the masters').
+        state_names: The state-dict keys of the block parameters (tied aliases included).
+    """
+
+    def __init__(
+        self,
+        store: DiskStore,
+        block_params: Sequence[Sequence[nn.Parameter]],
+        transfer_dtype: Optional[torch.dtype],
+        state_names: set[str],
+    ) -> None:
+        homes: list[Optional[DiskHome]] = []
+        for index, params in enumerate(block_params):
+            if not params:
+                homes.append(None)
+                continue
+            entries = store.master_entries(index)
+            end = max(e.offset + _entry_aligned(e.nbytes) for e in entries)
+            homes.append(DiskHome(index, params, [e.offset for e in entries], end, transfer_dtype or params[0].dtype,
+                                  self))
+        super().__init__(homes)
+        self.store = store
+        self.state_names = state_names
+        #: Each block parameter's block and position in it (as the store lists them).
+        self._place = {p: (i, j) for i, params in enumerate(block_params) for j, p in enumerate(params)}
+        self._lock = threading.Lock()
+        self._ahead: dict[int, MasterLease] = {}
+        self._in_flight: deque[tuple[Event, MasterLease]] = deque()
+        self._staging: list[list[Any]] = []  # [buffer, event of the copy reading it]
+        self._next_staging = 0
+        self._cap = max(1, store.pool.count - 1)  # one buffer stays free for a spill or a step on another thread
+        self.copier: Optional[Link] = None
+        #: Manual optimization: any backward may be the last before a step (``self.clip_gradients`` needs norms).
+        self.manual_optimization = False
+        # Parameters whose gradients a step consumed (the tier keeps none after it) and no zero_grad has zeroed since.
+        self._consumed: set[nn.Parameter] = set()
+        self._stepping: set[nn.Parameter] = set()  # those of the blocks stepped during this backward
+        self._mapped: dict[int, tuple[int, dict[str, Tensor]]] = {}  # block -> (step, masters mapped at that step)
+        #: A checkpoint's state dict is being taken: the blocks' entries stay placeholders (the files go beside it).
+        self.checkpointing = False
+        self._grad_scale: Optional[Tensor] = None
+        self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
+        self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
+        self._grad_clip_value: Optional[float] = None
+        self._completed: set[int] = set()  # blocks whose gradients of this backward were handed on
+        self._closed = False
+
+    @classmethod
+    def build(
+        cls,
+        path: Union[str, os.PathLike[str]],
+        block_params: Sequence[Sequence[nn.Parameter]],
+        names: Mapping[nn.Parameter, str],
+        state_names: set[str],
+        optimizer: Optional[Optimizer],
+        transfer_dtype: Optional[torch.dtype],
+        host_buffer_bytes: Optional[int],
+        slots: int,
+        resume: Optional[Path] = None,
+        deferred: Optional[InitialValues] = None,
+    ) -> DiskTier:
+        """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
+        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them); ``deferred``
+        holds the init calls still to run for the blocks' parameters, each block's run into fresh tensors as it
+        is written.
+
+        Raises:
+            DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
+        """
+        limit_heap_retention()  # else glibc keeps freed block-sized buffers and gradients resident
+        blocks = [{names[p]: p for p in params} for params in block_params]
+        options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
+                       read_ahead=slots + READ_AHEAD)
+        if resume is not None:
+            store = DiskStore.restore(resume, path, blocks, optimizer, **options)
+        else:
+            initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
+            store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
+        try:
+            if store.pool.count < 2:
+                raise DiskTierError(
+                    f"host_buffer_bytes={host_buffer_bytes} holds {store.pool.count} buffer of"
+                    f" {store.pool.buffer_bytes} bytes; the tier needs at least two (one read ahead, one for a"
+                    f" spill or step): give at least {2 * store.pool.buffer_bytes}, or leave it unset."
+                )
+            return cls(store, block_params, transfer_dtype, state_names)
+        except BaseException:
+            _unpark(store)
+            store.close()
+            raise
+
+    #: Gradients leave host memory as each block completes (stepped through the store or spilled).
+    keeps_gradients = False
+    #: Where exact, the overlapped step always pays: the alternative spills the gradients to disk and reads them back.
+    overlap_always_pays = True
+
+    def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
+        """Connects the tier to its engine's copier, arena and overlapped step, whose per-block step goes through the
+        store."""
+        self.copier, self.overlap = link, overlap
+        overlap.step_block = self._step_block
+        casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
+        if casts:
+            numel = max(h.numel for h in casts)
+            # Each copy out of a staging buffer is waited for before the buffer is written again: one per slot,
+            # and one more so that the cast of the next block never waits for the copy just issued.
+            self._staging = [[arena.empty(numel, casts[0].transfer_dtype), None] for _ in range(slots + 1)]
+
+    # ------------------------------------------------------------------ streaming
+
+    def copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
+        """Copies block ``index``'s masters (cast to the transfer dtype) into the device buffer ``dst``."""
+        assert self.copier is not None
+        home = self.homes[index]
+        assert home is not None
+        with self._lock:
+            lease = self._ahead.pop(index, None)
+        if lease is None:
+            self._make_room()
+            lease = self.store.prefetch_masters(index)
+        try:
+            source = lease.flat(home.numel, home.master_dtype)
+            if home.transfer_dtype == home.master_dtype:
+                event = self.copier.to_device(dst, source, after, what)
+                if event is None:
+                    lease.release()
+                else:  # the copy reads the pool buffer until its event
+                    self._in_flight.append((event, lease))
+                return event
+            staging = self._staging[self._next_staging]
+            self._next_staging = (self._next_staging + 1) % len(self._staging)
+            self.copier.wait_on_host(staging[1])  # the copy that last read this buffer is done
+            flat = staging[0][: home.numel]
+            flat.copy_(source)  # the cast on the fly
+            lease.release()
+            staging[1] = self.copier.to_device(dst, flat, after, what)
+            return staging[1]
+        except BaseException:
+            lease.release()
+            raise
+
+    def read_ahead(self, indices: Iterable[int]) -> None:
+        """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
+        # Buffers whose copies are known done go back without waiting (CUDA events answer ``query``).
+        while self._in_flight and getattr(self._in_flight[0][0], "query", lambda: False)():
+            self._in_flight.popleft()[1].release()
+        with self._lock:
+            for index in indices:
+                if index in self._ahead:
+                    continue
+                if len(self._ahead) + len(self._in_flight) >= self._cap:
+                    return
+                self._ahead[index] = self.store.prefetch_masters(index)
+
+    def forget(self, index: int) -> None:
+        """Drops a read ahead of block ``index`` (its record changed)."""
+        with self._lock:
+            lease = self._ahead.pop(index, None)
+        if lease is not None:
+            lease.release()
+
+    def check_withhold(self, params: frozenset[nn.Parameter]) -> None:
+        """Refuses: each block is read from its files whole."""
+        raise RuntimeError(
+            "SuperpipeStrategy(offload_device='disk') streams each block from its files whole and cannot leave"
+            " parameters out of it (e.g. experts paged by PagedMoECallback); evaluate with offload_device='cpu'."
+        )
+
+    def copies_done(self) -> None:
+        """After backward, the copies done: the step reads and writes through the pool, which gets every buffer
+        back."""
+        self.release_all()
+
+    def release_all(self) -> None:
+        """Gives every buffer back to the pool (the copies are done: the caller synchronized)."""
+        while self._in_flight:
+            self._in_flight.popleft()[1].release()
+        with self._lock:
+            leases, self._ahead = list(self._ahead.values()), {}
+        for lease in leases:
+            lease.release()
+
+    def _make_room(self) -> None:
+        """Frees a buffer for a read the engine needs now: the oldest copy's, once done, else the furthest read
+        ahead."""
+        assert self.copier is not None
+        while len(self._ahead) + len(self._in_flight) >= self._cap:
+            if self._in_flight:
+                event, lease = self._in_flight.popleft()
+                self.copier.wait_on_host(event)
+                lease.release()
+                continue
+            with self._lock:
+                if not self._ahead:
+                    return
+                furthest = list(self._ahead)[-1]
+                lease = self._ahead.pop(furthest)
+            lease.release()
+
+    # ------------------------------------------------------------------ gradients
+
+    def block_done(self, index: int) -> None:
+        """Called once block ``index``'s gradients of this backward are all in ``.grad``: stepped through the store
+        when the overlapped step is armed, else spilled to disk; either way they leave host memory."""
+        assert self.overlap is not None
+        self._completed.add(index)
+        if self._consumed:  # empty in Lightning's loop, which zeroes before each backward
+            late = [p for p in self.store.params[index] if p.grad is not None and p in self._consumed]
+            if late:
+                raise RuntimeError(self._not_zeroed(late[0], "backward added to its gradient"))
+        if self.overlap.armed:  # stepped now: the gradients are consumed once the step is done
+            # (what earlier micro-batches spilled of them, finish_step counts with every block's spilled gradients)
+            self._stepping.update(p for p in self.store.params[index] if p.grad is not None)
+            self.overlap.block_done(index)
+        else:
+            self._spill(index, norms=self.last_micro_batch or self.manual_optimization)
+
+    def end_backward(self) -> None:
+        """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
+        completion never came (a call whose output did not reach the loss) is handled now."""
+        for index, params in enumerate(self.store.params):
+            if index not in self._completed and any(p.grad is not None for p in params):
+                self.block_done(index)
+        self._completed = set()
+
+    def before_reduce(self, index: int) -> None:
+        """Puts what earlier micro-batches spilled of block ``index``'s gradients back into ``.grad`` (one block in
+        host memory at a time), before the last micro-batch's gradients are averaged across ranks: the reduction
+        folds in the local sum, as DDP reduces the accumulated gradients, and the block is spilled afresh."""
+        if self.store.spilled(index):
+            for param, grad in zip(self.store.params[index], self.store.take_grads(index)):
+                param.grad = grad
+
+    def _spill(self, index: int, norms: bool) -> None:
+        params = self.store.params[index]
+        grads = [p.grad for p in params]
+        if all(grad is None for grad in grads):
+            return
+        # Accumulation adds to what earlier micro-batches spilled, as autograd adds into ``.grad``.
+        self.store.spill_grads(index, grads, accumulate=self.store.spilled(index), wait=False, norms=norms)
+        for param in params:
+            param.grad = None
+
+    @contextmanager
+    def placeholders_in_state_dict(self) -> Iterator[None]:
+        """Around the state dict of a ``.ckpt``: its blocks' entries are dropped for the files linked beside it
+        (:meth:`add_to_checkpoint`), so they are not mapped (nor their slots handed over to readers)."""
+        self.checkpointing = True
+        try:
+            yield
+        finally:
+            self.checkpointing = False
+
+    def committed_master(self, param: nn.Parameter) -> Tensor:
+        """``param``'s committed master (a block parameter), mapped from its block's file
+        (:meth:`DiskStore.map_masters`, once per block and committed step)."""
+        index = self._place[param][0]
+        cached = self._mapped.get(index)
+        if cached is None or cached[0] != self.store.step_count:
+            cached = self._mapped[index] = (self.store.step_count, self.store.map_masters(index))
+        return cached[1][self._name(param)]
+
+    def _name(self, param: nn.Parameter) -> str:
+        index, position = self._place[param]
+        return self.store.names[index][position]
+
+    def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
+        """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
+        :class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`): what backward spilled of them is dropped, as ``.grad`` would be."""
+        by_block: dict[int, set[int]] = {}
+        for param in params:
+            place = self._place.get(param)
+            if place is not None:
+                by_block.setdefault(place[0], set()).add(place[1])
+                self._consumed.discard(param)
+        for index, positions in by_block.items():
+            if self.store.spilled(index):
+                self.store.discard_grads(index, None if len(positions) == len(self.store.params[index]) else positions)
+
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is a block parameter, its values in the tier's files."""
+        return param in self._place
+
+    def checked(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The optimizer step's closure, then (before anything is stepped) a refusal of a step over gradients the
+        last step consumed, which the host tier would apply again (no ``zero_grad`` since: it names a parameter)."""
+
+        def closure_then_check() -> Any:
+            result = closure()
+            if self._consumed:
+                raise RuntimeError(self._not_zeroed(next(iter(self._consumed)), "the optimizer is stepping it again"))
+            return result
+
+        return closure_then_check
+
+    def _not_zeroed(self, param: nn.Parameter, what: str) -> str:
+        return (
+            f"SuperpipeStrategy(offload_device='disk'): {what}, but no zero_grad came since the last optimizer step"
+            f" consumed the gradient of {self._name(param)!r} (the tier keeps a block's gradients on disk only until the step"
+            " that reads them). Call optimizer.zero_grad() between optimizer.step() and the next backward, as"
+            " Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
+        )
+
+    def _step_block(self, optimizer: Optimizer, index: int, params: list[nn.Parameter]) -> None:
+        """The overlapped step of one block, on the optimizer thread: through the store, written to the block's
+        other slot, committed after backward."""
+        if self.store.spilled(index):  # earlier micro-batches' gradients are on disk: add these there, step from it
+            self._spill(index, norms=False)
+            self.store.step(optimizer, grads="disk", blocks=[index], commit=False)
+        else:
+            try:
+                self.store.step(optimizer, grads="param", blocks=[index], commit=False)
+            finally:
+                for param in self.store.params[index]:
+                    param.grad = None
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float, None] = 0.0,
+                       gradient_clip_algorithm: Any = None) -> None:
+        """Lightning's ``clip_gradients`` over spilled block gradients and the trunk's in memory.
+
+        By norm (the default): the global norm, as ``torch.nn.utils.clip_grad_norm_`` computes it in parameter
+        order, scales the trunk's gradients now and the blocks' in :meth:`finish_step` (``grad_scale``). By value:
+        the trunk's gradients are clamped now, as ``torch.nn.utils.clip_grad_value_`` clamps them, and each block's
+        as it is stepped from disk (element by element, so block by block is exact).
+        """
+        from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            trunk = [p for group in optimizer.param_groups for p in group["params"]
+                     if p not in self._place and p.grad is not None]
+            if trunk:
+                torch.nn.utils.clip_grad_value_(trunk, clip_val)
+            self._grad_clip_value = float(clip_val)
+            return
+        block_norms = self._block_norms()
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        trunk_grads: list[Tensor] = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param in self._place:
+                    norm = block_norms.get(param)
+                    if norm is not None:
+                        if self._grad_unscale is not None:  # a power of two: the unscaled gradient's norm exactly
+                            norm = norm * self._grad_unscale
+                        groups.setdefault((torch.device("cpu"), param.dtype), []).append(norm)
+                elif param.grad is not None:
+                    trunk_grads.append(param.grad)
+                    groups.setdefault((param.grad.device, param.grad.dtype), []).append(
+                        torch.linalg.vector_norm(param.grad, 2.0)
+                    )
+        norms = [norm for group_norms in groups.values() for norm in group_norms]
+        if not norms:
+            return
+        first = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in norms]), 2.0)
+        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for grad in trunk_grads:
+            grad.mul_(scale.to(grad.device))
+        self._grad_scale = scale
+
+    def _block_norms(self) -> dict[nn.Parameter, Optional[Tensor]]:
+        """The 2-norm of each spilled block gradient (of its sum over the micro-batches)."""
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index) and not self.store.has_norms(index):
+                # Spilled in an earlier micro-batch only: read back once for the norms.
+                self.store.spill_grads(index, [None] * len(params), accumulate=True, norms=True)
+        norms: dict[nn.Parameter, Optional[Tensor]] = {}
+        for index, params in enumerate(self.store.params):
+            if self.store.spilled(index):
+                norms.update(zip(params, self.store.grad_norms(index)))
+        return norms
+
+    def unscale(self, scaler: Any, optimizer: Optimizer) -> None:
+        """Completes ``GradScaler.unscale_(optimizer)``, which saw the trunk's gradients only: a spilled block
+        gradient whose norm is not finite counts as the scaler's non-finite gradient (so ``scaler.step`` skips the
+        step and ``scaler.update`` lowers the scale, as for one in memory), and the blocks' gradients are unscaled
+        as they are stepped from disk (1/scale, a power of two: bitwise what unscaling them in memory gives).
+        The scaler's per-optimizer state has held ``found_inf_per_device`` since torch 1.6."""
+        found = any(n is not None and not bool(torch.isfinite(n)) for n in self._block_norms().values())
+        self._grad_unscale = scaler._scale.double().reciprocal().float().cpu()  # as unscale_ computes it
+        per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        cpu = torch.device("cpu")
+        if cpu not in per_device:  # also when every gradient is a block's: scaler.step needs one check at least
+            per_device[cpu] = torch.zeros(1)
+        if found:
+            per_device[cpu].fill_(1.0)
+        self._found_inf = any(bool(flag.item()) for flag in per_device.values())
+
+    def finish_step(self, optimizer: Optimizer) -> list[int]:
+        """After the optimizer's own step (the trunk): commits the blocks stepped during backward, and steps those
+        whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. Returns
+        the blocks stepped."""
+        unscale, self._grad_unscale = self._grad_unscale, None
+        self._consumed |= self._stepping  # the host tier keeps them in .grad until zero_grad
+        self._stepping = set()
+        for index in range(len(self.store.params)):
+            self._consumed.update(self.store.spilled_params(index))
+        if self._found_inf:
+            self._found_inf, self._grad_scale, self._grad_clip_value = False, None, None
+            self.store.abort()
+            self.store.discard_grads()
+            return []
+        stepped = self.store.pending
+        scale, self._grad_scale = self._grad_scale, None
+        if unscale is not None:  # one product of two factors, as unscaling then clipping in memory gives
+            scale = unscale if scale is None else unscale * scale.to(unscale.device)
+        clip_value, self._grad_clip_value = self._grad_clip_value, None
+        if stepped:
+            if clip_value is not None:  # the overlapped step is off while clipping; this is a clip from elsewhere
+                self.store.abort()
+                raise RuntimeError(
+                    f"SuperpipeStrategy(offload_device='disk'): blocks {stepped[:4]} were stepped during backward (the"
+                    " overlapped step), and the gradients were clipped by value afterwards. Clip through"
+                    " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
+                )
+            self.store.commit()
+        spilled = [i for i in range(len(self.store.params)) if self.store.spilled(i)]
+        if spilled:
+            self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value)
+        return stepped + spilled
+
+    # ------------------------------------------------------------------ checkpoints and reports
+
+    def memory_report(self) -> dict[str, Any]:
+        """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
+        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run), and
+        ``disk_seconds``: where the tier's time went over the run (:class:`~lightning_superpipe.memory.disk.IoClock`:
+        the disk busy, reads and writes in flight, ``fsync``, waits for pool buffers, for reads, for durable writes,
+        and the step's arithmetic)."""
+        folder = self.store.path
+        files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
+        return {
+            "offload_device": "disk",
+            "disk_bytes": sum(f.stat().st_size for f in files if f.exists()),
+            "disk_pool_host_bytes": self.store.pool.allocated_bytes,
+            "peak_disk_pool_host_bytes": self.store.pool.peak_bytes,
+            "disk_bytes_read": self.store.bytes_read,
+            "disk_bytes_written": self.store.bytes_written,
+            "disk_seconds": self.store.io_seconds(),
+        }
+
+    def close(self) -> None:
+        """Puts the committed masters back into the parameters, mapped from their files (the model is whole again, as
+        after a run on the host tier, without 4 bytes per parameter of host memory: measured, the strategy
+        benchmark's teardown peaked at 1.69 GB reading them back, 0.86 GB of them masters) and closes the store;
+        the files stay at the committed step."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mapped = {}
+        self.release_all()
+        self.store.pool.close()
+        try:
+            _unpark(self.store)
+        finally:
+            self.store.close()
+
+
+def _entry_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the store's alignment of every tensor in a record."""
+    return -(-nbytes // ENTRY_ALIGNMENT) * ENTRY_ALIGNMENT
+
+
+def _unpark(store: DiskStore) -> None:
+    """Points each block's parameters at its committed masters, mapped copy-on-write from its file
+    (:meth:`DiskStore.map_masters`): the model is whole again without its bytes in host memory (pages come in as
+    they are read, and may be reclaimed), and no later run writes those files. A block that cannot be mapped (a
+    deleted file) keeps its placeholders, and the first such error is raised after the others are mapped."""
+    store.abort()
+    failure: Optional[DiskTierError] = None
+    for index, params in enumerate(store.params):
+        if not params:
+            continue
+        try:
+            masters = store.map_masters(index)
+        except DiskTierError as error:
+            failure = failure or error
+            continue
+        for name, param in zip(store.names[index], params):
+            param.data = masters[name]
+    if failure is not None:
+        raise failure
+
+
+def disk_host_bytes(
+    block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer], slots: int,
+    host_buffer_bytes: Optional[int],
+) -> int:
+    """Host bytes the tier will allocate: its pool (``host_buffer_bytes`` or its default) and the gradients of two
+    blocks at once (one arriving, one being spilled or stepped)."""
+    size = probe_state_size(optimizer)
+    largest = max((sum(p.numel() for p in params) for params in block_params), default=0)
+    record = page_rounded(int(largest * (4 + size.per_element)) + (4 * largest if optimizer is not None else 0))
+    pool = host_buffer_bytes if host_buffer_bytes is not None else record * (slots + READ_AHEAD + 2)
+    return pool + (2 * 4 * largest if optimizer is not None else 0)
