@@ -3,8 +3,14 @@
 import os
 import zlib
 
-import pytest
-import torch
+# Bit-for-bit comparisons need a math library that gives the same bits for the same operation wherever the operands
+# sit in memory. MKL does not on some CPUs (on an AMD EPYC, GPT-2 streamed gave gradients that differed from plain
+# Lightning's in the last bits) unless its conditional numerical reproducibility is on. Set before torch
+# loads MKL; subprocesses (the DDP and kill -9 workers) inherit it.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.memory import host
+from lightning_superpipe.memory import host_memory
 from lightning_superpipe.memory.host import HostMemoryError
 from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks
 from lightning_superpipe.streaming.blocks import assign_parameters
@@ -58,7 +58,7 @@ def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
 
 
 def test_a_host_too_small_is_refused_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host, "available_host_bytes", lambda: 1024)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
     task = models.build_task("llama")
     before = {name: param.detach().clone() for name, param in task.named_parameters()}
     with pytest.raises(HostMemoryError, match=r"needs about .* more host memory .* only 1 KiB is available"):
