@@ -124,11 +124,13 @@ class Home(Protocol):
     Attributes:
         slices: The block's streamed parameters and where each sits in its flat buffer.
         numel: Elements of the block's flat buffer (aligned).
+        master_dtype: The dtype of the masters, in which the block's gradients accumulate on the host.
         transfer_dtype: The dtype the weights travel and compute in on the device.
     """
 
     slices: Sequence[ParamSlice]
     numel: int
+    master_dtype: torch.dtype
 
     @property
     def transfer_dtype(self) -> torch.dtype: ...
