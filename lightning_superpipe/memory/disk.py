@@ -43,7 +43,7 @@ How the engine is meant to use it (``offload_device="disk"``)::
     # (or, stepping during backward where that is exact: store.step(optimizer, blocks=[i], commit=False) as each
     #  block's gradients complete, and store.commit() after the last; on an error the store is back at the last
     #  commit and the whole optimizer step must be redone)
-    with _restricted(optimizer, trunk_params): optimizer.step()   # the rest (the trunk) stays in memory
+    with restricted(optimizer, trunk_params): optimizer.step()    # the rest (the trunk) stays in memory
     scheduler.step()                                  # param groups and LR live in the optimizer, in memory
     # Checkpoint: manifest = store.snapshot(checkpoint_folder(ckpt_path) / unique_name) (hard links, no RAM), put
     #   it in the .ckpt; a fresh folder per save, so a kill mid-save leaves the previous .ckpt its copy.
@@ -78,8 +78,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.memory.param_groups import restricted
 from lightning_superpipe.memory.pinned import PAGE, HostArena, page_rounded
-from lightning_superpipe.streaming.overlap import _restricted
 from lightning_superpipe.units import format_bytes
 
 FORMAT = "superpipe-disk-tier"
@@ -1542,7 +1542,7 @@ class DiskStore:
                 for param in params:
                     if param in stepped:
                         param.grad.clamp_(min=-grad_clip_value, max=grad_clip_value)  # type: ignore[union-attr]
-            with _restricted(optimizer, stepped):
+            with restricted(optimizer, stepped):
                 optimizer.step()
             states = [_own_state(optimizer, p) for p in params]
             entries, values = _layout(params, states)
