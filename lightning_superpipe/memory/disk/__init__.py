@@ -62,58 +62,29 @@ import sys
 import types
 from typing import Any
 
-from lightning_superpipe.memory.disk.store import (
-    ACQUIRE_TIMEOUT_S,
-    CHUNK_BYTES,
-    CLOCK_COUNTERS,
-    ENTRY_ALIGNMENT,
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    BlockState,
-    BufferPool,
-    DiskSpaceError,
-    DiskStore,
-    DiskTierError,
-    Entry,
-    IoClock,
-    MappedFiles,
-    MasterLease,
+from lightning_superpipe.memory.disk.buffers import ACQUIRE_TIMEOUT_S, BufferPool
+from lightning_superpipe.memory.disk.buffers import _aligned_buffer as _aligned_buffer
+from lightning_superpipe.memory.disk.buffers import _byte_view as _byte_view
+from lightning_superpipe.memory.disk.clock import CLOCK_COUNTERS, IoClock
+from lightning_superpipe.memory.disk.errors import DiskSpaceError, DiskTierError
+from lightning_superpipe.memory.disk.export import MappedFiles, write_safetensors
+from lightning_superpipe.memory.disk.file_io import CHUNK_BYTES
+from lightning_superpipe.memory.disk.file_io import _Files as _Files
+from lightning_superpipe.memory.disk.file_io import _read_chunk as _read_chunk
+from lightning_superpipe.memory.disk.file_io import _write_chunk as _write_chunk
+from lightning_superpipe.memory.disk.folder import FORMAT, MANIFEST, VERSION, checkpoint_folder
+from lightning_superpipe.memory.disk.folder import _commit as _commit
+from lightning_superpipe.memory.disk.folder import _link_or_copy as _link_or_copy
+from lightning_superpipe.memory.disk.folder import _replace as _replace
+from lightning_superpipe.memory.disk.records import ENTRY_ALIGNMENT, Entry, Record, StateSize, probe_state_size
+from lightning_superpipe.memory.disk.space import (
     PathLike,
-    Record,
-    StateSize,
-    checkpoint_folder,
     free_bytes,
     limit_heap_retention,
     preflight,
-    probe_state_size,
     supports_direct_io,
-    write_safetensors,
 )
-from lightning_superpipe.memory.disk.store import (
-    _aligned_buffer as _aligned_buffer,
-)
-from lightning_superpipe.memory.disk.store import (
-    _byte_view as _byte_view,
-)
-from lightning_superpipe.memory.disk.store import (
-    _commit as _commit,
-)
-from lightning_superpipe.memory.disk.store import (
-    _Files as _Files,
-)
-from lightning_superpipe.memory.disk.store import (
-    _link_or_copy as _link_or_copy,
-)
-from lightning_superpipe.memory.disk.store import (
-    _read_chunk as _read_chunk,
-)
-from lightning_superpipe.memory.disk.store import (
-    _replace as _replace,
-)
-from lightning_superpipe.memory.disk.store import (
-    _write_chunk as _write_chunk,
-)
+from lightning_superpipe.memory.disk.store import BlockState, DiskStore, MasterLease
 
 __all__ = [
     "ACQUIRE_TIMEOUT_S",
