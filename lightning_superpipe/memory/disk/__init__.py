@@ -52,6 +52,18 @@ How the engine is meant to use it (``offload_device="disk"``)::
 
 Between steps ``optimizer.state`` holds nothing for block parameters: their state is in the files, and
 ``optimizer.state_dict()`` covers the trunk only (the store's manifest and files cover the rest).
+(``restricted`` is :func:`lightning_superpipe.memory.param_groups.restricted`.)
+
+Modules, by job (each imports only those listed after it):
+
+* :mod:`.store`: :class:`DiskStore`, tying the parts together (construction, reads, checkpoints, export);
+* :mod:`.step`: the optimizer step through the store, and its commit; :mod:`.spills`: the gradient files;
+* :mod:`.core`: :class:`StoreOptions` and the state the store's parts share;
+* :mod:`.folder`: the files' names, the manifest and its atomic commit, links into a checkpoint's folder;
+* :mod:`.export`: safetensors written one tensor at a time; :mod:`.file_io`: whole files read and written in
+  chunks on worker threads; :mod:`.space`: checks before training; :mod:`.buffers`: aligned buffers and their
+  pool; :mod:`.clock`: :class:`IoClock`; :mod:`.records`: a block's record and its optimizer state's size;
+  :mod:`.errors`.
 """
 
 
@@ -66,6 +78,7 @@ from lightning_superpipe.memory.disk.buffers import ACQUIRE_TIMEOUT_S, BufferPoo
 from lightning_superpipe.memory.disk.buffers import _aligned_buffer as _aligned_buffer
 from lightning_superpipe.memory.disk.buffers import _byte_view as _byte_view
 from lightning_superpipe.memory.disk.clock import CLOCK_COUNTERS, IoClock
+from lightning_superpipe.memory.disk.core import StoreOptions
 from lightning_superpipe.memory.disk.errors import DiskSpaceError, DiskTierError
 from lightning_superpipe.memory.disk.export import MappedFiles, write_safetensors
 from lightning_superpipe.memory.disk.file_io import CHUNK_BYTES
@@ -106,6 +119,7 @@ __all__ = [
     "PathLike",
     "Record",
     "StateSize",
+    "StoreOptions",
     "checkpoint_folder",
     "free_bytes",
     "limit_heap_retention",
