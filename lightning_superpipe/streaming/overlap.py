@@ -23,14 +23,17 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from lightning_superpipe.memory.param_groups import restrict as _restrict
+from lightning_superpipe.memory.param_groups import restricted as _restricted
+from lightning_superpipe.memory.param_groups import unrestrict as _unrestrict
 
 #: Optimizers whose update of a parameter depends on that parameter's gradient and state alone.
 PER_PARAMETER_OPTIMIZERS = tuple(
@@ -266,24 +269,3 @@ class OverlappedStep:
         assert self._optimizer is not None
         with _restricted(self._optimizer, set(params)):
             self._optimizer.step()
-
-
-def _restrict(optimizer: Optimizer, keep: set[nn.Parameter]) -> list[list[nn.Parameter]]:
-    groups = [group["params"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if p in keep]
-    return groups
-
-
-def _unrestrict(optimizer: Optimizer, groups: list[list[nn.Parameter]]) -> None:
-    for group, params in zip(optimizer.param_groups, groups):
-        group["params"] = params
-
-
-@contextmanager
-def _restricted(optimizer: Optimizer, keep: set[nn.Parameter]) -> Iterator[None]:
-    groups = _restrict(optimizer, keep)
-    try:
-        yield
-    finally:
-        _unrestrict(optimizer, groups)
