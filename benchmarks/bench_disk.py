@@ -175,7 +175,7 @@ def run_disk(args: argparse.Namespace) -> dict[str, Any]:
 def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     """Sequential O_DIRECT write (then fsync) and read of one file, one stream and four; then the read of one file
     while another is written (two streams each), which is how the tier's step uses the disk."""
-    from lightning_superpipe.memory.disk import _aligned_buffer, _byte_view
+    from lightning_superpipe.memory.disk.buffers import _aligned_buffer, _byte_view
 
     size = int(args.raw_bytes) // (64 << 20) * (64 << 20)
     path = Path(args.folder) / "raw.bin"

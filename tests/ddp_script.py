@@ -275,7 +275,8 @@ def disk(out: Path) -> None:
 
 
 def disagree(out: Path) -> None:
-    from lightning_superpipe.memory import disk, host_memory, pinned
+    from lightning_superpipe.memory import host_memory, pinned
+    from lightning_superpipe.memory.disk import space
 
     (out / "tier").mkdir(exist_ok=True)
     attempts = {
@@ -290,12 +291,12 @@ def disagree(out: Path) -> None:
         "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
         "ema": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),
     }
-    available, shared_space, free_bytes = host_memory.available_host_bytes, pinned.shared_space, disk.free_bytes
+    available, shared_space, free_bytes = host_memory.available_host_bytes, pinned.shared_space, space.free_bytes
     for name, strategy in attempts.items():
         host_memory.available_host_bytes = (lambda: 1024) if name in ("host", "node_host") and rank() == 1 else available
         pinned.shared_space = (lambda: 4096) if name == "shm" and rank() == 0 else shared_space
         # Rank 1's disk has the margin the tier keeps free and one page: not the node's two copies of the tier.
-        disk.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes
+        space.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes
         try:
             callbacks = (EMAWeightAveraging(),) if name == "ema" else ()
             task_class = DisagreeingTask if name == "disk_init" else SyncedTask

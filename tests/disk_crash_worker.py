@@ -47,14 +47,15 @@ def _die() -> None:
 
 
 def install_kill(point: str, step: int, tier: Path, mutate: str | None) -> None:
-    """Wraps :mod:`lightning_superpipe.memory.disk`'s file functions so that the process kills itself at ``point``
+    """Wraps the disk tier's file functions (:mod:`lightning_superpipe.memory.disk.folder`, ``.file_io``) so that the process kills itself at ``point``
     of step ``step``; with ``mutate="shared-inode"``, also seeds the shared-inode bug."""
-    from lightning_superpipe.memory import disk
+    from lightning_superpipe.memory.disk import file_io
+    from lightning_superpipe.memory.disk import folder as disk_folder
 
     live = tier.resolve()
     committed = {"step": -1}  # the live folder's last committed step
     links = {"count": 0}
-    real_commit, real_write_chunk, real_link = disk._commit, disk._write_chunk, disk._link_or_copy
+    real_commit, real_write_chunk, real_link = disk_folder._commit, file_io._write_chunk, disk_folder._link_or_copy
     real_rmtree = shutil.rmtree
 
     def in_last(path: Path) -> bool:
@@ -89,7 +90,7 @@ def install_kill(point: str, step: int, tier: Path, mutate: str | None) -> None:
             _die()
         real_rmtree(path, *args, **kwargs)
 
-    disk._commit, disk._write_chunk, disk._link_or_copy = commit, write_chunk, link_or_copy
+    disk_folder._commit, file_io._write_chunk, disk_folder._link_or_copy = commit, write_chunk, link_or_copy
     shutil.rmtree = rmtree
     if mutate == "shared-inode":
         real_stat = os.stat
@@ -101,7 +102,7 @@ def install_kill(point: str, step: int, tier: Path, mutate: str | None) -> None:
             caller = sys._getframe(1).f_code.co_name
             return _OneLink() if caller == "_write" else real_stat(path, *args, **kwargs)
 
-        disk.os.stat = stat  # type: ignore[assignment]  # disk.os is os: only _write's call sees one link
+        os.stat = stat  # type: ignore[assignment]  # only _write's call sees one link
 
 
 def main(config: dict[str, Any]) -> None:

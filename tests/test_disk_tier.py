@@ -18,16 +18,19 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from lightning_superpipe.memory import disk
 from lightning_superpipe.memory.disk import (
     DiskSpaceError,
     DiskStore,
     DiskTierError,
+    buffers,
     checkpoint_folder,
+    file_io,
     preflight,
+    space,
     supports_direct_io,
 )
-from lightning_superpipe.streaming.overlap import _restricted
+from lightning_superpipe.memory.disk import folder as disk_folder
+from lightning_superpipe.memory.param_groups import restricted
 
 SHM = Path("/dev/shm")
 NUM_BLOCKS = 4
@@ -104,7 +107,7 @@ def disk_step(model: Model, store: DiskStore, optimizer: torch.optim.Optimizer, 
         store.commit()
     else:
         store.step(optimizer, grads="disk" if spill else "param")
-    with _restricted(optimizer, {p for p in model.parameters() if p not in in_blocks}):
+    with restricted(optimizer, {p for p in model.parameters() if p not in in_blocks}):
         optimizer.step()
     if scheduler is not None:
         scheduler.step()
@@ -237,7 +240,7 @@ def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path) -> None:
             for param in trunk:
                 param.grad.mul_(scale)
             store.step(optimizer, grads="disk", grad_scale=scale)
-            with _restricted(optimizer, set(trunk)):
+            with restricted(optimizer, set(trunk)):
                 optimizer.step()
             scheduler.step()
         assert_store_equals(store, reference, ref_optimizer)
@@ -308,11 +311,11 @@ def test_parameters_hold_no_memory_and_masters_stream(tmp_path: Path) -> None:
 def _slowed_io(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every read and write request of the tier takes ``seconds`` longer (a slow disk)."""
     for chunk in ("_read_chunk", "_write_chunk"):
-        def slowed(*args: Any, original: Any = getattr(disk, chunk)) -> None:
+        def slowed(*args: Any, original: Any = getattr(file_io, chunk)) -> None:
             time.sleep(seconds)
             original(*args)
 
-        monkeypatch.setattr(disk, chunk, slowed)
+        monkeypatch.setattr(file_io, chunk, slowed)
 
 
 def _timed_step(store: DiskStore, model: Model, optimizer: torch.optim.Optimizer) -> float:
@@ -425,15 +428,15 @@ def test_a_buffer_takes_the_next_read_while_its_write_is_made_durable(tmp_path: 
         real_fdatasync(fd)
         synced.append(time.perf_counter())
 
-    monkeypatch.setattr(disk.os, "fdatasync", slow_fdatasync)
+    monkeypatch.setattr(os, "fdatasync", slow_fdatasync)
     commits: list[float] = []
-    real_replace = disk._replace
+    real_replace = disk_folder._replace
 
     def replace(source: Path, target: Path) -> None:
         commits.append(time.perf_counter())
         real_replace(source, target)
 
-    monkeypatch.setattr(disk, "_replace", replace)
+    monkeypatch.setattr(disk_folder, "_replace", replace)
     try:
         _timed_step(store, model, optimizer)
         ordered = sorted(store.files.intervals, key=lambda interval: interval[1])
@@ -461,7 +464,7 @@ def test_a_read_failing_mid_step_gives_every_buffer_back_and_the_step_repeats(tm
     probe.close()
     store = DiskStore.open(tmp_path, model.block_params(), optimizer, spill_grads=True,
                            host_buffer_bytes=2 * buffer_bytes, read_ahead=3)
-    monkeypatch.setattr(disk, "ACQUIRE_TIMEOUT_S", 10.0)  # a buffer never given back fails the repeat, not hangs
+    monkeypatch.setattr(buffers, "ACQUIRE_TIMEOUT_S", 10.0)  # a buffer never given back fails the repeat, not hangs
     real_preadv = os.preadv
     failures = [0]
 
@@ -688,7 +691,7 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
     what, _, when = point.partition(":")
     count = [0]
     if what == "chunk":
-        original_chunk = disk._write_chunk
+        original_chunk = file_io._write_chunk
 
         def chunk(*args: Any) -> None:
             original_chunk(*args)
@@ -696,9 +699,9 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
             if count[0] == int(when):
                 _die()
 
-        monkeypatch.setattr(disk, "_write_chunk", chunk)
+        monkeypatch.setattr(file_io, "_write_chunk", chunk)
     elif what == "file":
-        original_write = disk._Files._write
+        original_write = file_io._Files._write
 
         def write(self: Any, *args: Any) -> None:
             original_write(self, *args)
@@ -706,15 +709,15 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
             if count[0] == int(when):
                 _die()
 
-        monkeypatch.setattr(disk._Files, "_write", write)
+        monkeypatch.setattr(file_io._Files, "_write", write)
     else:
-        original_replace, original_chunk = disk._replace, disk._write_chunk
+        original_replace, original_chunk = disk_folder._replace, file_io._write_chunk
 
         def slow_chunk(*args: Any) -> None:  # so that a manifest renamed before the blocks are durable shows
             time.sleep(0.02)
             original_chunk(*args)
 
-        monkeypatch.setattr(disk, "_write_chunk", slow_chunk)
+        monkeypatch.setattr(file_io, "_write_chunk", slow_chunk)
 
         def replace(source: Path, target: Path) -> None:
             if when == "before":
@@ -722,7 +725,7 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
             original_replace(source, target)
             _die()
 
-        monkeypatch.setattr(disk, "_replace", replace)
+        monkeypatch.setattr(disk_folder, "_replace", replace)
 
 
 def _in_child(work: Callable[[], None]) -> int:
@@ -830,7 +833,7 @@ def test_preflight_names_the_folder_and_the_bytes(tmp_path: Path, monkeypatch: p
             DiskStore.create(tmp_path, model.block_params())
 
     optimizer = torch.optim.AdamW(model.parameters())
-    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError) as error:
         DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
     # Two slots of (masters + two moments + step) per block, plus a gradient file: from the model's own sizes.
@@ -843,7 +846,7 @@ def test_preflight_names_the_folder_and_the_bytes(tmp_path: Path, monkeypatch: p
     assert not any(tmp_path.glob("block*")), "nothing is written before the check passes"
     monkeypatch.undo()
     DiskStore.create(tmp_path, model.block_params(), optimizer).close()  # writes one slot of each block
-    monkeypatch.setattr(disk, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError, match="bytes: the slots the next step writes"):
         DiskStore.open(tmp_path, Model().block_params(), torch.optim.AdamW(Model().parameters()))
 
@@ -890,7 +893,7 @@ def test_a_full_disk_at_allocation_names_the_file(tmp_path: Path, monkeypatch: p
         def full(*args: Any) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(disk.os, "posix_fallocate", full)
+        monkeypatch.setattr(os, "posix_fallocate", full)
         with pytest.raises(DiskSpaceError, match="block00003.0.bin"):
             store.step(optimizer)
         monkeypatch.undo()

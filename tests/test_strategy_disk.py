@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
 from lightning_superpipe.memory import disk
-from lightning_superpipe.memory.disk import CLOCK_COUNTERS
+from lightning_superpipe.memory.disk import CLOCK_COUNTERS, space
 from lightning_superpipe.planning.solver import minimum_plan, predict
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
@@ -371,7 +371,7 @@ def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[
 def test_a_disk_too_small_or_unwritable_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     task = models.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
-    monkeypatch.setattr(disk, "free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 20)
     with pytest.raises(MisconfigurationException, match=r"offload_device='disk'.*The disk tier needs .* bytes: two slots.*only 1 MiB \(1048576 bytes\) are free"):
         models.trainer(_disk(tmp_path / "tier")).fit(task, models.data("lm"))
     monkeypatch.undo()

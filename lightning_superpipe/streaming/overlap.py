@@ -31,9 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.param_groups import restrict as _restrict
-from lightning_superpipe.memory.param_groups import restricted as _restricted
-from lightning_superpipe.memory.param_groups import unrestrict as _unrestrict
+from lightning_superpipe.memory.param_groups import restrict, restricted, unrestrict
 
 #: Optimizers whose update of a parameter depends on that parameter's gradient and state alone.
 PER_PARAMETER_OPTIMIZERS = tuple(
@@ -236,7 +234,7 @@ class OverlappedStep:
             future.result()
         self._futures.clear()
         remaining = [p for p in self._owned if p not in self._stepped]
-        self._groups = _restrict(self._optimizer, set(remaining))
+        self._groups = restrict(self._optimizer, set(remaining))
 
     def disarm(self) -> None:
         """After the optimizer's step: its parameter groups are whole again."""
@@ -244,7 +242,7 @@ class OverlappedStep:
             future.result()
         self._futures.clear()
         if self._optimizer is not None and self._groups is not None:
-            _unrestrict(self._optimizer, self._groups)
+            unrestrict(self._optimizer, self._groups)
         self._optimizer, self._groups = None, None
 
     def close(self) -> None:
@@ -267,5 +265,5 @@ class OverlappedStep:
     def _step_only(self, params: list[nn.Parameter]) -> None:
         """The user's optimizer, stepped over ``params`` alone."""
         assert self._optimizer is not None
-        with _restricted(self._optimizer, set(params)):
+        with restricted(self._optimizer, set(params)):
             self._optimizer.step()

@@ -69,26 +69,13 @@ Modules, by job (each imports only those listed after it):
 
 from __future__ import annotations
 
-import os  # noqa: F401  # tests patch the tier's system calls as ``disk.os.<call>``
-import sys
-import types
-from typing import Any
-
 from lightning_superpipe.memory.disk.buffers import ACQUIRE_TIMEOUT_S, BufferPool
-from lightning_superpipe.memory.disk.buffers import _aligned_buffer as _aligned_buffer
-from lightning_superpipe.memory.disk.buffers import _byte_view as _byte_view
 from lightning_superpipe.memory.disk.clock import CLOCK_COUNTERS, IoClock
 from lightning_superpipe.memory.disk.core import StoreOptions
 from lightning_superpipe.memory.disk.errors import DiskSpaceError, DiskTierError
 from lightning_superpipe.memory.disk.export import MappedFiles, write_safetensors
 from lightning_superpipe.memory.disk.file_io import CHUNK_BYTES
-from lightning_superpipe.memory.disk.file_io import _Files as _Files
-from lightning_superpipe.memory.disk.file_io import _read_chunk as _read_chunk
-from lightning_superpipe.memory.disk.file_io import _write_chunk as _write_chunk
 from lightning_superpipe.memory.disk.folder import FORMAT, MANIFEST, VERSION, checkpoint_folder
-from lightning_superpipe.memory.disk.folder import _commit as _commit
-from lightning_superpipe.memory.disk.folder import _link_or_copy as _link_or_copy
-from lightning_superpipe.memory.disk.folder import _replace as _replace
 from lightning_superpipe.memory.disk.records import ENTRY_ALIGNMENT, Entry, Record, StateSize, probe_state_size
 from lightning_superpipe.memory.disk.space import (
     PathLike,
@@ -128,26 +115,3 @@ __all__ = [
     "supports_direct_io",
     "write_safetensors",
 ]
-
-_UNSET = object()
-
-
-class _Package(types.ModuleType):
-    """This package's module type. The private names it imports (``_commit``, ``_write_chunk``...) are the tier's
-    seams: tests interpose on single writes, commits and links through them. A name set on the package is set as
-    well in each of its modules that holds the same object under that name, so that a patch of ``disk._commit``
-    (or ``disk.free_bytes``, ``disk.ACQUIRE_TIMEOUT_S``) reaches the code that calls it, in whichever module that
-    code now lives."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        previous = self.__dict__.get(name, _UNSET)
-        super().__setattr__(name, value)
-        if previous is _UNSET or isinstance(previous, types.ModuleType):
-            return  # a new name, or a submodule being bound at import: nothing holds it yet
-        prefix = f"{self.__name__}."
-        for module_name, module in list(sys.modules.items()):
-            if module_name.startswith(prefix) and module is not None and vars(module).get(name, _UNSET) is previous:
-                setattr(module, name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,8 +1,8 @@
 """Reading and writing the tier's files: whole files between page-aligned buffers and disk, in chunks on worker
 threads, with ``O_DIRECT`` where the file system takes it.
 
-The chunk functions are module-level so that tests can interpose on single writes (through the package:
-``monkeypatch.setattr(disk, "_write_chunk", ...)``)."""
+The chunk functions are module-level so that tests can interpose on single writes
+(``monkeypatch.setattr(file_io, "_write_chunk", ...)``)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any, Literal, Optional
 
 from torch import Tensor
 
+from lightning_superpipe.memory.disk import space  # free_bytes through its module: tests fake a full disk there
 from lightning_superpipe.memory.disk.buffers import _byte_view
 from lightning_superpipe.memory.disk.clock import IoClock
 from lightning_superpipe.memory.disk.errors import DiskSpaceError, DiskTierError
-from lightning_superpipe.memory.disk.space import free_bytes
 from lightning_superpipe.memory.pinned import page_rounded
 from lightning_superpipe.units import format_bytes
 
@@ -44,7 +44,7 @@ def _open(path: Path, flags: int) -> int:
 def _io_error(doing: str, path: Path, error: OSError) -> DiskTierError:
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            left = f" ({format_bytes(free_bytes(path.parent))} free)"
+            left = f" ({format_bytes(space.free_bytes(path.parent))} free)"
         except OSError:
             left = ""
         return DiskSpaceError(
