@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_superpipe.moe import full_expert_bytes, kv_cache_bytes, page_experts
+from lightning_superpipe.moe import PagingOptions, full_expert_bytes, kv_cache_bytes, page_experts
 from lightning_superpipe.moe.api import PagedExperts
 from lightning_superpipe.moe.layouts import find_moe_layers
 from lightning_superpipe.moe.metrics import QualityMeter
@@ -395,7 +395,7 @@ def speed_sweep(model: torch.nn.Module, args, batch, prompts, calibration) -> li
     """
     default = model.config._experts_implementation
     paged_model = copy.deepcopy(model)
-    handle = page_experts(paged_model, calibration=calibration, group_size=args.group_size)
+    handle = page_experts(paged_model, calibration=calibration, options=PagingOptions(group_size=args.group_size))
     settings: list[tuple[str, Callable[[], torch.nn.Module]]] = []
     for implementation in dict.fromkeys((default, "eager")):
         def unpaged(implementation: str = implementation) -> torch.nn.Module:
@@ -435,7 +435,8 @@ def pressure_trace(model: torch.nn.Module, args, prompts, calibration) -> list[d
     # All experts at 16 bits fit with the prompt's cache; by the end the cache takes most of the room.
     total = full + kv_per_position * prompts.shape[1]
     total = max(total, minimum + kv_per_position * (prompts.shape[1] + new_tokens))
-    handle = page_experts(model, total_budget_bytes=total, calibration=calibration, group_size=args.group_size)
+    handle = page_experts(model, expert_and_kv_budget=total, calibration=calibration,
+                          options=PagingOptions(group_size=args.group_size))
     trace: list[dict[str, float]] = []
 
     def record(module, call_args, kwargs, output):
@@ -559,7 +560,8 @@ def prepare(args: argparse.Namespace, seed: int):
 def compare_at_equal_bytes(model, calibration, evaluate: Evaluator, group_size: int) -> list[QualityRow]:
     """The baselines and the planner at the baselines' bytes (routed experts only, like them)."""
     rows = baseline_rows(model, calibration, evaluate, group_size)
-    handle = page_experts(model, calibration=calibration, group_size=group_size, shared_experts=False, hysteresis=0.0)
+    handle = page_experts(model, calibration=calibration, shared_experts=False,
+                          options=PagingOptions(group_size=group_size, hysteresis=0.0))
     rows += [planner_at(handle, evaluate, f) for f in sorted({r.budget_fraction for r in rows})]
     handle.restore()
     return rows
@@ -623,7 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     granularities = (("expert x projection", None, True), (f"{args.fine_rows}-row blocks", args.fine_rows, False))
     for granularity, rows_per_page, baselines in () if args.skip_quality else granularities:
         started = time.perf_counter()
-        handle = page_experts(model, calibration=calibration, rows_per_page=rows_per_page, group_size=args.group_size)
+        handle = page_experts(model, calibration=calibration,
+                              options=PagingOptions(rows_per_page=rows_per_page, group_size=args.group_size))
         quality += quality_sweep(handle, evaluate, args.fractions, granularity, baselines)
         handle.restore()
         print(f"quality sweep, {granularity}: {time.perf_counter() - started:.0f}s")
