@@ -18,7 +18,7 @@ from lightning_superpipe.moe.experts import (
     SharedExpertHooks,
 )
 from lightning_superpipe.moe.layouts import MoELayer, find_moe_layers
-from lightning_superpipe.moe.options import PagingOptions, budget_bytes
+from lightning_superpipe.moe.options import PagingOptions, resolve_expert_budget
 from lightning_superpipe.moe.pages import PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
 from lightning_superpipe.planning.budget import MemoryBudget
@@ -78,7 +78,8 @@ def page_experts(
     options = options or PagingOptions()
     layers = find_moe_layers(model, shared_experts=shared_experts)
     device = torch.device(device if device is not None else layers[0].weight(0).device)
-    pressure = budget_bytes(expert_and_kv_budget, None, f"page_experts(expert_and_kv_budget={expert_and_kv_budget!r})")
+    call = f"page_experts(expert_and_kv_budget={expert_and_kv_budget!r})"
+    pressure = resolve_expert_budget(expert_and_kv_budget, None, call)
     with _eager_autograd_mode():
         store = PageStore(
             layers,
@@ -89,7 +90,8 @@ def page_experts(
             copy_engine=None if options.async_moves else SyncCopyEngine(device),
         )
         # Checked before the model is touched, so that a refused budget leaves it as it was.
-        budget = budget_bytes(expert_budget, _full_bytes(store), f"page_experts(expert_budget={expert_budget!r})")
+        call = f"page_experts(expert_budget={expert_budget!r})"
+        budget = resolve_expert_budget(expert_budget, _full_bytes(store), call)
         _check_budget(budget, int(store.bytes_table()[:, -1].sum()), store.min_level)
         handle = PagedExperts(model, layers, store, options)
     try:
@@ -227,7 +229,7 @@ class PagedExperts:
         Raises:
             ValueError: The budget is below :meth:`min_bytes`, or not a budget.
         """
-        nbytes = budget_bytes(expert_budget, self.full_bytes(), f"set_budget({expert_budget!r})")
+        nbytes = resolve_expert_budget(expert_budget, self.full_bytes(), f"set_budget({expert_budget!r})")
         self._check_budget(nbytes)
         self._budget = nbytes
         if self.routing.updates != self._routing_seen:  # routing seen since the last plan counts now
@@ -245,7 +247,7 @@ class PagedExperts:
         that forward (and at most the :meth:`set_budget` value).
         """
         call = f"set_expert_and_kv_budget({expert_and_kv_budget!r})"
-        self._expert_and_kv_budget = budget_bytes(expert_and_kv_budget, None, call)
+        self._expert_and_kv_budget = resolve_expert_budget(expert_and_kv_budget, None, call)
 
     def _check_budget(self, nbytes: int | None) -> None:
         if self._restored:

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_superpipe.moe.api import PagedExperts, expert_parameters, full_expert_bytes, page_experts
 from lightning_superpipe.moe.layouts import UnsupportedMoEModelError, is_fused_experts
 from lightning_superpipe.moe.metrics import IGNORE_INDEX, QualityMeter
-from lightning_superpipe.moe.options import PagingOptions, budget_bytes
+from lightning_superpipe.moe.options import PagingOptions, resolve_expert_budget
 from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
 
 __all__ = ["PagedMoECallback"]
@@ -87,7 +87,8 @@ class PagedMoECallback(Callback):
         # Read now, so that a budget that means nothing fails at construction rather than at the stage's start.
         if expert_budget is not None:
             parse_budget(expert_budget, f"PagedMoECallback(expert_budget={expert_budget!r})", allow_auto=False)
-        budget_bytes(expert_and_kv_budget, None, f"PagedMoECallback(expert_and_kv_budget={expert_and_kv_budget!r})")
+        call = f"PagedMoECallback(expert_and_kv_budget={expert_and_kv_budget!r})"
+        resolve_expert_budget(expert_and_kv_budget, None, call)
         self.stages = tuple(stages)
         unknown = set(self.stages) - set(_STAGES)
         if unknown:
@@ -147,7 +148,8 @@ class PagedMoECallback(Callback):
         model = self.model_getter(pl_module) if self.model_getter else _find_moe_model(pl_module)
         call = f"PagedMoECallback(expert_budget={self.expert_budget!r})"
         # Bytes here, the experts' 16-bit size measured before paging (the model's own dtype may differ).
-        budget = budget_bytes(self.expert_budget, full_expert_bytes(model, shared_experts=self.shared_experts), call)
+        full = full_expert_bytes(model, shared_experts=self.shared_experts)
+        budget = resolve_expert_budget(self.expert_budget, full, call)
         device = pl_module.device
         calibration = [
             move_data_to_device(dict(self.batch_to_inputs(batch)), device)

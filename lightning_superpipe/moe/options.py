@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from lightning_superpipe.moe.host_pages import TOP_LEVEL
 from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
 
-__all__ = ["DEFAULT_LEVELS", "PagingOptions", "budget_bytes"]
+__all__ = ["DEFAULT_LEVELS", "PagingOptions", "resolve_expert_budget"]
 
 DEFAULT_LEVELS: tuple[int, ...] = (TOP_LEVEL, 8, 4, 3, 2)
 
@@ -51,7 +51,7 @@ class PagingOptions:
     error_feedback: bool = True
 
 
-def budget_bytes(value: MemoryBudget | None, whole: int | None, call: str) -> int | None:
+def resolve_expert_budget(value: MemoryBudget | None, whole: int | None, call: str) -> int | None:
     """Bytes of an experts' budget written as bytes (``6000000000``, ``"6GiB"``) or a percentage of ``whole``.
 
     Args:
