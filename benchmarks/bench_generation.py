@@ -38,7 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from lightning_superpipe import EmulatedLink, generate
-from lightning_superpipe.generation import compression
+from lightning_superpipe.generation import GenerationPolicy, compression
 
 VOCAB_OFFSET = 4  # byte b is token b + 4; 0..3 special
 T4_BYTES_PER_FLOP = 12.89 / 4300  # FlexGen's fitted T4 ctog bandwidth (GB/s) over decode matmul rate (GFLOP/s)
@@ -121,13 +121,13 @@ def bytes_per_token(args: argparse.Namespace) -> dict[str, Any]:
     batch, prompt, new = 32, 64, 16
     ids = prompts_from_docs(batch, prompt)
     mask = torch.ones_like(ids)
-    ours = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8)
+    ours = generate(model, ids, GenerationPolicy(micro_batch_size=8), attention_mask=mask, max_new_tokens=new)
     generated = batch * new
     # FlexGen's other placements: half the blocks resident (copied once), hidden states in host memory.
-    half = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8,
-                    weights_device_fraction=0.5)
-    hosted = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8,
-                      activations_on_host=True)
+    half = generate(model, ids, GenerationPolicy(micro_batch_size=8, resident_blocks=2), attention_mask=mask,
+                    max_new_tokens=new)
+    hosted = generate(model, ids, GenerationPolicy(micro_batch_size=8, activations_on_host=True), attention_mask=mask,
+                      max_new_tokens=new)
     placements = {
         name: {"h2d_by_kind_per_token": {k: v / generated for k, v in out.stats["h2d_bytes"].items()},
                "d2h_by_kind_per_token": {k: v / generated for k, v in out.stats["d2h_bytes"].items()},
@@ -195,11 +195,11 @@ def overlap(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for name, overlapped in (("overlapped", True), ("serialized", False)):
         link = EmulatedLink(mode="lazy", bandwidth=bandwidth, check=False, verify=False)
-        out = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8, overlap=overlapped,
-                       link=link)
+        out = generate(model, ids, GenerationPolicy(micro_batch_size=8, overlap=overlapped), attention_mask=mask,
+                       max_new_tokens=new, link=link)
         results[name] = {"tokens_per_s": out.stats["tokens_per_s"], "seconds": out.stats["seconds"],
                          "exposed_copy_wait_s": link.stats.wait_seconds, "sequences": out.sequences}
-    no_link = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=8)
+    no_link = generate(model, ids, GenerationPolicy(micro_batch_size=8), attention_mask=mask, max_new_tokens=new)
     return {
         "model": "llama 4 x 512, fp32", "batch": batch, "micro_batch": 8, "prompt": prompt, "new_tokens": new,
         "cpu_matmul_flops": flops, "link_bytes_per_s": bandwidth,
@@ -246,7 +246,7 @@ def _round_trip(tensor: torch.Tensor) -> torch.Tensor:
 
 class _RoundTripCache(DynamicCache):
     """A DynamicCache that keeps new keys/values in FlexGen's 4-bit form (round-tripped) while the chunk that made
-    them attends to them exactly, as ``generate(compress_kv=True)`` and FlexGen do (the new token's own keys and
+    them attends to them exactly, as ``GenerationPolicy(compress_kv=True)`` and FlexGen do (the new token's own keys and
     values are used uncompressed, the stored past is decompressed)."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
@@ -331,12 +331,12 @@ class TeacherForcing(LogitsProcessor):
 def generate_perplexity(model: Any, held_out: torch.Tensor, compress_weights: bool, compress_kv: bool,
                         prompt: int = 32, new: int = 96, rows: int = 48) -> float:
     """Perplexity of the ``new`` tokens after a ``prompt``-token prefix, scored inside ``lightning_superpipe.generate``
-    (teacher-forced): exactly what ``generate(compress_weights=..., compress_kv=...)`` computes."""
+    (teacher-forced): exactly what ``generate`` computes with
+    ``GenerationPolicy(compress_weights=..., compress_kv=...)``."""
     text = held_out[: rows * (prompt + new)].view(rows, prompt + new)
     forcing = TeacherForcing(text[:, :prompt], text[:, prompt:])
-    out = generate(model, text[:, :prompt], max_new_tokens=new, micro_batch_size=rows // 3,
-                   compress_weights=compress_weights, compress_kv=compress_kv,
-                   logits_processor=LogitsProcessorList([forcing]))
+    policy = GenerationPolicy(micro_batch_size=rows // 3, compress_weights=compress_weights, compress_kv=compress_kv)
+    out = generate(model, text[:, :prompt], policy, max_new_tokens=new, logits_processor=LogitsProcessorList([forcing]))
     assert torch.equal(out.sequences, text), "the forced continuation must be what generate decoded"
     return forcing.perplexity
 
@@ -399,8 +399,9 @@ def compression_quality(args: argparse.Namespace) -> dict[str, Any]:
             summary[f"{kind}_change_{name}_max"] = values.max().item()
     model, held_out = train_small_model(args.train_steps, seed=0)
     ids = held_out[: 16 * 64].view(16, 64)
-    plain = generate(model, ids, max_new_tokens=16, micro_batch_size=8)
-    packed = generate(model, ids, max_new_tokens=16, micro_batch_size=8, compress_weights=True, compress_kv=True)
+    plain = generate(model, ids, GenerationPolicy(micro_batch_size=8), max_new_tokens=16)
+    packed = generate(model, ids, GenerationPolicy(micro_batch_size=8, compress_weights=True, compress_kv=True),
+                      max_new_tokens=16)
     moved = lambda out: sum(out.stats["h2d_bytes"].values()) + sum(out.stats["d2h_bytes"].values())  # noqa: E731
     return {
         "model": "llama 4 x 128 (head_dim 64), fp32, trained here", "train_steps": args.train_steps,

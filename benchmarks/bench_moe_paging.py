@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -44,15 +44,17 @@ from pathlib import Path
 
 import torch
 
-from lightning_superpipe.moe import full_expert_bytes, kv_cache_bytes, page_experts
+from lightning_superpipe.moe import PagingOptions, full_expert_bytes, kv_cache_bytes, page_experts
 from lightning_superpipe.moe.api import PagedExperts
 from lightning_superpipe.moe.layouts import find_moe_layers
 from lightning_superpipe.moe.metrics import QualityMeter
 from lightning_superpipe.moe.planner import random_levels, uniform_levels
 from lightning_superpipe.moe.testing import byte_batches, byte_corpus, tiny_moe, train_tiny_moe
 
-TARGET_PPL_FRACTION = 0.30
-TARGET_PPL_CHANGE = 0.01
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling modules
+from moe_baselines import _minmax_quantize, expert_hessians, gptq_quantize, hqq_quantize  # noqa: E402
+from moe_report import TARGET_PPL_CHANGE, TARGET_PPL_FRACTION, markdown_table, plot, write_csv  # noqa: E402
+
 TARGET_KL_RATIO = 0.5
 QUALITY_FORMATS = {
     "budget_fraction": ".3f", "bytes_fraction": ".3f", "ppl_change_pct": "+.3f", "kl": ".2e", "mean_bits": ".2f"
@@ -201,114 +203,6 @@ def quality_sweep(
     return rows
 
 
-def _minmax_quantize(weight: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Round-to-nearest, group-wise asymmetric min-max on ``[out, in]`` (fp16 metadata, like the pages)."""
-    grouped = weight.float().unflatten(-1, (-1, group_size))
-    low = grouped.amin(-1, keepdim=True).half().float()
-    scale = ((grouped.amax(-1, keepdim=True) - low) / (2**bits - 1)).half().float()
-    codes = ((grouped - low) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, 2**bits - 1)
-    return (low + codes * scale).flatten(-2)
-
-
-def hqq_quantize(
-    weight: torch.Tensor, bits: int, group_size: int, iterations: int = 20, p: float = 0.7, beta: float = 10.0,
-    kappa: float = 1.01,
-) -> torch.Tensor:
-    """HQQ (Badri & Shaji 2023) on ``[out, in]``: min-max scale, zero point by half-quadratic optimisation.
-
-    The zero point of each group minimises an l_p (p < 1) norm of the rounding error, alternating a
-    generalised soft-thresholding of the error (the sparse outliers it may keep) with the zero point
-    that fits the rest in closed form, as ``hqq``'s ``optimize_weights_proximal``; scale and zero in
-    fp16 like the pages. Calibration-free.
-    """
-    grouped = weight.float().unflatten(-1, (-1, group_size))
-    levels = 2**bits - 1
-    low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-    inverse = (levels / (high - low).clamp_min(1e-8)).half().float()  # HQQ's scale: codes per unit
-    zero = (-low * inverse).half().float()
-    best_zero, best_error = zero, float("inf")
-    for _ in range(iterations):
-        codes = (grouped * inverse + zero).round_().clamp_(0, levels)
-        rebuilt = (codes - zero) / inverse
-        error = grouped - rebuilt
-        mean_error = error.abs().mean().item()
-        if mean_error >= best_error:
-            break
-        best_zero, best_error = zero, mean_error  # the zero point that gave this error
-        shrunk = error.sign() * torch.relu(error.abs() - (error.abs() + 1e-8).pow(p - 1) / beta)
-        zero = (codes - (grouped - shrunk) * inverse).mean(-1, keepdim=True).half().float()
-        beta *= kappa
-    codes = (grouped * inverse + best_zero).round_().clamp_(0, levels)
-    return ((codes - best_zero) / inverse).flatten(-2)
-
-
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """GPTQ (Frantar et al. 2022) of one ``[out, in]`` matrix with its input Hessian ``X^T X``.
-
-    Columns are quantized in order; each column's rounding error is spread over the columns not yet
-    quantized through the inverse Hessian's Cholesky factor. Group parameters are taken (min-max)
-    when a group starts, from the columns as updated so far (GPTQ's default, non-static groups).
-    """
-    w = weight.float().clone()
-    h = hessian.double().clone()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h.diagonal().add_(0.01 * h.diagonal().mean())  # GPTQ's 1% dampening
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    quantized = torch.empty_like(w)
-    levels = 2**bits - 1
-    for column in range(w.shape[1]):
-        if column % group_size == 0:
-            group = w[:, column : column + group_size]
-            low = group.amin(1).half().float()
-            scale = ((group.amax(1) - low) / levels).half().float()
-            step = torch.where(scale > 0, scale, 1.0)
-        q = low + ((w[:, column] - low) / step).round_().clamp_(0, levels) * scale
-        quantized[:, column] = q
-        error = (w[:, column] - q) / h_inv[column, column]
-        w[:, column:] -= error.unsqueeze(1) * h_inv[column, column:].unsqueeze(0)
-    return quantized
-
-
-def expert_hessians(
-    model: torch.nn.Module, calibration: list[torch.Tensor]
-) -> dict[tuple[int, int, int], torch.Tensor]:
-    """``X^T X`` of every routed expert's projection inputs on the calibration batches.
-
-    Keyed by ``(layer, proj, expert)``; the inputs are the tokens routed to that expert (``proj`` 0)
-    and their gated hidden states (``proj`` 1), computed with the original weights (eager order).
-    """
-    layers = find_moe_layers(model, shared_experts=False)
-    sums: dict[tuple[int, int, int], torch.Tensor] = {}
-
-    def hook(index: int):
-        def capture(module, args, kwargs):
-            hidden, top_k_index = args[0], args[1]
-            unit = layers[index]
-            gate_up, down = (unit.canonical(unit.weight(p)) for p in (0, 1))
-            for expert in torch.unique(top_k_index).tolist():
-                if expert >= unit.num_experts:
-                    continue
-                tokens = (top_k_index == expert).any(-1)
-                x = hidden[tokens].float()
-                h = unit.gate_fn()(x @ gate_up[expert].float().T)
-                for proj, inputs in ((0, x), (1, h)):
-                    key = (index, proj, expert)
-                    sums[key] = sums.get(key, 0) + inputs.T.double() @ inputs.double()
-        return capture
-
-    handles = [layer.experts.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            for batch in calibration:
-                model(input_ids=batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return sums
-
-
 def baseline_rows(
     model: torch.nn.Module, calibration: list[torch.Tensor], evaluate: Evaluator, group_size: int
 ) -> list[QualityRow]:
@@ -395,7 +289,7 @@ def speed_sweep(model: torch.nn.Module, args, batch, prompts, calibration) -> li
     """
     default = model.config._experts_implementation
     paged_model = copy.deepcopy(model)
-    handle = page_experts(paged_model, calibration=calibration, group_size=args.group_size)
+    handle = page_experts(paged_model, calibration=calibration, options=PagingOptions(group_size=args.group_size))
     settings: list[tuple[str, Callable[[], torch.nn.Module]]] = []
     for implementation in dict.fromkeys((default, "eager")):
         def unpaged(implementation: str = implementation) -> torch.nn.Module:
@@ -435,12 +329,14 @@ def pressure_trace(model: torch.nn.Module, args, prompts, calibration) -> list[d
     # All experts at 16 bits fit with the prompt's cache; by the end the cache takes most of the room.
     total = full + kv_per_position * prompts.shape[1]
     total = max(total, minimum + kv_per_position * (prompts.shape[1] + new_tokens))
-    handle = page_experts(model, total_budget_bytes=total, calibration=calibration, group_size=args.group_size)
+    handle = page_experts(model, expert_and_kv_budget=total, calibration=calibration,
+                          options=PagingOptions(group_size=args.group_size))
     trace: list[dict[str, float]] = []
 
     def record(module, call_args, kwargs, output):
         kv = kv_cache_bytes(getattr(output, "cache", None) or getattr(output, "past_key_values", None))
-        trace.append({"step": len(trace), "expert_bytes": handle.device_bytes(), "kv_bytes": kv, "total_budget": total})
+        trace.append({"step": len(trace), "expert_bytes": handle.device_bytes(), "kv_bytes": kv,
+                      "expert_and_kv_budget": total})
 
     hook = model.register_forward_hook(record, with_kwargs=True)
     with torch.no_grad():
@@ -448,21 +344,6 @@ def pressure_trace(model: torch.nn.Module, args, prompts, calibration) -> list[d
     hook.remove()
     handle.restore()
     return trace
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def markdown_table(rows: list[dict], formats: dict[str, str]) -> str:
-    keys = list(rows[0])
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for row in rows:
-        lines.append("| " + " | ".join(format(row[k], formats.get(k, "")) for k in keys) + " |")
-    return "\n".join(lines)
 
 
 def check_targets(rows: list[QualityRow]) -> list[str]:
@@ -504,42 +385,6 @@ def check_baseline_targets(rows: list[QualityRow]) -> list[str]:
     return lines
 
 
-def plot(path: Path, quality: list[QualityRow], trace: list[dict[str, float]], full: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    styles = {"planner": "o-", "uniform": "s--", "random": "^:", "uniform 4-bit": "*"}
-    for (granularity, policy) in sorted({(r.granularity, r.policy) for r in quality}):
-        rows = [r for r in quality if r.granularity == granularity and r.policy == policy]
-        rows.sort(key=lambda r: r.bytes_fraction)
-        x = [r.bytes_fraction for r in rows]
-        label = policy if granularity == "expert x projection" else f"{policy} ({granularity})"
-        style = styles[policy] if granularity == "expert x projection" else "d-."
-        axes[0].plot(x, [max(r.kl, 1e-7) for r in rows], style, label=label, markersize=8)
-        axes[1].plot(x, [r.ppl_change_pct for r in rows], style, label=label, markersize=8)
-    x_label = "expert bytes on device / 16-bit expert bytes"
-    axes[0].set(yscale="log", xlabel=x_label, ylabel="KL(full || paged), nats/token")
-    axes[1].set(xlabel=x_label, ylabel="perplexity change (%)")
-    axes[1].axhline(100 * TARGET_PPL_CHANGE, color="grey", lw=0.8)
-    axes[1].axvline(TARGET_PPL_FRACTION, color="grey", lw=0.8)
-    for ax in axes[:2]:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    steps = [t["step"] for t in trace]
-    axes[2].plot(steps, [t["expert_bytes"] / full for t in trace], label="experts")
-    axes[2].plot(steps, [t["kv_bytes"] / full for t in trace], label="KV cache")
-    axes[2].plot(steps, [(t["expert_bytes"] + t["kv_bytes"]) / full for t in trace], label="sum")
-    axes[2].plot(steps, [t["total_budget"] / full for t in trace], "k--", label="total budget")
-    axes[2].set(xlabel="generation step", ylabel="bytes / 16-bit expert bytes", title="pressure mode")
-    axes[2].grid(alpha=0.3)
-    axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def prepare(args: argparse.Namespace, seed: int):
     """The model of ``seed`` in the evaluation dtype and implementation, with its data (the same for every seed)."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -559,7 +404,8 @@ def prepare(args: argparse.Namespace, seed: int):
 def compare_at_equal_bytes(model, calibration, evaluate: Evaluator, group_size: int) -> list[QualityRow]:
     """The baselines and the planner at the baselines' bytes (routed experts only, like them)."""
     rows = baseline_rows(model, calibration, evaluate, group_size)
-    handle = page_experts(model, calibration=calibration, group_size=group_size, shared_experts=False, hysteresis=0.0)
+    handle = page_experts(model, calibration=calibration, shared_experts=False,
+                          options=PagingOptions(group_size=group_size, hysteresis=0.0))
     rows += [planner_at(handle, evaluate, f) for f in sorted({r.budget_fraction for r in rows})]
     handle.restore()
     return rows
@@ -601,56 +447,14 @@ def seed_table(per_seed: dict[int, list[QualityRow]]) -> tuple[list[dict], list[
     return table, lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device)
-    per_seed: dict[int, list[QualityRow]] = {}
-    if not args.skip_quality:
-        for seed in args.seeds[1:]:
-            started = time.perf_counter()
-            model, evaluation, calibration, _ = prepare(args, seed)
-            per_seed[seed] = compare_at_equal_bytes(model, calibration, Evaluator(model, evaluation), args.group_size)
-            print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
-            del model
-    seed = args.seeds[0]
-    model, evaluation, calibration, prompts = prepare(args, seed)
-
-    evaluate = Evaluator(model, evaluation)
-    quality: list[QualityRow] = []
-    granularities = (("expert x projection", None, True), (f"{args.fine_rows}-row blocks", args.fine_rows, False))
-    for granularity, rows_per_page, baselines in () if args.skip_quality else granularities:
-        started = time.perf_counter()
-        handle = page_experts(model, calibration=calibration, rows_per_page=rows_per_page, group_size=args.group_size)
-        quality += quality_sweep(handle, evaluate, args.fractions, granularity, baselines)
-        handle.restore()
-        print(f"quality sweep, {granularity}: {time.perf_counter() - started:.0f}s")
-    comparison: list[QualityRow] = []
-    if not args.skip_quality:
-        started = time.perf_counter()
-        comparison = compare_at_equal_bytes(model, calibration, evaluate, args.group_size)
-        print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
-        per_seed = {seed: comparison, **per_seed}
-    seeds_rows, seeds_lines = seed_table(per_seed) if per_seed else ([], [])
-    full = full_expert_bytes(model)
-    speed = [] if args.skip_speed else speed_sweep(model, args, evaluation[0], prompts, calibration)
-    trace = [] if args.skip_speed else pressure_trace(model, args, prompts, calibration)
-
+def _report(
+    args: argparse.Namespace, device: torch.device, seed: int, full: int, quality: list[QualityRow],
+    comparison: list[QualityRow], per_seed: dict[int, list[QualityRow]], seeds_rows: list[dict],
+    seeds_lines: list[str], speed: list[SpeedRow], trace: list[dict[str, float]],
+) -> str:
+    """``report.md``: the tables, the targets checked, speed and the pressure mode's trace."""
     quality_rows = [asdict(r) for r in quality]
     speed_rows = [asdict(r) for r in speed]
-    if quality_rows:
-        write_csv(args.out / "quality.csv", quality_rows)
-    if comparison:
-        write_csv(args.out / "baselines.csv", [asdict(r) | {"seed": s} for s, rows in per_seed.items() for r in rows])
-    if seeds_rows:
-        write_csv(args.out / "baselines_seeds.csv", seeds_rows)
-    if speed_rows:
-        write_csv(args.out / "speed.csv", speed_rows)
-        write_csv(args.out / "pressure.csv", trace)
-    plot(args.out / "paging.png", quality, trace, full)
-
     speed_lines = []
     if speed:
         unpaged = speed[0]
@@ -663,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     if trace:
         expert_min = min(t["expert_bytes"] for t in trace) / full
         pressure_lines = [
-            f"Total budget {trace[0]['total_budget']:,} bytes; over {len(trace)} forwards the KV cache grew from "
+            f"expert_and_kv_budget {trace[0]['expert_and_kv_budget']:,} bytes; over {len(trace)} forwards the KV"
+            " cache grew from "
             f"{trace[0]['kv_bytes']:,} to {trace[-1]['kv_bytes']:,} bytes and the experts went from "
             f"{trace[0]['expert_bytes'] / full:.1%} to {expert_min:.1%} of their 16-bit size; "
             f"max of experts + KV cache: {max(t['expert_bytes'] + t['kv_bytes'] for t in trace):,} bytes."
@@ -711,6 +516,61 @@ def main(argv: list[str] | None = None) -> None:
             *pressure_lines,
         ]
     )
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    per_seed: dict[int, list[QualityRow]] = {}
+    if not args.skip_quality:
+        for seed in args.seeds[1:]:
+            started = time.perf_counter()
+            model, evaluation, calibration, _ = prepare(args, seed)
+            per_seed[seed] = compare_at_equal_bytes(model, calibration, Evaluator(model, evaluation), args.group_size)
+            print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
+            del model
+    seed = args.seeds[0]
+    model, evaluation, calibration, prompts = prepare(args, seed)
+
+    evaluate = Evaluator(model, evaluation)
+    quality: list[QualityRow] = []
+    granularities = (("expert x projection", None, True), (f"{args.fine_rows}-row blocks", args.fine_rows, False))
+    for granularity, rows_per_page, baselines in () if args.skip_quality else granularities:
+        started = time.perf_counter()
+        handle = page_experts(model, calibration=calibration,
+                              options=PagingOptions(rows_per_page=rows_per_page, group_size=args.group_size))
+        quality += quality_sweep(handle, evaluate, args.fractions, granularity, baselines)
+        handle.restore()
+        print(f"quality sweep, {granularity}: {time.perf_counter() - started:.0f}s")
+    comparison: list[QualityRow] = []
+    if not args.skip_quality:
+        started = time.perf_counter()
+        comparison = compare_at_equal_bytes(model, calibration, evaluate, args.group_size)
+        print(f"seed {seed}: baselines at equal bytes: {time.perf_counter() - started:.0f}s")
+        per_seed = {seed: comparison, **per_seed}
+    seeds_rows, seeds_lines = seed_table(per_seed) if per_seed else ([], [])
+    full = full_expert_bytes(model)
+    speed = [] if args.skip_speed else speed_sweep(model, args, evaluation[0], prompts, calibration)
+    trace = [] if args.skip_speed else pressure_trace(model, args, prompts, calibration)
+
+    quality_rows = [asdict(r) for r in quality]
+    speed_rows = [asdict(r) for r in speed]
+    if quality_rows:
+        write_csv(args.out / "quality.csv", quality_rows)
+    if comparison:
+        write_csv(args.out / "baselines.csv", [asdict(r) | {"seed": s} for s, rows in per_seed.items() for r in rows])
+    if seeds_rows:
+        write_csv(args.out / "baselines_seeds.csv", seeds_rows)
+    if speed_rows:
+        write_csv(args.out / "speed.csv", speed_rows)
+        write_csv(args.out / "pressure.csv", trace)
+    plot(args.out / "paging.png", quality, trace, full)
+
+    report = _report(args, device, seed, full, quality, comparison, per_seed, seeds_rows, seeds_lines, speed, trace)
     (args.out / "report.md").write_text(report + "\n")
     print(report)
     written = "quality.csv,baselines.csv,baselines_seeds.csv,speed.csv,pressure.csv,report.md,paging.png"

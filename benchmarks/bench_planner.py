@@ -41,7 +41,8 @@ from lightning_superpipe.units import format_bytes  # noqa: E402
 PRESETS: dict[str, dict[str, Any]] = {
     # 6 blocks of ~12.6 MB fp32: a block's forward and a block's copy at 400 MB/s take tens of milliseconds each.
     "cpu": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, vocab_size=2048),
-    "cuda": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16, vocab_size=32000),
+    "cuda": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=16, num_attention_heads=16,
+                 vocab_size=32000),
 }
 
 
@@ -97,19 +98,7 @@ def link(args: argparse.Namespace) -> Optional[EmulatedLink]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
-    parser.add_argument("--bandwidth", default="400MB/s", help="the emulated link's cap (CPU only)")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
-    parser.add_argument("--budgets", type=int, default=4, help="budgets from the least placement to the whole model")
-    parser.add_argument("--max-prefetch", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
+    args = _parse_args()
     args.preset = args.preset or args.device
     if args.layers:
         PRESETS[args.preset]["num_hidden_layers"] = args.layers
@@ -125,9 +114,39 @@ def main() -> None:
     least = minimum_plan(profile).predicted_peak_bytes
     whole = predict(profile, range(blocks), 1, ["keep"] * blocks).peak_bytes
     budgets = [int(least + (whole - least) * k / (args.budgets - 1)) for k in range(args.budgets)]
+    grid = _grid(args, profile, blocks, steps)
+    rows = _budget_rows(args, budgets, grid, plain, steps)
+    report = _report(args, blocks, plain, grid, rows)
+    print(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"planner_{args.device}.md").write_text(report + "\n")
+    (args.out / f"planner_{args.device}.json").write_text(
+        json.dumps({"plain_step_s": plain["step_s"], "profile": profile.as_dict(), "grid": grid, "budgets": rows},
+                   indent=2)
+    )
 
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--bandwidth", default="400MB/s", help="the emulated link's cap (CPU only)")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per run")
+    parser.add_argument("--budgets", type=int, default=4, help="budgets from the least placement to the whole model")
+    parser.add_argument("--max-prefetch", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return parser.parse_args()
+
+
+def _grid(args: argparse.Namespace, profile: Any, blocks: int, steps: int) -> list[dict[str, Any]]:
+    """Every placement run for ``steps``, with the model's prediction for it."""
     grid: list[dict[str, Any]] = []
-    for resident, prefetch, mode in itertools.product(range(blocks + 1), range(args.max_prefetch + 1), ("recompute", "keep", "offload")):
+    modes = ("recompute", "keep", "offload")
+    for resident, prefetch, mode in itertools.product(range(blocks + 1), range(args.max_prefetch + 1), modes):
         if resident == blocks and prefetch > 0:
             continue  # nothing streams: prefetch changes nothing
         strategy = SuperpipeStrategy(resident_blocks=resident, prefetch=prefetch, activations=mode, link=link(args))
@@ -143,9 +162,17 @@ def main() -> None:
             f" {format_bytes(expected.peak_bytes)})"
         )
 
+    return grid
+
+
+def _budget_rows(
+    args: argparse.Namespace, budgets: list[int], grid: list[dict[str, Any]], plain: dict[str, Any], steps: int
+) -> list[dict[str, Any]]:
+    """Each budget's plan, run, against the fastest grid point that fits it."""
     rows: list[dict[str, Any]] = []
     for budget in budgets:
-        result = run(args, SuperpipeStrategy(memory_budget=budget, link=link(args)), BudgetPlanner.PROFILED_STEPS + steps)
+        strategy = SuperpipeStrategy(memory_budget=budget, link=link(args))
+        result = run(args, strategy, BudgetPlanner.PROFILED_STEPS + steps)
         plan = result["plan"]
         fitting = [point for point in grid if point["peak_bytes"] <= budget]
         best = min(fitting, key=lambda point: point["step_s"]) if fitting else None
@@ -157,10 +184,19 @@ def main() -> None:
             "predicted_step_s": plan.predicted_step_s,
             "measured_peak_bytes": result["peak_bytes"],
             "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "best_grid": {k: best[k] for k in ("resident", "prefetch", "activations", "step_s", "peak_bytes")} if best else None,
+            "best_grid": ({k: best[k] for k in ("resident", "prefetch", "activations", "step_s", "peak_bytes")}
+                          if best else None),
             "max_relative_loss_difference": loss_difference,
         })
 
+    return rows
+
+
+def _report(
+    args: argparse.Namespace, blocks: int, plain: dict[str, Any], grid: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> str:
+    """The Markdown report: one row per budget, and the model's accuracy over the grid."""
     lines = [
         f"# planner vs exhaustive grid ({args.device}, preset {args.preset}, {blocks} blocks,"
         f" {args.batch}x{args.seq} tokens, {torch.get_num_threads()} threads"
@@ -189,16 +225,12 @@ def main() -> None:
             f"| {format_bytes(row['budget_bytes'])} | {len(plan['resident'])} / {plan['prefetch']} / {modes} |"
             f" {row['measured_step_s'] * 1e3:.0f} | {row['predicted_step_s'] * 1e3:.0f} |"
             f" {row['predicted_step_s'] / row['measured_step_s']:.2f} | {best_text} |"
-            f" {best['step_s'] * 1e3 if best else float('nan'):.0f} | {ratio:.2f} | {format_bytes(row['measured_peak_bytes'])} |"
+            f" {best['step_s'] * 1e3 if best else float('nan'):.0f} | {ratio:.2f} |"
+            f" {format_bytes(row['measured_peak_bytes'])} |"
             f" {format_bytes(row['predicted_peak_bytes'])} | {row['max_relative_loss_difference']:.1e} |"
         )
     report = "\n".join(lines + summary)
-    print(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"planner_{args.device}.md").write_text(report + "\n")
-    (args.out / f"planner_{args.device}.json").write_text(
-        json.dumps({"plain_step_s": plain["step_s"], "profile": profile.as_dict(), "grid": grid, "budgets": rows}, indent=2)
-    )
+    return report
 
 
 def _public(result: dict[str, Any]) -> dict[str, Any]:

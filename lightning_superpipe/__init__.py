@@ -6,8 +6,9 @@ and has no entry point for third-party ones.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_superpipe.generation import generate
-from lightning_superpipe.moe import PagedMoECallback
+from lightning_superpipe.generation import GenerationPolicy, generate
+from lightning_superpipe.moe import PagedMoECallback, PagingOptions
+from lightning_superpipe.planning import Plan
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
@@ -15,5 +16,5 @@ from lightning_superpipe.streaming.overlap import register_per_parameter_optimiz
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["EmulatedLink", "OrderingViolation", "PagedMoECallback", "SuperpipeStrategy", "generate", "load_safetensors",
-           "register_per_parameter_optimizer", "save_safetensors"]
+__all__ = ["EmulatedLink", "GenerationPolicy", "OrderingViolation", "PagedMoECallback", "PagingOptions", "Plan",
+           "SuperpipeStrategy", "generate", "load_safetensors", "register_per_parameter_optimizer", "save_safetensors"]

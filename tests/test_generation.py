@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_superpipe import EmulatedLink, generate
-from lightning_superpipe.generation import GenerationError
+from lightning_superpipe.generation import GenerationError, GenerationPolicy
 from lightning_superpipe.generation.policy import ModelShape, device_bytes
 
 VOCAB = 96
@@ -57,7 +57,7 @@ def test_greedy_tokens_equal_model_generate(family: str, dtype: torch.dtype) -> 
     ids, mask = prompts()
     new = 8
     expected = reference(model, ids, mask, new)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2)
+    out = generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=new)
     assert torch.equal(out.sequences, expected)
     # Loop order token -> block -> micro-batch: each block's weights crossed once per token for all 3 micro-batches.
     assert out.stats["h2d_bytes"]["weights"] == new * 3 * block_bytes(model)
@@ -75,7 +75,7 @@ def test_emulated_asynchronous_link_keeps_the_order_and_the_tokens(mode: str) ->
     ids, mask = prompts()
     expected = reference(model, ids, mask, 6)
     link = EmulatedLink(mode=mode, seed=0, max_delay_s=2e-4)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=2, link=link)
+    out = generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=6, link=link)
     assert torch.equal(out.sequences, expected)
     assert link.stats.copies > 0 and not link.stats.violations
 
@@ -84,8 +84,9 @@ def test_cache_device_fraction_keeps_some_layers_on_the_device() -> None:
     model = build("mistral")
     ids, mask = prompts()
     expected = reference(model, ids, mask, 6)
-    host = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=3)
-    split = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=3, cache_device_fraction=2 / 3)
+    host = generate(model, ids, GenerationPolicy(micro_batch_size=3), attention_mask=mask, max_new_tokens=6)
+    split = generate(model, ids, GenerationPolicy(micro_batch_size=3, cache_device_fraction=2 / 3), attention_mask=mask,
+                     max_new_tokens=6)
     assert torch.equal(split.sequences, expected) and torch.equal(host.sequences, expected)
     assert split.stats["policy"]["cache_device_fraction"] == pytest.approx(2 / 3)
     assert 0 < split.stats["h2d_bytes"]["cache"] < 0.5 * host.stats["h2d_bytes"]["cache"]
@@ -97,7 +98,7 @@ def test_device_peak_stays_in_the_budget_while_the_cache_is_larger() -> None:
     new = 6
     expected = reference(model, ids, mask, new)
     budget = 1_300_000
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget)
+    out = generate(model, ids, GenerationPolicy(memory_budget=budget), attention_mask=mask, max_new_tokens=new)
     assert torch.equal(out.sequences, expected)
     # layers * rows * positions * (k, v) * kv heads * head_dim * fp32; the last token's entries are never made.
     kv_all = 4 * 32 * (40 + new - 1) * 2 * 2 * 16 * 4
@@ -111,9 +112,9 @@ def test_device_peak_stays_in_the_budget_while_the_cache_is_larger() -> None:
 def test_compressed_weights_and_cache_move_a_fraction_of_the_bytes() -> None:
     model = build("llama")
     ids, mask = prompts()
-    plain = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=2)
-    packed = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=2,
-                      compress_weights=True, compress_kv=True)
+    plain = generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=6)
+    packed = generate(model, ids, GenerationPolicy(micro_batch_size=2, compress_weights=True, compress_kv=True),
+                      attention_mask=mask, max_new_tokens=6)
     for kind in ("weights", "cache"):
         assert packed.stats["h2d_bytes"][kind] <= 0.3 * plain.stats["h2d_bytes"][kind]
     assert packed.stats["d2h_bytes"]["cache"] <= 0.3 * plain.stats["d2h_bytes"]["cache"]
@@ -131,14 +132,14 @@ def test_resident_blocks_cross_the_link_once_and_fit_the_budget() -> None:
     ids, mask = prompts(batch=6, length=10)
     new, block = 6, block_bytes(model)
     expected = reference(model, ids, mask, new)
-    streamed = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2)
+    streamed = generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=new)
     # A budget with room for one resident block beside the two streamed ones in flight (two resident and two in
     # flight is as much as all four resident, which does not fit either); the cache and hidden states fixed.
-    budget = device_bytes(shape_of(model), 2, 6, 10, new, 0, False, False, resident_blocks=1) + 1
+    budget = int(device_bytes(shape_of(model), 2, 6, 10, new, 0, False, False, resident_blocks=1)) + 1
     fixed = dict(micro_batch_size=2, cache_device_fraction=0.0, activations_on_host=False)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, **fixed)
+    out = generate(model, ids, GenerationPolicy(memory_budget=budget, **fixed), attention_mask=mask, max_new_tokens=new)
     assert torch.equal(out.sequences, expected)
-    assert out.stats["policy"]["resident_blocks"] == 1 and out.stats["policy"]["weights_device_fraction"] == 0.25
+    assert out.stats["policy"]["resident_blocks"] == 1
     # The resident block crosses once at the start, the other three once per token: one block's bytes fewer a token.
     assert out.stats["h2d_bytes"]["weights"] == new * 3 * block + block
     assert streamed.stats["h2d_bytes"]["weights"] - out.stats["h2d_bytes"]["weights"] == (new - 1) * block
@@ -146,12 +147,13 @@ def test_resident_blocks_cross_the_link_once_and_fit_the_budget() -> None:
     assert out.stats["peak_device_bytes_by_kind"]["weights"] == 3 * block  # resident + installed + prefetched
     # Every block resident: the weights cross once, no double buffer; compressed: packed on the device, the same
     # tokens as streaming the packed blocks (the rebuild is the same).
-    whole = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2,
-                     weights_device_fraction=1.0)
+    whole = generate(model, ids, GenerationPolicy(micro_batch_size=2, resident_blocks=4), attention_mask=mask,
+                     max_new_tokens=new)
     assert torch.equal(whole.sequences, expected) and whole.stats["h2d_bytes"]["weights"] == 4 * block
-    packed = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2, compress_weights=True)
-    packed_resident = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=2,
-                               compress_weights=True, weights_device_fraction=0.5)
+    packed = generate(model, ids, GenerationPolicy(micro_batch_size=2, compress_weights=True), attention_mask=mask,
+                      max_new_tokens=new)
+    resident = GenerationPolicy(micro_batch_size=2, compress_weights=True, resident_blocks=2)
+    packed_resident = generate(model, ids, resident, attention_mask=mask, max_new_tokens=new)
     assert torch.equal(packed_resident.sequences, packed.sequences)
     packed_block = packed.stats["h2d_bytes"]["weights"] // (new * 4)
     assert packed_resident.stats["h2d_bytes"]["weights"] == new * 2 * packed_block + 2 * packed_block
@@ -168,10 +170,11 @@ def test_hidden_states_on_host_let_a_batch_fit_that_does_not_otherwise() -> None
     on_host = min(device_bytes(shape, m, batch, length, new, 0, False, False, activations_on_host=True)
                   for m in range(1, batch + 1))
     assert on_host < on_device
-    budget = (on_host + on_device) // 2  # no micro-batch size fits with every micro-batch's hidden states on device
+    budget = int(on_host + on_device) // 2  # no micro-batch size fits with every micro-batch's hidden states on device
     with pytest.raises(GenerationError, match=r"activations_on_host=False.*cannot hold even one block"):
-        generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, activations_on_host=False)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, memory_budget=budget, **full)
+        generate(model, ids, GenerationPolicy(memory_budget=budget, activations_on_host=False), attention_mask=mask,
+                 max_new_tokens=new)
+    out = generate(model, ids, GenerationPolicy(memory_budget=budget), attention_mask=mask, max_new_tokens=new, **full)
     assert torch.equal(out.sequences, expected)
     assert out.stats["policy"]["activations_on_host"] and out.stats["peak_device_bytes"] <= budget
     # Out after every block but the last and back before the next: (layers - 1) copies each way of every row's
@@ -181,7 +184,7 @@ def test_hidden_states_on_host_let_a_batch_fit_that_does_not_otherwise() -> None
     assert out.stats["h2d_bytes"]["activations"] == out.stats["d2h_bytes"]["activations"] == moved
     # The device holds a few micro-batches' hidden states, not the whole batch's.
     assert out.stats["peak_device_bytes_by_kind"]["activations"] < batch * length * row / 2
-    kept = generate(model, ids, attention_mask=mask, max_new_tokens=new, micro_batch_size=4)
+    kept = generate(model, ids, GenerationPolicy(micro_batch_size=4), attention_mask=mask, max_new_tokens=new)
     assert kept.stats["peak_device_bytes_by_kind"]["activations"] >= batch * length * row
     assert kept.stats["h2d_bytes"]["activations"] == 0
 
@@ -192,8 +195,8 @@ def test_resident_blocks_and_parked_hidden_states_keep_the_order_on_the_emulated
     ids, mask = prompts()
     expected = reference(model, ids, mask, 5)
     link = EmulatedLink(mode=mode, seed=1, max_delay_s=2e-4)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=5, micro_batch_size=2, link=link,
-                   weights_device_fraction=1 / 3, activations_on_host=True, compress_kv=False)
+    policy = GenerationPolicy(micro_batch_size=2, resident_blocks=1, activations_on_host=True, compress_kv=False)
+    out = generate(model, ids, policy, attention_mask=mask, max_new_tokens=5, link=link)
     assert torch.equal(out.sequences, expected)
     assert link.stats.copies > 0 and not link.stats.violations
     assert out.stats["h2d_bytes"]["activations"] > 0 and out.stats["policy"]["resident_blocks"] == 1
@@ -205,14 +208,16 @@ def test_errors_quote_the_call() -> None:
     with pytest.raises(GenerationError, match=r"generate\(model, input_ids, max_new_tokens=0.*positive integer"):
         generate(model, ids, max_new_tokens=0)
     with pytest.raises(GenerationError, match=r"memory_budget=.*cannot hold even one block.*Raise `memory_budget`"):
-        generate(model, ids, attention_mask=mask, max_new_tokens=4, memory_budget="100KiB")
+        generate(model, ids, GenerationPolicy(memory_budget="100KiB"), attention_mask=mask, max_new_tokens=4)
     with pytest.raises(GenerationError, match=r"attention_mask` has shape"):
         generate(model, ids, attention_mask=mask[:, :3], max_new_tokens=4)
-    with pytest.raises(GenerationError, match=r"weights_device_fraction=1.5\).*`weights_device_fraction` must be a"
-                                              r" number between 0 and 1, got 1.5"):
-        generate(model, ids, max_new_tokens=4, weights_device_fraction=1.5)
-    with pytest.raises(GenerationError, match=r"`weights_device_fraction=0.5` needs `stream_weights=True`"):
-        generate(model, ids, max_new_tokens=4, weights_device_fraction=0.5, stream_weights=False)
+    with pytest.raises(GenerationError, match=r"resident_blocks=5\)\).*`resident_blocks` must be a count of blocks"
+                                              r" between 0 and the model's 3, got 5"):
+        generate(model, ids, GenerationPolicy(resident_blocks=5), max_new_tokens=4)
+    with pytest.raises(GenerationError, match=r"`resident_blocks=1` needs `stream_weights=True`"):
+        generate(model, ids, GenerationPolicy(resident_blocks=1, stream_weights=False), max_new_tokens=4)
+    with pytest.raises(GenerationError, match=r"a bare float is ambiguous .* '50%'"):
+        generate(model, ids, GenerationPolicy(memory_budget=0.5), max_new_tokens=4)
     with pytest.raises(GenerationError, match=r"`cache` is set by the schedule"):
         generate(model, ids, max_new_tokens=4, cache=None)
     model.model.layers = torch.nn.ModuleList([model.model.layers[0], torch.nn.Linear(64, 64)])  # no uniform stack
@@ -226,7 +231,8 @@ def test_rows_that_stop_early_are_padded_like_model_generate() -> None:
     free = reference(model, ids, mask, 6)
     eos = int(free[0, ids.shape[1] + 1])  # row 0 stops after two tokens
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=eos)
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=2, eos_token_id=eos)
+    out = generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=6,
+                   eos_token_id=eos)
     assert torch.equal(out.sequences, expected)
     assert (expected[:, ids.shape[1] :] == model.generation_config.pad_token_id).any()  # some row stopped early
 
@@ -237,7 +243,7 @@ def test_sampling_is_reproducible_under_a_seed() -> None:
     runs = []
     for _ in range(2):
         torch.manual_seed(123)
-        runs.append(generate(model, ids, attention_mask=mask, max_new_tokens=6, micro_batch_size=2, do_sample=True,
-                             temperature=1.5).sequences)
+        runs.append(generate(model, ids, GenerationPolicy(micro_batch_size=2), attention_mask=mask, max_new_tokens=6,
+                             do_sample=True, temperature=1.5).sequences)
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], reference(model, ids, mask, 6))

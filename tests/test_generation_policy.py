@@ -6,16 +6,9 @@ import pytest
 import torch
 
 from lightning_superpipe.generation import compression
-from lightning_superpipe.generation.policy import (
-    FlexGenConfig,
-    Hardware,
-    ModelShape,
-    choose_policy,
-    device_bytes,
-    flexgen_lp,
-    flexgen_search,
-)
+from lightning_superpipe.generation.policy import Hardware, ModelShape, choose_policy, device_bytes
 from lightning_superpipe.quantization import pack_nibbles, quantize_groupwise, unpack_nibbles
+from tests.flexgen_reference import FlexGenConfig, flexgen_lp, flexgen_search
 
 
 def test_flexgen_quantizer_golden_relative_rms_error() -> None:
@@ -68,7 +61,7 @@ def test_policy_keeps_cache_on_the_device_when_it_fits_and_streams_it_when_not()
     roomy = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, **exact)
     assert roomy.cache_device_fraction == 1.0 and not roomy.compress_kv and not roomy.compress_weights
     tight_budget = device_bytes(SHAPE, 1, 64, 512, 32, 4, False, False)  # room for 4 of 8 layers at best
-    placed = dict(weights_device_fraction=0.0, activations_on_host=False)  # blocks streamed, hidden on the device
+    placed = dict(resident_blocks=0, activations_on_host=False)  # blocks streamed, hidden on the device
     tight = choose_policy(SHAPE, batch=64, prompt=512, new_tokens=32, budget=tight_budget, **exact, **placed)
     assert tight.device_bytes <= tight_budget
     assert tight.cache_device_fraction == 0.5 and tight.micro_batch_size == 1
@@ -84,17 +77,15 @@ def test_policy_keeps_blocks_resident_and_moves_hidden_states_to_the_host_only_w
     exact = dict(compress_weights=False, compress_kv=False)
     # Room for everything: every block resident (no weights cross per token), hidden states on the device.
     roomy = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, **exact)
-    assert roomy.weights_device_fraction == 1.0 and not roomy.activations_on_host
-    streamed = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, weights_device_fraction=0.0,
+    assert roomy.resident_blocks == SHAPE.layers and not roomy.activations_on_host
+    streamed = choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=4e9, resident_blocks=0,
                              **exact)
     assert roomy.tokens_per_s > 1.5 * streamed.tokens_per_s  # decode of a small batch is weight-bound
     # Room for three resident blocks beside the two streamed ones in flight, the cache streamed: w = 3 exactly.
     fixed = dict(micro_batch_size=1, cache_device_fraction=0.0, activations_on_host=False, **exact)
     three = device_bytes(SHAPE, 1, 8, 128, 16, 0, False, False, resident_blocks=3)
-    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three, **fixed).weights_device_fraction \
-        == 3 / 8
-    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three - 1, **fixed) \
-        .weights_device_fraction == 2 / 8
+    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three, **fixed).resident_blocks == 3
+    assert choose_policy(SHAPE, batch=8, prompt=128, new_tokens=16, budget=three - 1, **fixed).resident_blocks == 2
     # A batch whose hidden states alone overflow the device: only hidden states on the host fit.
     big = dict(batch=512, prompt=512, new_tokens=8)
     fits = device_bytes(SHAPE, 1, 512, 512, 8, 0, False, False, activations_on_host=True)

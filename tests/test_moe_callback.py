@@ -97,7 +97,7 @@ def test_fit_then_validate_test_and_predict_under_a_budget(loader):
     module = LitMoE()
     params = _expert_params(module)
     initial = {name: p.detach().clone() for name, p in params.items()}
-    callback = PagedMoECallback(budget_fraction=0.3, calibration_batches=2, measure_quality=True)
+    callback = PagedMoECallback(expert_budget="30%", calibration_batches=2, measure_quality=True)
     logger = RecordingLogger()
     trainer = _trainer(callback, logger)
 
@@ -142,7 +142,7 @@ def test_weights_are_restored_when_validation_fails(loader):
     module = LitMoE(fail_validation=True)
     params = _expert_params(module)
     before = {name: p.detach().clone() for name, p in params.items()}
-    callback = PagedMoECallback(budget_fraction=0.25, calibration_batches=1)
+    callback = PagedMoECallback(expert_budget="25%", calibration_batches=1)
     with pytest.raises(RuntimeError, match="on purpose"):
         _trainer(callback).validate(module, loader)
     assert module.implementations == [PAGED_EXPERTS_IMPLEMENTATION]
@@ -153,11 +153,11 @@ def test_weights_are_restored_when_validation_fails(loader):
 
 def test_stages_can_be_chosen_and_settings_are_checked(loader):
     module = LitMoE()
-    callback = PagedMoECallback(budget_bytes=None, stages=("test",))
+    callback = PagedMoECallback(expert_budget=None, stages=("test",))
     _trainer(callback).validate(module, loader)
     assert module.implementations == ["eager", "eager"]
     assert "validate" not in callback.reports
-    with pytest.raises(ValueError, match="not both"):
-        PagedMoECallback(budget_bytes=10, budget_fraction=0.5)
+    with pytest.raises(ValueError, match="a bare float is ambiguous .* '50%'"):
+        PagedMoECallback(expert_budget=0.5)
     with pytest.raises(ValueError, match="unknown stages"):
         PagedMoECallback(stages=("fit",))

@@ -31,7 +31,7 @@ def test_device_memory_follows_the_accounting():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
 
-    handle = page_experts(model, budget_bytes=int(0.3 * expert_bytes), calibration=[input_ids])
+    handle = page_experts(model, expert_budget=int(0.3 * expert_bytes), calibration=[input_ids])
     assert isinstance(handle.store.copy, CudaCopyEngine)
     assert all(page.host_weight.is_pinned() and page.host_planes.is_pinned() for page in handle.store.pages)
     handle.synchronize()

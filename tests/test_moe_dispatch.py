@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from lightning_superpipe.moe import PagingOptions, page_experts
 from lightning_superpipe.moe import experts as experts_module
-from lightning_superpipe.moe import page_experts
 from lightning_superpipe.moe import pages as pages_module
 from lightning_superpipe.moe.damage import RoutingStats
 from lightning_superpipe.moe.testing import tiny_moe
@@ -53,7 +53,7 @@ def test_full_budget_runs_the_original_tensors_without_rebuilding(monkeypatch):
 
 def test_below_a_full_budget_each_projection_is_rebuilt_once_per_level(monkeypatch):
     model = tiny_moe("mixtral")
-    handle = page_experts(model, rows_per_page=32)
+    handle = page_experts(model, options=PagingOptions(rows_per_page=32))
     levels = [8 if page.key.expert % 2 else 3 for page in handle.store.pages]
     handle.set_budget(sum(page.bytes_at(level) for page, level in zip(handle.store.pages, levels)))
     handle.apply_levels(levels)  # exactly the budget: the planner has nothing to move

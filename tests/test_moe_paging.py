@@ -6,6 +6,7 @@ import torch
 from lightning_superpipe.moe import (
     SUPPORTED_MODEL_TYPES,
     PageKey,
+    PagingOptions,
     UnsupportedMoEModelError,
     full_expert_bytes,
     kv_cache_bytes,
@@ -13,8 +14,8 @@ from lightning_superpipe.moe import (
 )
 from lightning_superpipe.moe.experts import PAGED_EXPERTS_IMPLEMENTATION
 from lightning_superpipe.moe.pages import CopyEngine
-from lightning_superpipe.quantization import dequantize
 from lightning_superpipe.moe.testing import byte_corpus, tiny_moe
+from lightning_superpipe.quantization import dequantize
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_full_budget_gives_unpaged_outputs_and_restore_gives_exact_weights(model
     originals = {name: p.detach().clone() for name, p in params.items()}
     full = full_expert_bytes(model)
 
-    handle = page_experts(model, budget_bytes=handle_max(model), calibration=[input_ids])
+    handle = page_experts(model, expert_budget=handle_max(model), calibration=[input_ids])
     assert model.config._experts_implementation == PAGED_EXPERTS_IMPLEMENTATION
     assert not _expert_params(model)  # the weights live in the page store now
     assert handle.full_bytes() == full
@@ -74,7 +75,7 @@ def test_device_bytes_never_exceed_the_budget_as_it_is_lowered_and_raised(tokens
     model = tiny_moe("mixtral")
     input_ids = _inputs(tokens)
     expected = _logits(model, input_ids)
-    handle = page_experts(model, calibration=[input_ids], rows_per_page=32)
+    handle = page_experts(model, calibration=[input_ids], options=PagingOptions(rows_per_page=32))
     assert handle.device_bytes() == handle.max_bytes()
     budgets = torch.linspace(handle.max_bytes(), handle.min_bytes(), 9).long().tolist()
     previous_error = 0.0
@@ -107,11 +108,11 @@ def test_a_budget_below_the_minimum_names_the_minimum(tokens):
     assert handle.device_bytes() == minimum
     handle.restore()
     with pytest.raises(ValueError, match="levels"):
-        page_experts(tiny_moe("mixtral"), budget_bytes=minimum - 1, levels=(16, 8, 4, 2))
+        page_experts(tiny_moe("mixtral"), expert_budget=minimum - 1, options=PagingOptions(levels=(16, 8, 4, 2)))
     model = tiny_moe("mixtral")
     params = _expert_params(model)
     with pytest.raises(ValueError, match="minimum"):
-        page_experts(model, budget_bytes=minimum - 1)
+        page_experts(model, expert_budget=minimum - 1)
     assert _expert_params(model) == params  # refused before the model was touched
     assert model.config._experts_implementation == "eager"
 
@@ -135,11 +136,11 @@ def test_models_without_fused_experts_are_refused_with_what_is_supported():
 
 def test_invalid_page_settings_are_refused():
     with pytest.raises(ValueError, match="rows_per_page=48 must divide"):
-        page_experts(tiny_moe("mixtral"), rows_per_page=48)
+        page_experts(tiny_moe("mixtral"), options=PagingOptions(rows_per_page=48))
     with pytest.raises(ValueError, match="include 8"):
-        page_experts(tiny_moe("mixtral"), levels=(16, 4, 2))
+        page_experts(tiny_moe("mixtral"), options=PagingOptions(levels=(16, 4, 2)))
     with pytest.raises(ValueError, match="group_size=48"):
-        page_experts(tiny_moe("mixtral"), group_size=48)
+        page_experts(tiny_moe("mixtral"), options=PagingOptions(group_size=48))
 
 
 def test_qwen2_moe_dense_layers_stay_and_shared_experts_are_paged(tokens):
@@ -151,7 +152,7 @@ def test_qwen2_moe_dense_layers_stay_and_shared_experts_are_paged(tokens):
     dense = {name for name in names if name.startswith("model.layers.1.mlp.")}
     assert len(shared) == 6 and len(dense) == 3
 
-    handle = page_experts(model, budget_bytes=None)
+    handle = page_experts(model, expert_budget=None)
     # Two MoE blocks (the dense one skipped), each as routed experts + its shared expert.
     assert [layer.name for layer in handle.layers] == [
         "model.layers.0.mlp.experts", "model.layers.0.mlp.shared_expert",
@@ -214,7 +215,7 @@ def test_routing_shifts_move_bits_to_hot_experts(tokens):
         return logits, torch.full_like(weights, 0.5), forced
 
     hooks = [layer.mlp.gate.register_forward_hook(force_routing) for layer in model.model.layers]
-    handle = page_experts(model, rebalance_every=1, routing_half_life_tokens=64.0)
+    handle = page_experts(model, options=PagingOptions(rebalance_every=1, routing_half_life_tokens=64.0))
     handle.set_budget(int(0.35 * handle.full_bytes()))
 
     def mean_bits(experts):
@@ -242,7 +243,8 @@ def test_pressure_mode_shrinks_expert_bytes_as_the_kv_cache_grows(tokens):
     probe.restore()
 
     # Frequent routing-driven replanning must respect the pressure budget too.
-    handle = page_experts(model, total_budget_bytes=total, calibration=[prompt], rebalance_every=4)
+    handle = page_experts(model, expert_and_kv_budget=total, calibration=[prompt],
+                          options=PagingOptions(rebalance_every=4))
     trace = []
 
     def record(module, args, kwargs, output):
@@ -264,7 +266,7 @@ def test_pressure_mode_shrinks_expert_bytes_as_the_kv_cache_grows(tokens):
     assert len(set(expert_bytes)) < len(expert_bytes) // 2
 
     with pytest.raises(RuntimeError, match="KV cache needs"):
-        handle.set_total_budget(handle.min_bytes() + 10 * kv_per_token)
+        handle.set_expert_and_kv_budget(handle.min_bytes() + 10 * kv_per_token)
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
     handle.restore()
@@ -294,7 +296,7 @@ def test_promotions_stay_pending_until_their_copy_lands(tokens, monkeypatch):
     model = tiny_moe("mixtral")
     input_ids = _inputs(tokens)
     expected = _logits(model, input_ids)
-    handle = page_experts(model, budget_bytes=None, async_moves=False)
+    handle = page_experts(model, options=PagingOptions(async_moves=False))
     engine.landed = engine.issued  # the first placement landed
     handle.set_budget(handle.min_bytes())
     low = _logits(model, input_ids)
@@ -324,7 +326,7 @@ def test_restore_under_inference_mode_leaves_trainable_parameters(tokens):
     model = tiny_moe("qwen2_moe").train()
     input_ids = _inputs(tokens)
     with torch.inference_mode():
-        handle = page_experts(model, budget_bytes=None, calibration=[input_ids])
+        handle = page_experts(model, expert_budget=None, calibration=[input_ids])
         handle.set_budget(int(0.3 * handle.full_bytes()))
         model(input_ids=input_ids)
         handle.restore()
@@ -382,7 +384,7 @@ def test_calibrated_codes_stay_pageable_and_each_level_uses_its_own_metadata(tok
 
 def test_calibrating_again_requantizes_the_pages_already_placed(tokens):
     model = tiny_moe("mixtral")
-    handle = page_experts(model, budget_bytes=None, calibration=[_inputs(tokens)])
+    handle = page_experts(model, expert_budget=None, calibration=[_inputs(tokens)])
     handle.set_budget(int(0.3 * handle.full_bytes()))
     before = [page.host_planes.clone() for page in handle.store.pages]
     handle.calibrate([_inputs(tokens, batch=4, length=64, offset=1000)])
@@ -401,7 +403,7 @@ def test_promotions_between_bit_levels_keep_the_old_metadata_until_they_land(tok
     monkeypatch.setattr("lightning_superpipe.moe.api.SyncCopyEngine", lambda device: engine)
     model = tiny_moe("mixtral")
     input_ids = _inputs(tokens)
-    handle = page_experts(model, budget_bytes=None, async_moves=False, calibration=[input_ids])
+    handle = page_experts(model, options=PagingOptions(async_moves=False), calibration=[input_ids])
     engine.landed = engine.issued
     handle.set_budget(handle.min_bytes())
     engine.landed = engine.issued

@@ -8,6 +8,7 @@ from lightning_superpipe.moe import page_experts
 from lightning_superpipe.moe.planner import random_levels, uniform_levels
 from lightning_superpipe.moe.testing import byte_batches, byte_corpus, tiny_moe, train_tiny_moe
 
+
 @pytest.fixture(scope="module")
 def trained():
     """A 2-layer, 8-expert, top-2 Mixtral trained briefly on CPython's documentation (bytes)."""

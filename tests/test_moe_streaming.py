@@ -77,7 +77,7 @@ def test_at_a_full_budget_validation_equals_unpaged_streaming_and_the_experts_st
     paged = LitMoE()
     paged.load_state_dict(plain.state_dict())
     _trainer(strategy("plain")).validate(plain, loader, verbose=False)
-    callback = PagedMoECallback(budget_bytes=None, calibration_batches=1)
+    callback = PagedMoECallback(expert_budget=None, calibration_batches=1)
     _trainer(strategy("paged"), [callback]).validate(paged, loader, verbose=False)
 
     assert [r["implementation"] for r in paged.streamed] == [PAGED_EXPERTS_IMPLEMENTATION] * 2
@@ -106,7 +106,7 @@ def test_fit_with_paged_validations_trains_exactly_as_without_them(loader) -> No
     paged = LitMoE()
     paged.load_state_dict(reference.state_dict())
     _trainer(SuperpipeStrategy(resident_blocks=1, prefetch=1)).fit(reference, loader, loader)
-    callback = PagedMoECallback(budget_fraction=0.3, calibration_batches=1)
+    callback = PagedMoECallback(expert_budget="30%", calibration_batches=1)
     _trainer(SuperpipeStrategy(resident_blocks=1, prefetch=1), [callback]).fit(paged, loader, loader)
 
     assert [r["implementation"] for r in paged.streamed] == [PAGED_EXPERTS_IMPLEMENTATION] * 4
@@ -140,7 +140,7 @@ def paged_devices(monkeypatch) -> dict[str, torch.device]:
 
 def test_pages_go_to_the_strategys_device_not_the_host_masters_device(loader, paged_devices) -> None:
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
-    _trainer(strategy, [PagedMoECallback(budget_fraction=0.5, calibration_batches=1)]).validate(LitMoE(), loader)
+    _trainer(strategy, [PagedMoECallback(expert_budget="50%", calibration_batches=1)]).validate(LitMoE(), loader)
     assert paged_devices == {"pages": strategy.root_device, "masters": torch.device("cpu")}
 
 
@@ -148,7 +148,7 @@ def test_the_disk_tier_refuses_paged_experts_and_loses_nothing(loader, tmp_path)
     module = LitMoE()
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
     strategy = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path, resident_blocks=0, prefetch=1)
-    callback = PagedMoECallback(budget_fraction=0.5, calibration_batches=1)
+    callback = PagedMoECallback(expert_budget="50%", calibration_batches=1)
     with pytest.raises(RuntimeError, match="offload_device='disk'"):
         _trainer(strategy, [callback]).validate(module, loader)
     assert callback.handle is None
@@ -174,7 +174,7 @@ def test_only_block_parameters_can_be_withheld(loader) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_pages_live_on_the_gpu_and_the_masters_on_the_host(loader, paged_devices) -> None:
     module = LitMoE()
-    callback = PagedMoECallback(budget_fraction=0.5, calibration_batches=1)
+    callback = PagedMoECallback(expert_budget="50%", calibration_batches=1)
     trainer = _trainer(SuperpipeStrategy(resident_blocks=0, prefetch=1), [callback], accelerator="gpu")
     trainer.validate(module, loader, verbose=False)
     assert paged_devices["pages"].type == "cuda" and paged_devices["masters"].type == "cpu"
@@ -210,7 +210,7 @@ def test_every_fused_experts_family_pages_under_superpipe_exactly_at_a_full_budg
         reference = [model(input_ids=batch).logits for batch in inputs]
     module = _FamilyModule(model)
     paged = sum(p.numel() for p in expert_parameters(model))
-    callback = PagedMoECallback(budget_bytes=None, calibration_batches=0)  # calibration places pages: none here
+    callback = PagedMoECallback(expert_budget=None, calibration_batches=0)  # calibration places pages: none here
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
     _trainer(strategy, [callback]).validate(module, DataLoader(list(inputs), batch_size=None), verbose=False)
     assert len(module.logits) == 1

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple, Optional
 import pytest
 from scipy.optimize import OptimizeResult
 
+from lightning_superpipe.planning import program
 from lightning_superpipe.planning.cost import MODES, PEAK_PARTS, predict
 from lightning_superpipe.planning.plan import Plan
-from lightning_superpipe.planning import solver
 from lightning_superpipe.planning.profile import BlockCosts, Profile
 from lightning_superpipe.planning.solver import InfeasibleBudget, _Placement, _Program, minimum_plan, solve
 from lightning_superpipe.units import format_bytes
@@ -273,7 +273,7 @@ def test_solves_again_with_presolve_where_highs_errs(monkeypatch: pytest.MonkeyP
     """Without presolve HiGHS has been seen to cut off feasible solutions. Made to claim infeasibility on every
     other call, and else to return its continuous variables above their least (so predict disagrees), the solver
     solves again with presolve and finds the enumeration's answer; where that disagrees too, it says it is a bug."""
-    real = solver.milp
+    real = program.milp  # the program's own import of HiGHS
     calls = itertools.count()
 
     def erring(c: object, *, integrality: Any, options: dict, **arguments: Any) -> OptimizeResult:
@@ -285,7 +285,7 @@ def test_solves_again_with_presolve_where_highs_errs(monkeypatch: pytest.MonkeyP
         loose = result.x + (integrality == 0)
         return OptimizeResult(status=result.status, x=loose, message=result.message)
 
-    monkeypatch.setattr(solver, "milp", erring)
+    monkeypatch.setattr(program, "milp", erring)
     broken = False
     configuration = CONFIGURATIONS[4]
     profile = make_profile(**configuration)

@@ -33,8 +33,9 @@ def test_budgets_in_bytes_are_read_in_every_accepted_form(written: Any, expected
     ("written", "message"),
     [
         ("auto", r"memory_budget='auto'\) takes a share of the device's free memory, which a cpu compute device"),
-        (0.5, r"memory_budget=0.5\) takes a share of the device's free memory"),
-        (1.5, r"a float is a fraction of the device's free memory and must be in \(0, 1\]"),
+        ("50%", r"memory_budget='50%'\) takes a share of the device's free memory"),
+        (0.5, r"memory_budget=0.5\): a bare float is ambiguous .* write a share as a percentage string, e.g. '50%'"),
+        ("150%", r"a percentage must be in \(0%, 100%\]"),
         ("12 gigs", r"expected bytes such as '12GiB'"),
         (True, r"must be bytes"),
         (0, r"must be a positive number of bytes"),

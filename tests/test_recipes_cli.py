@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from lightning_superpipe.planning import parse_budget
 from lightning_superpipe.recipes import CausalLMModule, cli
 from lightning_superpipe.recipes.tokenization import ByteTokenizer
 
@@ -151,7 +152,8 @@ def test_eval_moe_recipe_keeps_the_experts_within_the_budget(tmp_path: Path, mon
     assert len(logged(rows, "val/loss")) == 1
     report = json.loads((run / "memory_report.json").read_text())
     paged = report["paged_moe"]
-    budget_fraction = yaml.safe_load(Path(MOE).read_text())["trainer"]["callbacks"][1]["init_args"]["budget_fraction"]
+    written = yaml.safe_load(Path(MOE).read_text())["trainer"]["callbacks"][1]["init_args"]["expert_budget"]
+    budget_fraction = parse_budget(written, "expert_budget").fraction
     assert 0 < paged["expert_bytes_device_max"] <= budget_fraction * paged["expert_bytes_16bit"]
     assert paged["ppl_paged"] == pytest.approx(paged["ppl_full"], rel=0.05)
     assert logged(rows, "paged_moe/validate/ppl_paged") == [paged["ppl_paged"]]

@@ -5,21 +5,19 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.generation.baton import Baton, _Aborted
-from lightning_superpipe.generation.engine import StreamedCache, GenerationEngine
+from lightning_superpipe.generation.engine import GenerationEngine, StreamedCache
+from lightning_superpipe.generation.errors import GenerationError
+from lightning_superpipe.generation.policy import GenerationPolicy, ModelShape, SolvedPolicy, choose_policy
+from lightning_superpipe.planning.budget import resolve_budget
 from lightning_superpipe.streaming.blocks import NoBlocksFoundError, find_blocks
 from lightning_superpipe.streaming.copier import make_copier
-from lightning_superpipe.units import parse_bytes
-
-
-class GenerationError(ValueError):
-    """A bad argument or a model or budget :func:`generate` cannot serve; the message says what to change."""
 
 
 @dataclass
@@ -34,36 +32,38 @@ class GenerationOutput:
             ``peak_device_bytes`` (the engine's own count of what it holds on the device: trunk, block weights,
             cache, hidden states), ``peak_device_bytes_by_kind``, ``measured_peak_device_bytes`` (CUDA's allocator,
             on a CUDA device only), ``cache_bytes`` (the whole KV cache at the end), ``new_tokens``,
-            ``seconds``, ``tokens_per_s`` and ``policy`` (a dict).
+            ``seconds``, ``tokens_per_s`` and ``policy`` (a dict: the policy that ran).
     """
 
     sequences: Tensor
     stats: dict[str, Any]
 
 
-def _call(**kwargs: Any) -> str:
-    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    return f"lightning_superpipe.generate(model, input_ids, {shown})"
+@dataclass
+class _Run:
+    """One generation's inputs, resolved: what the threads share."""
+
+    model: nn.Module
+    input_ids: Tensor
+    attention_mask: Optional[Tensor]
+    max_new_tokens: int
+    do_sample: bool
+    generate_kwargs: dict[str, Any]
+    compute: torch.device
+    policy: GenerationPolicy  # every choice made: no None left
+    starts: list[int]  # the first row of each micro-batch
 
 
 def generate(
     model: nn.Module,
     input_ids: Tensor,
+    policy: Optional[GenerationPolicy] = None,
+    *,
     attention_mask: Optional[Tensor] = None,
     max_new_tokens: int = 32,
-    device: Union[str, torch.device, None] = None,
-    memory_budget: Union[None, int, str] = None,
-    micro_batch_size: Optional[int] = None,
-    compress_weights: Optional[bool] = False,
-    compress_kv: Optional[bool] = False,
     do_sample: bool = False,
-    cache_device_fraction: Optional[float] = None,
-    weights_device_fraction: Optional[float] = None,
-    activations_on_host: Optional[bool] = None,
-    overlap: bool = True,
+    device: Union[str, torch.device, None] = None,
     link: Any = None,
-    hardware: Any = None,
-    stream_weights: bool = True,
     **generate_kwargs: Any,
 ) -> GenerationOutput:
     """Generates for a large batch with a model's blocks streamed through the device once per token.
@@ -78,29 +78,13 @@ def generate(
     Args:
         model: A ``transformers`` causal LM whose parameters are in host memory.
         input_ids: ``[batch, prompt]`` token ids (left-padded where rows differ in length).
+        policy: Placement, compression and budget (:class:`~lightning_superpipe.generation.GenerationPolicy`;
+            default: every block streamed, the cache in host memory, no compression).
         attention_mask: ``[batch, prompt]``, 0 on padding.
         max_new_tokens: Tokens to generate per row.
-        device: The compute device (default: CUDA if available, else the CPU).
-        memory_budget: Device bytes (``"8GiB"`` or a number): the policy then picks the micro-batch size, the cache's
-            device fraction and compression (:mod:`.policy`), unless given explicitly.
-        micro_batch_size: Rows per micro-batch (default: the policy's, or the whole batch).
-        compress_weights: Block weight matrices in FlexGen's 4-bit form in host memory and over the link;
-            ``None`` with ``memory_budget``: the policy decides.
-        compress_kv: The KV cache in FlexGen's 4-bit form in host memory and over the link; ``None`` with
-            ``memory_budget``: the policy decides.
         do_sample: Sample instead of greedy decoding (passed to ``generate``).
-        cache_device_fraction: Fraction of the layers whose KV cache stays on the device (default 0, or the policy's).
-        weights_device_fraction: Fraction of the blocks whose weights stay on the device for the whole generation,
-            the first ones, rounded to whole blocks (FlexGen's ``w_gpu_percent``): copied once instead of once per
-            token (default 0, or the policy's).
-        activations_on_host: Keep each micro-batch's hidden states in host memory between blocks (FlexGen's
-            activations on the CPU; bytes counted under ``activations``), so that the device holds one micro-batch's
-            instead of every micro-batch's (default ``False``, or the policy's).
-        overlap: Prefetch while computing (``False``: load each thing when needed and wait, for comparison).
+        device: The compute device (default: CUDA if available, else the CPU).
         link: An :class:`~lightning_superpipe.EmulatedLink` to emulate an asynchronous device on the CPU.
-        hardware: :class:`~lightning_superpipe.generation.policy.Hardware` constants for the policy's cost model.
-        stream_weights: ``False`` when something else streams the weights (``SuperpipeStrategy`` in
-            ``trainer.predict``): only the schedule and the KV cache are this function's then.
         **generate_kwargs: Passed to ``model.generate`` (e.g. ``temperature``, ``eos_token_id``).
 
     Returns:
@@ -110,15 +94,44 @@ def generate(
         GenerationError: For bad arguments, a model without a stack of decoder layers, or a budget that cannot hold
             even one block.
     """
-    from lightning_superpipe.generation import policy as policy_module
+    policy = policy if policy is not None else GenerationPolicy()
+    call = _call(max_new_tokens=max_new_tokens, device=device, policy=policy)
+    _check_arguments(model, input_ids, attention_mask, max_new_tokens, generate_kwargs, call)
+    compute = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
+                                                                           else "cpu")
+    blocks = _decoder_blocks(model, call)
+    policy.check(len(blocks), call)
+    chosen, budget = _choose(model, blocks, input_ids.shape, max_new_tokens, policy, compute, call)
+    resolved = _resolve(policy, chosen, input_ids.shape[0])
+    run = _Run(model, input_ids, attention_mask, max_new_tokens, do_sample, generate_kwargs, compute, resolved,
+               list(range(0, input_ids.shape[0], resolved.micro_batch_size)))
+    copier = make_copier(compute, link)
+    engine = GenerationEngine(
+        model, blocks, compute, copier, max_len=input_ids.shape[1] + max_new_tokens, max_steps=max_new_tokens,
+        compress_weights=resolved.compress_weights, compress_kv=resolved.compress_kv,
+        cache_resident_layers=_resident_layers(resolved, len(blocks)), overlap=resolved.overlap,
+        stream_weights=resolved.stream_weights, weights_resident_blocks=resolved.resident_blocks,
+        activations_on_host=resolved.activations_on_host,
+    )
+    baseline = _reset_peak(compute)
+    results, seconds = _run_micro_batches(run, blocks, engine, copier)
+    sequences = _join(results, model, input_ids.shape[0])
+    stats = _stats(run, engine, sequences, seconds, len(blocks), chosen, budget)
+    if compute.type == "cuda":
+        stats["measured_peak_device_bytes"] = torch.cuda.max_memory_allocated(compute) - baseline
+    return GenerationOutput(sequences=sequences, stats=stats)
 
-    shown: dict[str, Any] = dict(max_new_tokens=max_new_tokens, device=device, memory_budget=memory_budget,
-                                 micro_batch_size=micro_batch_size)
-    for name, value in (("weights_device_fraction", weights_device_fraction),
-                        ("activations_on_host", activations_on_host)):
-        if value is not None:
-            shown[name] = value
-    call = _call(**shown)
+
+def _call(**kwargs: Any) -> str:
+    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"lightning_superpipe.generate(model, input_ids, {shown})"
+
+
+def _check_arguments(
+    model: nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor], max_new_tokens: int,
+    generate_kwargs: dict[str, Any], call: str,
+) -> None:
+    """Refuses inputs and ``model.generate`` arguments the schedule cannot serve, quoting ``call``."""
     if not isinstance(input_ids, Tensor) or input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
         raise GenerationError(f"{call}: `input_ids` must be a [batch, prompt] tensor of token ids, got "
                               f"{getattr(input_ids, 'shape', type(input_ids).__name__)}.")
@@ -127,13 +140,6 @@ def generate(
                               f"{tuple(input_ids.shape)} like `input_ids`.")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise GenerationError(f"{call}: `max_new_tokens` must be a positive integer.")
-    if micro_batch_size is not None and (not isinstance(micro_batch_size, int) or micro_batch_size < 1):
-        raise GenerationError(f"{call}: `micro_batch_size` must be a positive integer or None.")
-    for name, fraction in (("cache_device_fraction", cache_device_fraction),
-                           ("weights_device_fraction", weights_device_fraction)):
-        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
-                                     or not 0.0 <= fraction <= 1.0):
-            raise GenerationError(f"{call}: `{name}` must be a number between 0 and 1, got {fraction!r}.")
     if generate_kwargs.get("num_beams", 1) != 1:
         raise GenerationError(f"{call}: beam search is not supported (num_beams must be 1).")
     for reserved in ("past_key_values", "cache", "use_cache", "max_length"):
@@ -142,92 +148,94 @@ def generate(
     if not hasattr(model, "generate") or not hasattr(model, "config"):
         raise GenerationError(f"{call}: `model` must be a `transformers` causal LM (a `GenerationMixin`), got "
                               f"{type(model).__name__}.")
-    budget: Optional[float] = None
-    if memory_budget is not None:
-        try:
-            budget = parse_bytes(memory_budget) if isinstance(memory_budget, str) else float(memory_budget)
-        except ValueError:
-            raise GenerationError(f"{call}: `memory_budget` must be bytes, e.g. '8GiB' or 8e9.") from None
-        if budget <= 0:
-            raise GenerationError(f"{call}: `memory_budget` must be positive.")
-    if not stream_weights and compress_weights:
-        raise GenerationError(f"{call}: `compress_weights=True` needs `stream_weights=True`: whatever streams the"
-                              " weights instead (SuperpipeStrategy) moves them uncompressed.")
-    if not stream_weights and weights_device_fraction:
-        raise GenerationError(f"{call}: `weights_device_fraction={weights_device_fraction!r}` needs"
-                              " `stream_weights=True`: whatever streams the weights instead (SuperpipeStrategy) keeps"
-                              " its own resident blocks (its `resident_blocks`).")
-    if not stream_weights:
-        compress_weights = False  # the policy must not pick what the other streamer cannot do
-        weights_device_fraction = 0.0
-    default = "cuda" if torch.cuda.is_available() else "cpu"
-    compute = torch.device(device) if device is not None else torch.device(default)
-    blocks = _decoder_blocks(model, call)
 
-    batch, prompt = input_ids.shape
-    shape = policy_module.ModelShape.of(model, blocks)
-    chosen: Optional[policy_module.Policy] = None
-    if budget is not None:
-        chosen = policy_module.choose_policy(
-            shape, batch=batch, prompt=prompt, new_tokens=max_new_tokens, budget=budget, hardware=hardware,
-            micro_batch_size=micro_batch_size, compress_weights=compress_weights,
-            compress_kv=compress_kv, cache_device_fraction=cache_device_fraction,
-            weights_device_fraction=weights_device_fraction, activations_on_host=activations_on_host,
-            weights_streamed_elsewhere=not stream_weights, call=call,
-        )
-        micro_batch_size = chosen.micro_batch_size
-        compress_weights, compress_kv = chosen.compress_weights, chosen.compress_kv
-        cache_device_fraction = chosen.cache_device_fraction
-        weights_device_fraction = chosen.weights_device_fraction
-        activations_on_host = chosen.activations_on_host
-    micro_batch_size = min(micro_batch_size or batch, batch)
-    compress_weights, compress_kv = bool(compress_weights), bool(compress_kv)
-    cache_device_fraction = cache_device_fraction or 0.0
-    resident_layers = int(round(cache_device_fraction * len(blocks)))
-    resident_blocks = int(round((weights_device_fraction or 0.0) * len(blocks)))
-    activations_on_host = bool(activations_on_host)
 
-    copier = make_copier(compute, link)
-    engine = GenerationEngine(
-        model, blocks, compute, copier, max_len=prompt + max_new_tokens, max_steps=max_new_tokens,
-        compress_weights=compress_weights, compress_kv=compress_kv, cache_resident_layers=resident_layers,
-        overlap=overlap, stream_weights=stream_weights, weights_resident_blocks=resident_blocks,
-        activations_on_host=activations_on_host,
+def _choose(
+    model: nn.Module, blocks: list[nn.Module], shape: torch.Size, max_new_tokens: int, policy: GenerationPolicy,
+    compute: torch.device, call: str,
+) -> tuple[Optional[SolvedPolicy], Optional[int]]:
+    """The cost model's choice for what ``policy`` leaves open, and the budget in bytes (``None``, ``None``
+    without a budget)."""
+    if policy.memory_budget is None:
+        return None, None
+    try:
+        budget = resolve_budget(policy.memory_budget, compute, call=f"{call}: `memory_budget`")
+    except ValueError as error:
+        raise GenerationError(str(error)) from None
+    batch, prompt = shape
+    # The other streamer cannot compress or keep blocks: the cost model must not pick either.
+    compress_weights = policy.compress_weights if policy.stream_weights else False
+    chosen = choose_policy(
+        ModelShape.of(model, blocks), batch=batch, prompt=prompt, new_tokens=max_new_tokens, budget=budget,
+        hardware=policy.hardware, micro_batch_size=policy.micro_batch_size, compress_weights=compress_weights,
+        compress_kv=policy.compress_kv, cache_device_fraction=policy.cache_device_fraction,
+        resident_blocks=policy.resident_blocks, activations_on_host=policy.activations_on_host,
+        weights_streamed_elsewhere=not policy.stream_weights, call=call,
     )
-    starts = list(range(0, batch, micro_batch_size))
-    baton = Baton(len(starts))
+    return chosen, budget
+
+
+def _resolve(policy: GenerationPolicy, chosen: Optional[SolvedPolicy], batch: int) -> GenerationPolicy:
+    """``policy`` with every open choice made: the cost model's where it ran, else the defaults."""
+    if chosen is not None:
+        policy = replace(
+            policy, micro_batch_size=chosen.micro_batch_size, compress_weights=chosen.compress_weights,
+            compress_kv=chosen.compress_kv, cache_device_fraction=chosen.cache_device_fraction,
+            resident_blocks=chosen.resident_blocks, activations_on_host=chosen.activations_on_host,
+        )
+    return replace(
+        policy,
+        micro_batch_size=min(policy.micro_batch_size or batch, batch),
+        compress_weights=bool(policy.compress_weights) and policy.stream_weights,
+        compress_kv=bool(policy.compress_kv),
+        cache_device_fraction=policy.cache_device_fraction or 0.0,
+        resident_blocks=(policy.resident_blocks or 0) if policy.stream_weights else 0,
+        activations_on_host=bool(policy.activations_on_host),
+    )
+
+
+def _resident_layers(policy: GenerationPolicy, layers: int) -> int:
+    """Layers whose KV cache stays on the device: the cache fraction in whole layers."""
+    return int(round((policy.cache_device_fraction or 0.0) * layers))
+
+
+def _reset_peak(compute: torch.device) -> int:
+    """Device bytes allocated before the run, the base of its measured peak (0 off CUDA)."""
+    if compute.type != "cuda":
+        return 0
+    torch.cuda.synchronize(compute)
+    torch.cuda.reset_peak_memory_stats(compute)
+    return torch.cuda.memory_allocated(compute)
+
+
+def _run_micro_batches(
+    run: _Run, blocks: list[nn.Module], engine: GenerationEngine, copier: Any
+) -> tuple[dict[int, Tensor], float]:
+    """Runs every micro-batch's ``model.generate`` in its own thread, one at a time by the baton.
+
+    Returns:
+        Each micro-batch's sequences by index, and the seconds the run took.
+    """
+    baton = Baton(len(run.starts))
     engine.baton = baton
-    engine.caches = [StreamedCache(model.config, engine, index) for index in range(len(starts))]
+    engine.caches = [StreamedCache(run.model.config, engine, index) for index in range(len(run.starts))]
     results: dict[int, Tensor] = {}
     local = threading.local()
     handles = _hook_blocks(blocks, engine, baton, local)
-    if compute.type == "cuda":
-        torch.cuda.synchronize(compute)
-        torch.cuda.reset_peak_memory_stats(compute)
-        baseline = torch.cuda.memory_allocated(compute)
-
     # The threads compute on the caller's current stream: the copier orders its copies against that one.
-    stream = torch.cuda.current_stream(compute) if compute.type == "cuda" else None
+    stream = torch.cuda.current_stream(run.compute) if run.compute.type == "cuda" else None
     initializer = copier.thread_initializer()  # the emulated link's checker watches every thread
 
-    def run(index: int, start: int) -> None:
+    def micro_batch(index: int, start: int) -> None:
         local.micro_batch = index
         try:
             baton.start(index)
             if initializer is not None:
                 initializer()
             if stream is not None:
-                torch.cuda.set_device(compute)
+                torch.cuda.set_device(run.compute)
                 torch.cuda.set_stream(stream)
-            rows = slice(start, start + micro_batch_size)
-            ids = input_ids[rows].to(compute)
-            mask = attention_mask[rows].to(compute) if attention_mask is not None else None
-            # no_grad, not inference_mode: the copier may run deferred copies into these tensors on other threads.
-            with torch.no_grad():
-                results[index] = model.generate(
-                    input_ids=ids, attention_mask=mask, cache=engine.caches[index],
-                    max_new_tokens=max_new_tokens, do_sample=do_sample, use_cache=True, **generate_kwargs,
-                )
+            results[index] = _generate_rows(run, engine.caches[index], start)
         except _Aborted:
             return
         except BaseException as error:  # re-raised on the caller's thread
@@ -238,7 +246,8 @@ def generate(
         baton.leave(index)
 
     started = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i, s), name=f"superpipe-generate-{i}") for i, s in enumerate(starts)]
+    threads = [threading.Thread(target=micro_batch, args=(i, s), name=f"superpipe-generate-{i}")
+               for i, s in enumerate(run.starts)]
     try:
         for thread in threads:
             thread.start()
@@ -252,9 +261,30 @@ def generate(
     seconds = time.perf_counter() - started
     if baton.failed is not None:
         raise baton.failed
-    sequences = _join(results, model, batch)
-    new_tokens = batch * (sequences.shape[1] - prompt)
-    stats: dict[str, Any] = {
+    return results, seconds
+
+
+def _generate_rows(run: _Run, cache: StreamedCache, start: int) -> Tensor:
+    """``model.generate`` for the micro-batch of rows from ``start``, on its streamed cache."""
+    rows = slice(start, start + run.policy.micro_batch_size)
+    ids = run.input_ids[rows].to(run.compute)
+    mask = run.attention_mask[rows].to(run.compute) if run.attention_mask is not None else None
+    # no_grad, not inference_mode: the copier may run deferred copies into these tensors on other threads.
+    with torch.no_grad():
+        return run.model.generate(
+            input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=run.max_new_tokens,
+            do_sample=run.do_sample, use_cache=True, **run.generate_kwargs,
+        )
+
+
+def _stats(
+    run: _Run, engine: GenerationEngine, sequences: Tensor, seconds: float, layers: int,
+    chosen: Optional[SolvedPolicy], budget: Optional[int],
+) -> dict[str, Any]:
+    """What :class:`GenerationOutput` reports (see there)."""
+    policy = run.policy
+    new_tokens = sequences.shape[0] * (sequences.shape[1] - run.input_ids.shape[1])
+    return {
         "h2d_bytes": dict(engine.traffic.h2d),
         "d2h_bytes": dict(engine.traffic.d2h),
         "peak_device_bytes": engine.ledger.peak,
@@ -264,23 +294,21 @@ def generate(
         "seconds": seconds,
         "tokens_per_s": new_tokens / seconds if seconds > 0 else math.inf,
         "policy": {
-            "micro_batch_size": micro_batch_size,
-            "num_micro_batches": len(starts),
-            "cache_device_fraction": resident_layers / len(blocks),
-            "weights_device_fraction": resident_blocks / len(blocks),
-            "resident_blocks": resident_blocks,
-            "activations_on_host": activations_on_host,
-            "compress_weights": compress_weights,
-            "compress_kv": compress_kv,
-            "overlap": overlap,
+            "micro_batch_size": policy.micro_batch_size,
+            "num_micro_batches": len(run.starts),
+            "cache_device_fraction": _resident_layers(policy, layers) / layers,
+            "resident_blocks": policy.resident_blocks,
+            "activations_on_host": policy.activations_on_host,
+            "compress_weights": policy.compress_weights,
+            "compress_kv": policy.compress_kv,
+            "overlap": policy.overlap,
             # The cost model's prediction with `hardware`'s constants (FlexGen's T4 figures by default).
             "predicted_tokens_per_s": chosen.tokens_per_s if chosen is not None else None,
             "memory_budget": budget,
         },
     }
-    if compute.type == "cuda":
-        stats["measured_peak_device_bytes"] = torch.cuda.max_memory_allocated(compute) - baseline
-    return GenerationOutput(sequences=sequences, stats=stats)
+
+
 
 
 def _decoder_blocks(model: nn.Module, call: str) -> list[nn.Module]:

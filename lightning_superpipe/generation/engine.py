@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from lightning_superpipe.generation import compression
+import lightning_superpipe.generation.compression as compression
 from lightning_superpipe.generation.baton import Baton, Key
 from lightning_superpipe.generation.compression import Packed
 from lightning_superpipe.memory.pinned import PAGE, HostArena, page_rounded

@@ -1,26 +1,21 @@
-"""The policy of :func:`~lightning_superpipe.generate`: micro-batch size and count, the cache's device fraction and
-compression, from FlexGen's cost model solved exactly with ``scipy.optimize.milp``.
+"""The policy of :func:`~lightning_superpipe.generate`: what the user fixes (:class:`GenerationPolicy`, FlexGen's
+``Policy``) and what FlexGen's cost model, solved exactly with ``scipy.optimize.milp``, chooses for the rest
+(:func:`choose_policy`).
 
-Two models live here:
-
-* :func:`flexgen_lp`, FlexGen's own linear program (``flexgen/opt_config``'s ``solve_lp``, same terms and constants)
-  with placement fractions of weights, cache and activations on GPU/CPU/disk, and its search over GPU batch size
-  and count (:func:`flexgen_search`). It reproduces FlexGen's published predictions (OPT-30B on a T4: 48 x 3 at
-  its published placement predicts 7.14 tokens/s; its search finds 32 x 5 at 7.09), which checks the cost model.
-* :func:`choose_policy`, the same overlap rule for this package's engine, with FlexGen's placements by whole layers:
-  the weights of the first ``w`` blocks resident on the device (the rest streamed every token), the cache of the
-  first ``k`` layers resident, and the hidden states on the device or (``h = 1``) in host memory between blocks:
-  per layer ``T_prefill = max(in, out, compute)`` and ``T_decode = in + max(out, compute)`` (FlexGen's rule as
-  coded) with the streamed shares ``1 - w / L`` and ``1 - k / L``, ``T = L * T_prefill + L * (n - 1) * T_decode``;
-  for each micro-batch size and compression choice the integers ``k``, ``w``, the binary ``h`` and the times are
-  one small MILP under the device-memory constraint, and the best tokens/s wins. ``h`` is binary as in FlexGen's
-  runtime, which keeps all activations on one device (its LP's fractions ``hg, hc`` are relaxed).
+The cost model is FlexGen's overlap rule for this package's engine, with FlexGen's placements by whole layers: the
+weights of the first ``w`` blocks resident on the device (the rest streamed every token), the cache of the first
+``k`` layers resident, and the hidden states on the device or (``h = 1``) in host memory between blocks: per layer
+``T_prefill = max(in, out, compute)`` and ``T_decode = in + max(out, compute)`` (FlexGen's rule as coded) with the
+streamed shares ``1 - w / L`` and ``1 - k / L``, ``T = L * T_prefill + L * (n - 1) * T_decode``; for each micro-batch
+size and compression choice the integers ``k``, ``w``, the binary ``h`` and the times are one small MILP under the
+device-memory constraint, and the best tokens/s wins. ``h`` is binary as in FlexGen's runtime, which keeps all
+activations on one device (its LP's fractions ``hg, hc`` are relaxed). FlexGen's own LP, which checks these terms
+against its published predictions, is reproduced in the tests (``tests/flexgen_reference.py``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -28,205 +23,90 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from torch import nn
 
 from lightning_superpipe.generation.compression import BYTES_PER_ELEMENT
+from lightning_superpipe.generation.errors import GenerationError
+from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.units import format_bytes
 
 GB = 1 << 30  # FlexGen's GB
 T = 1e12
 
 
-# ================================================================================================ FlexGen's own model
+# ================================================================================================ the user's policy
 
 
-@dataclass
-class FlexGenConfig:
-    """FlexGen's ``OptModelConfig``: the model, the run and T4 hardware constants fitted by FlexGen (defaults)."""
+@dataclass(frozen=True)
+class GenerationPolicy:
+    """How :func:`~lightning_superpipe.generate` places weights, cache and hidden states (FlexGen's ``Policy``).
 
-    s: int = 512  # prompt length
-    n: int = 32  # new tokens
-    l: int = 48  # layers
-    h1: int = 7168  # hidden size
-    h2: int = 28672  # MLP size
-    nh: int = 56  # heads
-    gmem: float = 16 * GB  # its command line's --gpu-mem 16 --cpu-mem 200 --nvme-mem 1500 for OPT-30B on a T4
-    cmem: float = 200 * GB
-    nmem: float = 1500 * GB
-    alpha: float = 0.8  # FlexGen's relaxation of every memory bound (its examples use 1.2 for a fixed policy)
-    ctog_bdw: float = 12.89 * GB
-    gtoc_bdw_cache: float = 0.97 * GB
-    gtoc_bdw_hidden: float = 4.82 * GB
-    dtoc_bdw: float = 0.473 * GB
-    ctod_bdw_cache_p: float = 0.746 * GB
-    ctod_bdw_hidden_p: float = 2.015 * GB
-    ctod_bdw_g: float = 2.015 * GB
-    mm_flops_p: float = 21.24 * T
-    mm_flops_g: float = 4.3 * T
-    bmm_flops_p: float = 9.97 * T
-    bmm_flops_g: float = 0.079 * T
-    cpu_flops: float = 0.0123 * T
-    c1: float = 0.0168
-    c2: float = 0.0328
-    c3: float = 0.0621
+    With ``memory_budget`` every choice left ``None`` is made by the cost model (:func:`choose_policy`); a value you
+    set is a constraint. Without it, ``None`` means the default in brackets.
 
-
-@dataclass
-class FlexGenSolution:
-    """One solved FlexGen LP: ``placement`` maps ``wg, wc, wn, cg, cc, cn, hg, hc, hn`` to fractions."""
-
-    feasible: bool
-    gpu_batch_size: int
-    num_gpu_batches: int
-    tokens_per_s: float = 0.0
-    t_prefill: float = 0.0  # per layer
-    t_decode: float = 0.0  # per layer
-    placement: dict[str, float] = field(default_factory=dict)
-
-
-_PLACEMENT = ("wg", "wc", "wn", "cg", "cc", "cn", "hg", "hc", "hn")
-
-
-def flexgen_lp(
-    config: FlexGenConfig,
-    block_batch: int,
-    gpu_batch: int,
-    compress_weights: bool = False,
-    placement: Optional[dict[str, float]] = None,
-) -> FlexGenSolution:
-    """FlexGen's linear program for ``block_batch = gpu_batch * count`` sequences (its ``solve_lp``).
-
-    Args:
-        config: Model, run and hardware constants.
-        block_batch: The effective batch (``bls``).
-        gpu_batch: The GPU batch (``gbs``); must divide ``block_batch``.
-        compress_weights: FlexGen's ``compress_w`` (a quarter of the weight bytes, as its code counts them).
-        placement: Fix some or all of the nine fractions (e.g. a published policy) instead of optimising them.
-
-    Returns:
-        The solution; ``feasible`` is ``False`` when no placement fits the memory of every tier.
+    Attributes:
+        memory_budget: Device bytes: an int, ``"8GiB"``, ``"90%"`` of free device memory (CUDA) or ``"auto"``
+            (:func:`~lightning_superpipe.planning.parse_budget`). ``None``: no cost model.
+        micro_batch_size: Rows per micro-batch (the whole batch).
+        resident_blocks: Decoder blocks whose weights stay on the device for the whole generation, the first ones:
+            copied once instead of once per token (0). ``SuperpipeStrategy(resident_blocks=...)`` is the same count.
+        cache_device_fraction: Fraction of the layers whose KV cache stays on the device, rounded to whole layers
+            (FlexGen's ``cache_gpu_percent``; 0).
+        activations_on_host: Keep each micro-batch's hidden states in host memory between blocks, so that the
+            device holds one micro-batch's instead of every micro-batch's (``False``).
+        compress_weights: Block weight matrices in FlexGen's 4-bit form in host memory and over the link
+            (``None`` with ``memory_budget``: the cost model decides).
+        compress_kv: The KV cache in FlexGen's 4-bit form in host memory and over the link (likewise).
+        overlap: Prefetch while computing (``False``: load each thing when needed and wait, for comparison).
+        stream_weights: ``False`` when something else streams the weights (``SuperpipeStrategy`` in
+            ``trainer.predict``): only the schedule and the KV cache are :func:`generate`'s then.
+        hardware: :class:`Hardware` constants of the cost model (FlexGen's T4 figures).
     """
-    if not (block_batch > 0 and gpu_batch > 0 and block_batch % gpu_batch == 0):
-        raise ValueError(f"flexgen_lp(block_batch={block_batch}, gpu_batch={gpu_batch}): need gpu_batch | block_batch")
-    c = config
-    s, n, l, h1, h2, nh, bls, gbs = c.s, c.n, c.l, c.h1, c.h2, c.nh, block_batch, gpu_batch
-    gmem, cmem, nmem = c.gmem * c.alpha, c.cmem * c.alpha, c.nmem * c.alpha
-    wi = 8 * h1**2 + 4 * h1 * h2
-    if compress_weights:
-        wi = wi / 4
-    names = list(_PLACEMENT) + ["Tpre", "Tgen"]
-    index = {name: i for i, name in enumerate(names)}
 
-    def row(**coefficients: float) -> np.ndarray:
-        out = np.zeros(len(names))
-        for name, value in coefficients.items():
-            out[index[name]] += value
-        return out
+    memory_budget: Optional[MemoryBudget] = None
+    micro_batch_size: Optional[int] = None
+    resident_blocks: Optional[int] = None
+    cache_device_fraction: Optional[float] = None
+    activations_on_host: Optional[bool] = None
+    compress_weights: Optional[bool] = False
+    compress_kv: Optional[bool] = False
+    overlap: bool = True
+    stream_weights: bool = True
+    hardware: Optional[Hardware] = None
 
-    rows: list[np.ndarray] = []
-    lower: list[float] = []
-    upper: list[float] = []
+    def __repr__(self) -> str:
+        # Only what differs from the defaults: errors quote the policy inside the user's call.
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"GenerationPolicy({', '.join(changed)})"
 
-    def add(vector: np.ndarray, lo: float, hi: float) -> None:
-        rows.append(vector)
-        lower.append(lo)
-        upper.append(hi)
+    def check(self, layers: int, call: str) -> None:
+        """Refuses values no model could serve, and combinations that contradict each other.
 
-    add(row(wg=1, wc=1, wn=1), 1, 1)
-    add(row(cg=1, cc=1, cn=1), 1, 1)
-    add(row(hg=1, hc=1, hn=1), 1, 1)
-    add(row(hn=1), 0, 0)  # FlexGen's runtime keeps no activations on disk
-    # Prefill per layer, linear in the placement: ctog, gtoc, dtoc, ctod, compute.
-    hidden_p = 2 * s * h1 * bls
-    ctogp = row(wc=wi / c.ctog_bdw, wn=wi / c.ctog_bdw, hc=hidden_p / c.ctog_bdw, hn=hidden_p / c.ctog_bdw)
-    gtocp = row(cc=4 * (s + 1) * h1 * bls / c.gtoc_bdw_cache, cn=4 * (s + 1) * h1 * bls / c.gtoc_bdw_cache,
-                hc=2 * s * h1 * bls / c.gtoc_bdw_hidden, hn=2 * s * h1 * bls / c.gtoc_bdw_hidden)
-    dtocp = row(wn=wi / c.dtoc_bdw, hn=2 * s * h1 * bls / c.dtoc_bdw)
-    ctodp = row(cn=4 * bls * (s + 1) * h1 / c.ctod_bdw_cache_p, hn=2 * s * h1 * bls / c.ctod_bdw_hidden_p)
-    compp = bls * (8 * s * h1**2 + 4 * s * h1 * h2) / c.mm_flops_p + 4 * bls * s**2 * h1 / c.bmm_flops_p
-    # T_prefill = max(in, out, compute) with in = ctog + dtoc and out = gtoc + ctod.
-    add(row(Tpre=1) - ctogp - dtocp, 0, np.inf)
-    add(row(Tpre=1) - gtocp - ctodp, 0, np.inf)
-    add(row(Tpre=1), compp, np.inf)
-    # Decode per layer: T_decode = ctog + max(gtoc, dtoc, ctod, compute).
-    ctogg = row(wc=wi / c.ctog_bdw, wn=wi / c.ctog_bdw, hc=2 * h1 * bls / c.ctog_bdw, hn=2 * h1 * bls / c.ctog_bdw)
-    gtocg = row(hc=2 * h1 * bls / c.gtoc_bdw_hidden, hn=2 * h1 * bls / c.gtoc_bdw_hidden)
-    dtocg = row(cn=4 * bls * (s + n / 2) * h1 / c.dtoc_bdw, hn=2 * h1 * bls / c.dtoc_bdw, wn=wi / (c.dtoc_bdw * 0.95))
-    ctodg = row(cn=4 * bls * h1 / c.ctod_bdw_g, hn=2 * h1 * bls / c.ctod_bdw_g)
-    small_batch = max(0.0, math.log2(64 / gbs))
-    small_hidden = max(0.0, math.log2(4096 / h1))
-    cpu_flops = max(0.1, 1 + c.c1 * small_batch * small_hidden - c.c2 * small_batch - c.c3 * small_hidden) * c.cpu_flops
-    attention = 4 * bls * (s + n / 2) * h1
-    compg = row(cg=attention / c.bmm_flops_g, cc=attention / cpu_flops, cn=attention / cpu_flops)
-    compg_const = bls * (8 * h1**2 + 4 * h1 * h2) / c.mm_flops_g
-    for term, const in ((gtocg, 0.0), (dtocg, 0.0), (ctodg, 0.0), (compg, compg_const)):
-        add(row(Tgen=1) - ctogg - term, const, np.inf)
-    # GPU memory, prefill and decode (with FlexGen's double buffer for streamed weights).
-    interp = (8 * gbs * s * h1 + gbs * (2 * s * h1 + 2 * nh * s**2) + gbs * 2 * s * h1 + 4 * gbs * s * h1
-              + 2 * gbs * s * h2 + 2 * gbs * s * h1)
-    gpu_p = row(wg=wi * l - 2 * wi, hg=2 * s * h1 * bls - 2 * s * h1 * gbs, cg=4 * (s + n) * h1 * bls * l)
-    add(gpu_p, -np.inf, gmem - (2 * wi + 2 * s * h1 * gbs + interp))
-    interg_const = 8 * gbs * h1 + 4 * gbs * h1 + 2 * gbs * h2 + 2 * gbs * h1
-    interg_cg = gbs * (2 * h1 + 2 * (s + n) * h1 + 2 * nh * (s + n)) + gbs * (2 * (s + n) * h1 + 2 * h1)
-    gpu_g = row(wg=wi * l - 2 * wi, hg=2 * h1 * bls - 2 * h1 * gbs,
-                cg=4 * (s + n) * h1 * bls * l + 4 * gbs * (s + n) * h1 + interg_cg)
-    add(gpu_g, -np.inf, gmem - (2 * wi + 2 * h1 * gbs + interg_const))
-    # CPU memory, prefill and decode.
-    cpu_p = row(wc=wi * l, hc=2 * s * h1 * bls, cc=4 * s * h1 * bls * l, wg=-wi, hg=-2 * s * h1 * gbs)
-    add(cpu_p, -np.inf, cmem - (wi + 2 * s * h1 * gbs))
-    cpu_g = row(wc=wi * l, hc=2 * h1 * bls, cc=4 * (s + n) * h1 * bls * l, wn=wi, hn=4 * h1 * gbs,
-                cn=8 * (s + n) * h1 * gbs)
-    add(cpu_g, -np.inf, cmem - (2 * nh * (s + n) * gbs + 2 * h1 * gbs))
-    # Disk.
-    add(row(wn=wi * l, hn=2 * s * h1 * bls, cn=4 * (s + n) * h1 * bls * l), -np.inf, nmem)
+        Args:
+            layers: The model's decoder blocks.
+            call: The user's call, quoted in errors.
 
-    lo_bounds = np.zeros(len(names))
-    hi_bounds = np.array([1.0] * len(_PLACEMENT) + [np.inf, np.inf])
-    for name, value in (placement or {}).items():
-        lo_bounds[index[name]] = hi_bounds[index[name]] = value
-    objective = row(Tpre=l / bls, Tgen=(n - 1) * l / bls)
-    result = milp(objective, constraints=LinearConstraint(np.array(rows), lower, upper),
-                  bounds=Bounds(lo_bounds, hi_bounds))
-    solution = FlexGenSolution(result.status == 0, gbs, bls // gbs)
-    if result.status != 0:
-        return solution
-    x = result.x
-    total = x[index["Tpre"]] * l + x[index["Tgen"]] * (n - 1) * l
-    solution.tokens_per_s = float(bls * n / total)
-    solution.t_prefill, solution.t_decode = float(x[index["Tpre"]]), float(x[index["Tgen"]])
-    solution.placement = {name: float(x[index[name]]) for name in _PLACEMENT}
-    return solution
+        Raises:
+            GenerationError: Saying which field to change.
+        """
+        size = self.micro_batch_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise GenerationError(f"{call}: `micro_batch_size` must be a positive integer or None.")
+        blocks = self.resident_blocks
+        if blocks is not None and (not isinstance(blocks, int) or isinstance(blocks, bool)
+                                   or not 0 <= blocks <= layers):
+            raise GenerationError(f"{call}: `resident_blocks` must be a count of blocks between 0 and the model's"
+                                  f" {layers}, got {blocks!r}.")
+        fraction = self.cache_device_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0.0 <= fraction <= 1.0):
+            raise GenerationError(f"{call}: `cache_device_fraction` must be a number between 0 and 1, got"
+                                  f" {fraction!r}.")
+        if not self.stream_weights and self.compress_weights:
+            raise GenerationError(f"{call}: `compress_weights=True` needs `stream_weights=True`: whatever streams the"
+                                  " weights instead (SuperpipeStrategy) moves them uncompressed.")
+        if not self.stream_weights and blocks:
+            raise GenerationError(f"{call}: `resident_blocks={blocks!r}` needs `stream_weights=True`: whatever streams"
+                                  " the weights instead (SuperpipeStrategy) keeps its own resident blocks (its"
+                                  " `resident_blocks`).")
 
-
-def flexgen_search(config: FlexGenConfig, compress_weights: bool = False) -> FlexGenSolution:
-    """FlexGen's policy search (its ``solve``): GPU batch 1..4 then doubling; for each the largest feasible count by
-    doubling and bisection; counts tried upwards until throughput drops; the best solution overall."""
-    best = FlexGenSolution(False, 0, 0)
-    gbs = 1
-    while True:
-        count = 1
-        while flexgen_lp(config, gbs * count, gbs, compress_weights).feasible:
-            count *= 2
-        left, right = max(count // 2, 1), count
-        while left < right:
-            mid = (left + right) // 2
-            if flexgen_lp(config, gbs * mid, gbs, compress_weights).feasible:
-                left = mid + 1
-            else:
-                right = mid
-        upper = left - 1
-        if upper == 0:
-            break
-        previous = 0.0
-        for count in range(1, upper + 1):
-            found = flexgen_lp(config, gbs * count, gbs, compress_weights)
-            if found.tokens_per_s < previous:
-                break
-            previous = found.tokens_per_s
-            if found.tokens_per_s > best.tokens_per_s:
-                best = found
-        gbs = gbs + 1 if gbs < 4 else gbs * 2
-    return best
-
-
-# ================================================================================================ this engine's model
 
 
 @dataclass
@@ -295,8 +175,8 @@ class ModelShape:
 
 
 @dataclass
-class Policy:
-    """A chosen policy and what the cost model predicts for it."""
+class SolvedPolicy:
+    """The policy :func:`choose_policy` chose, and what the cost model predicts for it."""
 
     micro_batch_size: int
     num_micro_batches: int
@@ -307,7 +187,7 @@ class Policy:
     t_prefill: float  # per layer, seconds
     t_decode: float  # per layer, seconds
     device_bytes: float  # the model's estimate of the device peak
-    weights_device_fraction: float = 0.0  # resident blocks / layers
+    resident_blocks: int = 0  # the first blocks, whose weights stay on the device
     activations_on_host: bool = False
 
     def as_dict(self) -> dict[str, Any]:
@@ -377,7 +257,7 @@ def _solve(
     shape: ModelShape, hardware: Hardware, batch: int, micro_batch: int, prompt: int, new_tokens: int,
     budget: float, compress_weights: bool, compress_kv: bool, resident: Optional[int],
     resident_blocks: Optional[int] = None, activations_on_host: Optional[bool] = None,
-) -> Optional[Policy]:
+) -> Optional[SolvedPolicy]:
     """The MILP for one micro-batch size and compression choice.
 
     Variables ``x = [k, w, h, z, Tpre, Tgen]``: ``k`` layers' cache and ``w`` blocks' weights resident (integers),
@@ -443,13 +323,13 @@ def _solve(
     k, w, h, _, t_pre, t_gen = result.x
     k, w, h = int(round(k)), int(round(w)), bool(round(h))
     total = L * t_pre + L * (n - 1) * t_gen
-    return Policy(
+    return SolvedPolicy(
         micro_batch_size=micro_batch, num_micro_batches=-(-batch // micro_batch), cache_device_fraction=k / L,
         compress_weights=compress_weights, compress_kv=compress_kv, tokens_per_s=float(batch * n / total),
         t_prefill=float(t_pre), t_decode=float(t_gen),
         device_bytes=float(device_bytes(shape, micro_batch, batch, prompt, new_tokens, k, compress_weights,
                                         compress_kv, w, h)),
-        weights_device_fraction=w / L, activations_on_host=h,
+        resident_blocks=w, activations_on_host=h,
     )
 
 
@@ -457,9 +337,9 @@ def choose_policy(
     shape: ModelShape, batch: int, prompt: int, new_tokens: int, budget: float, hardware: Optional[Hardware] = None,
     micro_batch_size: Optional[int] = None, compress_weights: Optional[bool] = None,
     compress_kv: Optional[bool] = None, cache_device_fraction: Optional[float] = None,
-    weights_device_fraction: Optional[float] = None, activations_on_host: Optional[bool] = None,
+    resident_blocks: Optional[int] = None, activations_on_host: Optional[bool] = None,
     weights_streamed_elsewhere: bool = False, call: str = "generate(...)",
-) -> Policy:
+) -> SolvedPolicy:
     """The policy with the most predicted tokens/s whose device peak fits ``budget``.
 
     Args:
@@ -467,29 +347,25 @@ def choose_policy(
         batch: The effective batch (rows of ``input_ids``).
         prompt: Prompt length.
         new_tokens: Tokens generated.
-        budget: Device bytes.
+        budget: Device bytes (resolved: :func:`~lightning_superpipe.planning.resolve_budget`).
         hardware: Cost-model constants (default: FlexGen's T4).
-        micro_batch_size, compress_weights, compress_kv, cache_device_fraction, weights_device_fraction,
+        micro_batch_size, compress_weights, compress_kv, cache_device_fraction, resident_blocks,
             activations_on_host: Fix that choice (``None``: the solver picks; compression is then chosen only where it
             wins tokens/s or is needed to fit).
         weights_streamed_elsewhere: Something else streams the weights (``SuperpipeStrategy``): no resident blocks.
         call: The user's call, quoted in errors.
 
     Raises:
-        ValueError: (``GenerationError``) if nothing fits, with the smallest budget that would.
+        GenerationError: If nothing fits, with the smallest budget that would.
     """
-    from lightning_superpipe.generation.api import GenerationError
-
     hardware = hardware or Hardware()
     # Largest first: sizes the cost model ties on are won by fewer, larger micro-batches (less per-turn overhead).
     sizes = [micro_batch_size] if micro_batch_size else list(range(batch, 0, -1))
     weight_options = [compress_weights] if compress_weights is not None else [False, True]
     kv_options = [compress_kv] if compress_kv is not None else [False, True]
     resident = None if cache_device_fraction is None else int(round(cache_device_fraction * shape.layers))
-    if weights_streamed_elsewhere:
-        weights_device_fraction = 0.0
-    blocks = None if weights_device_fraction is None else int(round(weights_device_fraction * shape.layers))
-    best: Optional[Policy] = None
+    blocks = 0 if weights_streamed_elsewhere else resident_blocks
+    best: Optional[SolvedPolicy] = None
     for size in sizes:
         for cw in weight_options:
             for ckv in kv_options:
@@ -516,5 +392,4 @@ def choose_policy(
     return best
 
 
-__all__ = ["FlexGenConfig", "FlexGenSolution", "Hardware", "ModelShape", "Policy", "choose_policy", "device_bytes",
-           "flexgen_lp", "flexgen_search"]
+__all__ = ["GenerationPolicy", "Hardware", "ModelShape", "SolvedPolicy", "choose_policy", "device_bytes"]

@@ -18,33 +18,25 @@ from lightning_superpipe.moe.experts import (
     SharedExpertHooks,
 )
 from lightning_superpipe.moe.layouts import MoELayer, find_moe_layers
-from lightning_superpipe.moe.pages import TOP_LEVEL, PageKey, PageStore, SyncCopyEngine
+from lightning_superpipe.moe.options import PagingOptions, resolve_expert_budget
+from lightning_superpipe.moe.pages import PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
+from lightning_superpipe.planning.budget import MemoryBudget
 
 __all__ = ["PagedExperts", "expert_parameters", "full_expert_bytes", "kv_cache_bytes", "page_experts"]
-
-DEFAULT_LEVELS: tuple[int, ...] = (TOP_LEVEL, 8, 4, 3, 2)
 
 
 def page_experts(
     model: nn.Module,
     *,
-    budget_bytes: int | None = None,
+    expert_budget: MemoryBudget | None = None,
     calibration: Iterable[Any] | None = None,
-    group_size: int = 64,
-    levels: Sequence[int] = DEFAULT_LEVELS,
-    rows_per_page: int | None = None,
     device: torch.device | str | None = None,
-    total_budget_bytes: int | None = None,
-    hysteresis: float = 0.02,
-    exchange_ratio: float = 2.0,
-    rebalance_every: int | None = 64,
-    routing_half_life_tokens: float | None = 8192.0,
-    async_moves: bool = True,
+    expert_and_kv_budget: MemoryBudget | None = None,
     shared_experts: bool = True,
-    error_feedback: bool = True,
+    options: PagingOptions | None = None,
 ) -> PagedExperts:
-    """Page the experts' weights of ``model`` (routed and dense shared) in place under a device byte budget.
+    """Page the experts' weights of ``model`` (routed and dense shared) in place under a budget of expert bytes.
 
     The experts' parameters are taken out of the model (their original values kept in host
     memory) and replaced by pages: group-wise 8-bit codes stored as bit planes whose lower planes
@@ -61,35 +53,19 @@ def page_experts(
     Args:
         model: A ``transformers`` model whose experts go through its experts interface (any
             fused-experts family: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, gpt-oss, ...).
-        budget_bytes: Device bytes allowed for the experts (``None``: unlimited, every page at its
-            original weights). Changeable later with :meth:`PagedExperts.set_budget`.
+        expert_budget: Device bytes for the experts only, not the device's whole budget (``memory_budget``):
+            bytes (``6_000_000_000``, ``"6GiB"``) or a percentage of the experts' 16-bit size (``"30%"``);
+            ``None``: unlimited, every page at its original weights. Changeable later with
+            :meth:`PagedExperts.set_budget`.
         calibration: Model inputs (dicts of keyword arguments, or ``input_ids`` tensors) used to
             measure expert inputs and routing before placing pages. ``None``: weight-only damage
             and uniform routing until routing is observed.
-        group_size: Input columns per quantization group; must divide hidden and intermediate size.
-        levels: Allowed levels: 16 (the original weights) and bit counts among 8..1; 8 is required.
-        rows_per_page: Rows per page within an expert projection (``None``: one page per expert
-            and projection, the fewest pages). Finer pages let the planner spend bytes more
-            selectively but multiply the pages to plan, move and rebuild; on the benchmark's model
-            (error-compensated codes) 32-row blocks (5x the pages) lowered the KL at equal bytes by
-            15% at 20-25% of the 16-bit bytes, and did not help from 28% up (1.7x at 50%).
         device: Device computing the experts (default: where the experts' parameters are).
-        total_budget_bytes: Pressure mode: a device budget for the experts *and* the KV cache; the
+        expert_and_kv_budget: Pressure mode: device bytes for the experts *and* the KV cache (bytes only); the
             expert budget shrinks as the cache grows during generation.
-        hysteresis: Dead band of the planner, as a fraction of the budget.
-        exchange_ratio: Damage ratio needed to move bits between pages when routing shifts.
-        rebalance_every: Forward calls between planner runs that follow routing shifts (``None``:
-            only when the budget changes).
-        routing_half_life_tokens: Half-life of the running routing shares (``None``: cumulative).
-        async_moves: On CUDA, upload on a side stream and keep computing at the old precision
-            until a promotion lands.
         shared_experts: Also page the blocks' dense shared experts (with their own damage: every
             token uses them, so the planner keeps them precise first).
-        error_feedback: With calibration, round the codes again with each expert matrix's input
-            Hessian (GPTQ's error feedback at every level at once, the codes staying nested) and
-            count the errors' correlations in the damage. Needs the full second-moment matrices of
-            every expert's inputs (kept only while they fit in 2 GiB; otherwise the codes stay
-            round-to-nearest).
+        options: Codes, pages and planner (:class:`~lightning_superpipe.moe.PagingOptions`).
 
     Returns:
         The handle controlling the paged experts.
@@ -97,37 +73,31 @@ def page_experts(
     Raises:
         UnsupportedMoEModelError: The model holds no fused experts of ``transformers``' experts interface
             (e.g. DBRX, Llama 4), or their weights are laid out in a way paging does not know.
-        ValueError: The budget is below the minimum (every page at the lowest level).
+        ValueError: The budget is below the minimum (every page at the lowest level), or not a budget.
     """
+    options = options or PagingOptions()
     layers = find_moe_layers(model, shared_experts=shared_experts)
-    if device is None:
-        device = layers[0].weight(0).device
-    device = torch.device(device)
+    device = torch.device(device if device is not None else layers[0].weight(0).device)
+    call = f"page_experts(expert_and_kv_budget={expert_and_kv_budget!r})"
+    pressure = resolve_expert_budget(expert_and_kv_budget, None, call)
     with _eager_autograd_mode():
         store = PageStore(
             layers,
             device=device,
-            group_size=group_size,
-            levels=levels,
-            rows_per_page=rows_per_page,
-            copy_engine=None if async_moves else SyncCopyEngine(device),
+            group_size=options.group_size,
+            levels=options.levels,
+            rows_per_page=options.rows_per_page,
+            copy_engine=None if options.async_moves else SyncCopyEngine(device),
         )
         # Checked before the model is touched, so that a refused budget leaves it as it was.
-        _check_budget(budget_bytes, int(store.bytes_table()[:, -1].sum()), store.min_level)
-        handle = PagedExperts(
-            model,
-            layers,
-            store,
-            hysteresis=hysteresis,
-            exchange_ratio=exchange_ratio,
-            rebalance_every=rebalance_every,
-            routing_half_life_tokens=routing_half_life_tokens,
-            error_feedback=error_feedback,
-        )
+        call = f"page_experts(expert_budget={expert_budget!r})"
+        budget = resolve_expert_budget(expert_budget, _full_bytes(store), call)
+        _check_budget(budget, int(store.bytes_table()[:, -1].sum()), store.min_level)
+        handle = PagedExperts(model, layers, store, options)
     try:
         if calibration is not None:
             handle.calibrate(calibration)
-        handle._place(budget_bytes, total_budget_bytes)
+        handle._place(budget, pressure)
     except BaseException:
         handle.restore()
         raise
@@ -141,39 +111,25 @@ class PagedExperts:
         model: The model, already found to be supported.
         layers: Its MoE layers.
         store: The page store built from their experts.
-        hysteresis: See :func:`page_experts`.
-        exchange_ratio: See :func:`page_experts`.
-        rebalance_every: See :func:`page_experts`.
-        routing_half_life_tokens: See :func:`page_experts`.
+        options: The planner's settings (see :class:`~lightning_superpipe.moe.PagingOptions`).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layers: list[MoELayer],
-        store: PageStore,
-        *,
-        hysteresis: float,
-        exchange_ratio: float,
-        rebalance_every: int | None,
-        routing_half_life_tokens: float | None,
-        error_feedback: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module, layers: list[MoELayer], store: PageStore, options: PagingOptions) -> None:
         self.model = model
         self.layers = layers
         self.store = store
         self.planner = BudgetPlanner(
-            store.levels, store.bytes_table(), hysteresis=hysteresis, exchange_ratio=exchange_ratio
+            store.levels, store.bytes_table(), hysteresis=options.hysteresis, exchange_ratio=options.exchange_ratio
         )
-        self.routing = RoutingStats(layers, half_life_tokens=routing_half_life_tokens)
-        self.activations = ActivationStats(layers, full=error_feedback)
+        self.routing = RoutingStats(layers, half_life_tokens=options.routing_half_life_tokens)
+        self.activations = ActivationStats(layers, full=options.error_feedback)
         self.damage_model = DamageModel(store)
         previous = {layer.index: layer.experts.config._experts_implementation for layer in layers if not layer.shared}
         self.runtime = ExpertsRuntime(store, layers, self.activations, self.routing, previous)
         self.moves = MoveCounts()
-        self.rebalance_every = rebalance_every
+        self.rebalance_every = options.rebalance_every
         self._budget: int | None = None
-        self._total_budget: int | None = None
+        self._expert_and_kv_budget: int | None = None
         self._levels_index = {level: i for i, level in enumerate(store.levels)}
         self._current: list[int] = []
         self._forwards = 0
@@ -216,11 +172,11 @@ class PagedExperts:
         host = self.store.host_weight(layer.index, proj)
         return host.squeeze(0) if layer.shared else host
 
-    def _place(self, budget: int | None, total_budget: int | None) -> None:
+    def _place(self, budget: int | None, expert_and_kv_budget: int | None) -> None:
         """First placement: every page at the lowest level, then promotions up to the budget."""
         self._check_budget(budget)
         self._budget = budget
-        self._total_budget = total_budget
+        self._expert_and_kv_budget = expert_and_kv_budget
         self._refresh_damage()
         for page_id in range(len(self.store.pages)):
             self.store.set_level(page_id, self.store.min_level)
@@ -237,11 +193,11 @@ class PagedExperts:
         return self.planner.max_bytes
 
     def full_bytes(self) -> int:
-        """The experts' size at 16 bits per weight: the reference for budget fractions.
+        """The experts' size at 16 bits per weight: what a percentage ``expert_budget`` is a share of.
 
         Equal to :meth:`max_bytes` for bf16/fp16 models; an fp32 model's originals take twice this.
         """
-        return 2 * sum(page.host_weight.numel() for page in self.store.pages)
+        return _full_bytes(self.store)
 
     def unit_bytes(self) -> dict[str, int]:
         """Device bytes now per paged unit, keyed by module name (routed experts and shared experts)."""
@@ -256,21 +212,24 @@ class PagedExperts:
 
     @property
     def budget(self) -> int | None:
-        """The expert budget set by :meth:`set_budget` (``None``: unlimited)."""
+        """The expert budget in bytes, as set by :meth:`set_budget` (``None``: unlimited)."""
         return self._budget
 
-    def set_budget(self, nbytes: int | None) -> MoveCounts:
-        """Change the device budget of the experts and move pages accordingly.
+    def set_budget(self, expert_budget: MemoryBudget | None) -> MoveCounts:
+        """Change the device budget of the experts (``expert_budget`` of :func:`page_experts`) and move pages
+        accordingly.
 
         Args:
-            nbytes: Bytes allowed (``None``: unlimited).
+            expert_budget: Bytes (an int or ``"6GiB"``) or a percentage of :meth:`full_bytes` (``"30%"``);
+                ``None``: unlimited.
 
         Returns:
             The moves made.
 
         Raises:
-            ValueError: ``nbytes`` is below :meth:`min_bytes`.
+            ValueError: The budget is below :meth:`min_bytes`, or not a budget.
         """
+        nbytes = resolve_expert_budget(expert_budget, self.full_bytes(), f"set_budget({expert_budget!r})")
         self._check_budget(nbytes)
         self._budget = nbytes
         if self.routing.updates != self._routing_seen:  # routing seen since the last plan counts now
@@ -280,13 +239,15 @@ class PagedExperts:
     def _everything_fits(self, budget: int | None) -> bool:
         return (budget is None or budget >= self.max_bytes()) and self.device_bytes() == self.max_bytes()
 
-    def set_total_budget(self, nbytes: int | None) -> None:
-        """Pressure mode: device bytes for experts plus KV cache (``None``: off).
+    def set_expert_and_kv_budget(self, expert_and_kv_budget: MemoryBudget | None) -> None:
+        """Pressure mode: device bytes for experts plus KV cache (``None``: off; ``expert_and_kv_budget`` of
+        :func:`page_experts`).
 
-        Before every forward the expert budget becomes ``nbytes`` minus the KV cache's bytes after
+        Before every forward the expert budget becomes this budget minus the KV cache's bytes after
         that forward (and at most the :meth:`set_budget` value).
         """
-        self._total_budget = nbytes
+        call = f"set_expert_and_kv_budget({expert_and_kv_budget!r})"
+        self._expert_and_kv_budget = resolve_expert_budget(expert_and_kv_budget, None, call)
 
     def _check_budget(self, nbytes: int | None) -> None:
         if self._restored:
@@ -294,9 +255,9 @@ class PagedExperts:
         _check_budget(nbytes, self.min_bytes(), self.store.min_level)
 
     def _effective_budget(self, kv_bytes: int = 0) -> int | None:
-        if self._total_budget is None:
+        if self._expert_and_kv_budget is None:
             return self._budget
-        pressure = self._total_budget - kv_bytes
+        pressure = self._expert_and_kv_budget - kv_bytes
         return pressure if self._budget is None else min(self._budget, pressure)
 
     def rebalance(self) -> MoveCounts:
@@ -403,7 +364,7 @@ class PagedExperts:
         self._forwards += 1
         budget = self._effective_budget()
         moved = False
-        if self._total_budget is not None:
+        if self._expert_and_kv_budget is not None:
             budget = self._pressure_budget(args, kwargs)
             self._incremental(budget)
             moved = True
@@ -429,9 +390,9 @@ class PagedExperts:
         budget = self._effective_budget(kv_after)
         if budget < self.min_bytes():
             raise RuntimeError(
-                f"pressure mode: the KV cache needs {kv_after:,} of the {self._total_budget:,}-byte total budget, "
-                f"leaving {budget:,} bytes for experts, below their minimum of {self.min_bytes():,}. Generate "
-                "fewer tokens, use a smaller batch, or raise the total budget."
+                f"pressure mode: the KV cache needs {kv_after:,} of the {self._expert_and_kv_budget:,}-byte "
+                f"expert_and_kv_budget, leaving {budget:,} bytes for experts, below their minimum of "
+                f"{self.min_bytes():,}. Generate fewer tokens, use a smaller batch, or raise the budget."
             )
         return budget
 
@@ -471,10 +432,15 @@ class PagedExperts:
 def _check_budget(nbytes: int | None, minimum: int, min_level: int) -> None:
     if nbytes is not None and nbytes < minimum:
         raise ValueError(
-            f"budget_bytes={nbytes:,} is below the minimum of {minimum:,} bytes (every page at {min_level} bits "
+            f"expert_budget={nbytes:,} bytes is below the minimum of {minimum:,} bytes (every page at {min_level} bits "
             "with its group metadata). Raise the budget to at least that, or lower the minimum: allow fewer "
             "bits (levels), or a larger group_size for less metadata."
         )
+
+
+def _full_bytes(store: PageStore) -> int:
+    """The paged experts' size at 16 bits per weight."""
+    return 2 * sum(page.host_weight.numel() for page in store.pages)
 
 
 def full_expert_bytes(model: nn.Module, *, shared_experts: bool = True) -> int:

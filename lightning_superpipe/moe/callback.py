@@ -15,6 +15,8 @@ from torch import nn
 from lightning_superpipe.moe.api import PagedExperts, expert_parameters, full_expert_bytes, page_experts
 from lightning_superpipe.moe.layouts import UnsupportedMoEModelError, is_fused_experts
 from lightning_superpipe.moe.metrics import IGNORE_INDEX, QualityMeter
+from lightning_superpipe.moe.options import PagingOptions, resolve_expert_budget
+from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
 
 __all__ = ["PagedMoECallback"]
 
@@ -50,10 +52,10 @@ class PagedMoECallback(Callback):
     buffers shrink to the rest); they stream again once restored.
 
     Args:
-        budget_bytes: Device bytes for the experts (``None`` with no fraction: unlimited).
-        budget_fraction: Budget as a fraction of the experts' 16-bit size (exclusive with
-            ``budget_bytes``).
-        total_budget_bytes: Pressure mode budget for experts plus KV cache (see ``page_experts``).
+        expert_budget: Device bytes for the experts only, not the device's whole budget (``memory_budget``):
+            bytes (``6_000_000_000``, ``"6GiB"``) or a percentage of the experts' 16-bit size (``"30%"``);
+            ``None``: unlimited.
+        expert_and_kv_budget: Pressure mode: device bytes for experts plus KV cache (see ``page_experts``).
         calibration_batches: Batches of the stage's first dataloader used for calibration.
         measure_quality: Also run each forward with full-precision experts (streamed from host
             memory) and compare; doubles the evaluation time. Forwards that are given a KV cache
@@ -64,41 +66,42 @@ class PagedMoECallback(Callback):
             outermost ``transformers`` model holding fused experts).
         batch_to_inputs: Maps a batch to model keyword arguments (default: see
             :func:`default_batch_to_inputs`).
-        **page_kwargs: Further arguments of :func:`page_experts` (``group_size``, ``levels``,
-            ``rows_per_page``, ...).
+        shared_experts: Also page the blocks' dense shared experts (see :func:`page_experts`).
+        options: Codes, pages and planner (:class:`~lightning_superpipe.moe.PagingOptions`).
     """
 
     def __init__(
         self,
-        budget_bytes: int | None = None,
+        expert_budget: MemoryBudget | None = None,
         *,
-        budget_fraction: float | None = None,
-        total_budget_bytes: int | None = None,
+        expert_and_kv_budget: MemoryBudget | None = None,
         calibration_batches: int = 4,
         measure_quality: bool = False,
         stages: Iterable[str] = _STAGES,
         page_sanity_check: bool = False,
         model_getter: Callable[[LightningModule], nn.Module] | None = None,
         batch_to_inputs: Callable[[Any], Mapping[str, Any]] = default_batch_to_inputs,
-        **page_kwargs: Any,
+        shared_experts: bool = True,
+        options: PagingOptions | None = None,
     ) -> None:
-        if budget_bytes is not None and budget_fraction is not None:
-            raise ValueError("give budget_bytes or budget_fraction, not both")
-        if budget_fraction is not None and not 0.0 < budget_fraction:
-            raise ValueError(f"budget_fraction={budget_fraction} must be positive")
+        # Read now, so that a budget that means nothing fails at construction rather than at the stage's start.
+        if expert_budget is not None:
+            parse_budget(expert_budget, f"PagedMoECallback(expert_budget={expert_budget!r})", allow_auto=False)
+        call = f"PagedMoECallback(expert_and_kv_budget={expert_and_kv_budget!r})"
+        resolve_expert_budget(expert_and_kv_budget, None, call)
         self.stages = tuple(stages)
         unknown = set(self.stages) - set(_STAGES)
         if unknown:
             raise ValueError(f"unknown stages {sorted(unknown)}; choose among {_STAGES}")
-        self.budget_bytes = budget_bytes
-        self.budget_fraction = budget_fraction
-        self.total_budget_bytes = total_budget_bytes
+        self.expert_budget = expert_budget
+        self.expert_and_kv_budget = expert_and_kv_budget
         self.calibration_batches = calibration_batches
         self.measure_quality = measure_quality
         self.page_sanity_check = page_sanity_check
         self.model_getter = model_getter
         self.batch_to_inputs = batch_to_inputs
-        self.page_kwargs = page_kwargs
+        self.shared_experts = shared_experts
+        self.options = options
         self.handle: PagedExperts | None = None
         self.reports: dict[str, dict[str, float]] = {}
         self._streaming: Any = None  # the SuperpipeStrategy's engine while it withholds the experts
@@ -143,30 +146,32 @@ class PagedMoECallback(Callback):
             return
         self._teardown()  # a previous run that did not end cleanly
         model = self.model_getter(pl_module) if self.model_getter else _find_moe_model(pl_module)
-        budget = self.budget_bytes
-        if self.budget_fraction is not None:
-            shared = self.page_kwargs.get("shared_experts", True)
-            budget = int(self.budget_fraction * full_expert_bytes(model, shared_experts=shared))
+        call = f"PagedMoECallback(expert_budget={self.expert_budget!r})"
+        # Bytes here, the experts' 16-bit size measured before paging (the model's own dtype may differ).
+        full = full_expert_bytes(model, shared_experts=self.shared_experts)
+        budget = resolve_expert_budget(self.expert_budget, full, call)
         device = pl_module.device
         calibration = [
             move_data_to_device(dict(self.batch_to_inputs(batch)), device)
             for batch in islice(_first_dataloader(trainer, stage), self.calibration_batches)
         ]
-        page_kwargs = dict(self.page_kwargs)
+        pages_device = None
         engine = _streaming_engine(trainer)
         if engine is not None:
             # The model's home is the host: the pages go to the compute device, and the experts' weights stop
             # streaming (calibration below already computes without them).
-            page_kwargs.setdefault("device", trainer.strategy.root_device)
-            engine.withhold(expert_parameters(model, shared_experts=page_kwargs.get("shared_experts", True)))
+            pages_device = trainer.strategy.root_device
+            engine.withhold(expert_parameters(model, shared_experts=self.shared_experts))
             self._streaming = engine
         try:
             self.handle = page_experts(
                 model,
-                budget_bytes=budget,
+                expert_budget=budget,
                 calibration=calibration or None,
-                total_budget_bytes=self.total_budget_bytes,
-                **page_kwargs,
+                device=pages_device,
+                expert_and_kv_budget=self.expert_and_kv_budget,
+                shared_experts=self.shared_experts,
+                options=self.options,
             )
         except BaseException:
             self._teardown()

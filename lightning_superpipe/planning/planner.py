@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
-
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
 from lightning_superpipe.memory.host import transfer_bytes
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
@@ -56,7 +55,8 @@ class StaticCosts:
 
     def least_bytes(self, slots: int) -> int:
         """What the placement with no resident block and ``slots`` slots holds before any activation."""
-        return self.trunk_bytes + self.trunk_gradient_bytes + slots * max(self.block_bytes, default=0) + self.largest_gradient_bytes
+        return (self.trunk_bytes + self.trunk_gradient_bytes + slots * max(self.block_bytes, default=0)
+                + self.largest_gradient_bytes)
 
 
 def static_costs(
@@ -73,7 +73,8 @@ def static_costs(
     trainable = [[p for p in block if p.requires_grad] for block in block_params]
     return StaticCosts(
         trunk_bytes=sum(p.numel() * p.element_size() for p in trunk_params),
-        trunk_gradient_bytes=sum(p.numel() * p.element_size() for p in trunk_params if p.requires_grad) if training else 0,
+        trunk_gradient_bytes=(sum(p.numel() * p.element_size() for p in trunk_params if p.requires_grad)
+                              if training else 0),
         block_bytes=[transfer_bytes(block, dtype_of(block)) if block else 0 for block in block_params],
         largest_gradient_bytes=max(
             (transfer_bytes(t, dtype_of(t)) for t in trainable if t), default=0
@@ -111,7 +112,8 @@ class BudgetPlanner:
             self.budget_bytes = resolve_budget(memory_budget, device)
         except ValueError as error:
             raise MisconfigurationException(str(error)) from error
-        self.pinned: dict[str, Any] = {"resident_blocks": resident_blocks, "prefetch": prefetch, "activations": activations}
+        self.pinned: dict[str, Any] = {"resident_blocks": resident_blocks, "prefetch": prefetch,
+                                       "activations": activations}
         self.plan: Optional[Plan] = None
         #: What the plan was solved from (after the profiled steps).
         self.profile: Optional[Profile] = None

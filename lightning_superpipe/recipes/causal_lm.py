@@ -99,7 +99,8 @@ class GenerationSettings:
             block on the device once per token for the whole batch split into micro-batches, the KV cache in host
             memory (under ``SuperpipeStrategy`` the strategy streams the weights, this the cache).
         micro_batch_size: Prompts per micro-batch with ``flexgen`` (``None``: the policy's or the whole batch).
-        memory_budget: Device bytes for ``flexgen``'s policy (e.g. ``2GiB``); ``None``: no policy.
+        memory_budget: Device bytes for ``flexgen``'s cost model (``2GiB``, ``90%`` of free device memory, ``auto``;
+            :class:`~lightning_superpipe.GenerationPolicy`); ``None``: no cost model.
         compress_kv: ``flexgen``: the KV cache in FlexGen's 4-bit form in host memory and over the link.
         compress_weights: ``flexgen`` without ``SuperpipeStrategy``: block weights in FlexGen's 4-bit form.
     """
@@ -110,7 +111,7 @@ class GenerationSettings:
     top_p: float = 1.0
     schedule: Literal["model", "flexgen"] = "model"
     micro_batch_size: int | None = None
-    memory_budget: str | None = None
+    memory_budget: int | str | None = None
     compress_kv: bool = False
     compress_weights: bool = False
 
@@ -559,7 +560,7 @@ class CausalLMModule(LightningModule):
         self, batch: dict[str, Any], tokenizer: TextTokenizer, sampling: dict[str, float]
     ) -> list[dict[str, str]]:
         """``predict_step`` with FlexGen's schedule (:func:`lightning_superpipe.generate`), tokens/s on the bar."""
-        from lightning_superpipe.generation import generate
+        from lightning_superpipe.generation import GenerationPolicy, generate
 
         settings = self.generation
         strategy = self.trainer.strategy
@@ -567,18 +568,21 @@ class CausalLMModule(LightningModule):
         # call it again, so it moves the weights and generate the KV cache; without it generate moves both.
         streamed = isinstance(strategy, SuperpipeStrategy)
         input_ids = batch["input_ids"]
-        result = generate(
-            self.model,
-            input_ids.cpu(),
-            attention_mask=batch["attention_mask"].cpu(),
-            max_new_tokens=settings.max_new_tokens,
-            device=strategy.root_device,
+        policy = GenerationPolicy(
             memory_budget=settings.memory_budget,
             micro_batch_size=settings.micro_batch_size,
             compress_weights=settings.compress_weights,
             compress_kv=settings.compress_kv,
-            do_sample=settings.do_sample,
             stream_weights=not streamed,
+        )
+        result = generate(
+            self.model,
+            input_ids.cpu(),
+            policy,
+            attention_mask=batch["attention_mask"].cpu(),
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=settings.do_sample,
+            device=strategy.root_device,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             **sampling,

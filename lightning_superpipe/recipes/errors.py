@@ -123,7 +123,7 @@ def describe_construction_error(error: BaseException) -> str:
     The root cause is the class's own complaint; the constructor it came from names the class.
 
     Returns:
-        For example ``"PagedMoECallback: give budget_bytes or budget_fraction, not both"``.
+        For example ``"PagedMoECallback: PagedMoECallback(expert_budget=0.5): a bare float is ambiguous ..."``.
     """
     root = error
     while root.__cause__ is not None:
