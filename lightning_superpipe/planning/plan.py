@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from lightning_superpipe.units import format_bytes
+
+#: The placements a block's activations may have between its forward and its backward.
+MODES = ("recompute", "keep", "offload")
+#: One placement for every block, or one per block.
+ActivationsPolicy = Union[str, Sequence[str]]
 
 if TYPE_CHECKING:
     from lightning_superpipe.planning.cost import Prediction

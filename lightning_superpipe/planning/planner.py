@@ -37,10 +37,9 @@ from torch import nn
 
 from lightning_superpipe.memory.host import transfer_bytes
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
-from lightning_superpipe.planning.plan import Plan
+from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
 from lightning_superpipe.planning.solver import InfeasibleBudget, solve
-from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.units import format_bytes
 
 
@@ -198,11 +197,10 @@ class BudgetPlanner:
 
         return timed
 
-    def after_step(self, engine: Any, trainer: Any, overlap_optimizer: Any, optimizer: Any, step_s: float,
-                   refresh_s: float) -> None:
+    def after_step(self, engine: Any, step_s: float, refresh_s: float, *, micro_batches: int, overlap: bool) -> None:
         """Records a profiled step's host time (``step_s`` covers ``optimizer_step``, closure included); after the
-        last profiled step, solves for the plan, gives it to the engine and prints its table. ``overlap_optimizer``:
-        the strategy's knob.
+        last profiled step, solves for the plan, gives it to the engine and prints its table. ``micro_batches``: the
+        step's accumulation; ``overlap``: whether the optimizer will step during backward once the plan runs.
 
         Raises:
             MisconfigurationException: If no placement fits the budget with the measured activations.
@@ -219,7 +217,7 @@ class BudgetPlanner:
         self._profiling_step = False
         if len(self._samples) < self.PROFILED_STEPS:
             return
-        self.profile = self._profile(engine, trainer, overlap_optimizer, optimizer)
+        self.profile = self._profile(engine, micro_batches, overlap)
         try:
             plan = solve(self.profile, self.budget_bytes, **self.pinned)
         except InfeasibleBudget as error:
@@ -228,9 +226,7 @@ class BudgetPlanner:
         self.plan = plan
         rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}")
 
-    def _profile(self, engine: Any, trainer: Any, overlap_optimizer: Any, optimizer: Any) -> Profile:
-        from lightning_superpipe.streaming.overlap import overlap_refusal
-
+    def _profile(self, engine: Any, micro_batches: int, overlap: bool) -> Profile:
         best = {name: min(s[name] for s in self._samples) for name in ("optimizer_s", "refresh_s")}
         profilers = [s["profiler"] for s in self._samples]
 
@@ -261,7 +257,6 @@ class BudgetPlanner:
         blocks = _alike_blocks_alike(blocks)
         h2d = _speed(profilers, "h2d")
         d2h = _speed(profilers, "d2h") or h2d
-        overlap = bool(overlap_optimizer) and overlap_refusal(trainer, optimizer, overlap_optimizer == "auto") is None
         ledger_peak = max(s["ledger_peak"] for s in self._samples)
         margin = max(s["cuda_peak"] for s in self._samples) - ledger_peak if "cuda_peak" in self._samples[0] else 0
         return Profile(
@@ -272,7 +267,7 @@ class BudgetPlanner:
             d2h_bytes_per_s=d2h or float("inf"),
             asynchronous=engine.copier.asynchronous,
             overlap_optimizer=overlap,
-            micro_batches=trainer.accumulate_grad_batches,
+            micro_batches=micro_batches,
             trunk_bytes=engine.trunk_device_bytes(),
             # Bounds, not measurements, as what the gradients hold at once depends on timing: every trunk gradient,
             # and the largest block's gradients twice where copies are asynchronous (one block leaves while the next

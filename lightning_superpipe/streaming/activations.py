@@ -24,24 +24,21 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.planning.plan import MODES, ActivationsPolicy
 from lightning_superpipe.streaming.copier import Copier, Event
 from lightning_superpipe.streaming.ledger import DeviceLedger
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.engine import StreamingEngine
 
-#: The placements a block's activations may have.
-MODES = ("recompute", "keep", "offload")
 #: Activations smaller than this stay on the device under ``"offload"``: their copies cost more than they free.
 OFFLOAD_MIN_BYTES = 64 * 1024
-
-ActivationsPolicy = Union[str, Sequence[str]]
 
 
 def per_block_modes(policy: ActivationsPolicy, num_blocks: int) -> list[str]:

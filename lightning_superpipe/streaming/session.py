@@ -22,6 +22,7 @@ from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
+from lightning_superpipe.streaming.overlap import overlap_refusal
 
 
 @dataclass
@@ -104,8 +105,11 @@ class StreamingSession:
         stepped = time.perf_counter()
         engine.refresh(changed=params)  # the next forward must stream the weights this step produced
         if planner is not None:  # after the profiled steps, the engine takes the plan
-            planner.after_step(engine, trainer, self.overlap_optimizer, optimizer, stepped - start,
-                               time.perf_counter() - stepped)
+            overlap = bool(self.overlap_optimizer) and overlap_refusal(
+                trainer, optimizer, self.overlap_optimizer == "auto"
+            ) is None
+            planner.after_step(engine, stepped - start, time.perf_counter() - stepped,
+                               micro_batches=trainer.accumulate_grad_batches, overlap=overlap)
         return output
 
     @contextmanager
