@@ -336,14 +336,14 @@ def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path
 def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
     options = dict(limit_val_batches=2, val_check_interval=4)
     strategies = {"host": SuperpipeStrategy(), "disk": _disk(tmp_path / "tier")}
-    tasks = {}
+    trained = {}
     for name, strategy in strategies.items():
         build, kind = tasks.EXAMPLES["llama"]
-        tasks[name] = tasks.fit_task(lambda: tasks.Task(build, kind), strategy, batches.data(kind),
-                                      batches.data(kind, batches=2), **options)
-    assert tasks["disk"].val_losses == tasks["host"].val_losses and len(tasks["disk"].val_losses) > 0
+        trained[name] = tasks.fit_task(lambda: tasks.Task(build, kind), strategy, batches.data(kind),
+                                       batches.data(kind, batches=2), **options)
+    assert trained["disk"].val_losses == trained["host"].val_losses and len(trained["disk"].val_losses) > 0
     predictions = {}
-    for name, task in tasks.items():
+    for name, task in trained.items():
         strategy = SuperpipeStrategy() if name == "host" else _disk(tmp_path / "tier")
         predictions[name] = tasks.trainer(strategy).predict(task, batches.data("lm", batches=2))
     assert all(torch.equal(a, b) for a, b in zip(predictions["disk"], predictions["host"]))
