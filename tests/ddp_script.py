@@ -39,16 +39,16 @@ from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheck
 import lightning_superpipe  # noqa: E402, F401
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
 from lightning_superpipe.memory.host import rss_bytes  # noqa: E402
-from tests import models  # noqa: E402
+from tests import batches, tasks  # noqa: E402
 
 TIMEOUT = timedelta(seconds=60)  # a collective that waits longer fails instead of hanging the test
 
 
-class SyncedTask(models.Task):
+class SyncedTask(tasks.Task):
     """The tests' task on a tiny Llama with dropout, logging a rank-dependent value with ``sync_dist``."""
 
     def __init__(self) -> None:
-        super().__init__(models.llama, "lm")
+        super().__init__(tasks.llama, "lm")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -68,7 +68,7 @@ class ConfiguredTask(SyncedTask):
     def configure_model(self) -> None:
         if self.model is None:
             torch.manual_seed(100 + self.global_rank)
-            self.model = models.llama()
+            self.model = tasks.llama()
 
 
 class DisagreeingTask(ConfiguredTask):
@@ -89,7 +89,7 @@ class ManualTask(SyncedTask):
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        models.two_backwards_and_a_step(self, batch)
+        tasks.two_backwards_and_a_step(self, batch)
 
 
 class Record(Callback):
@@ -110,7 +110,7 @@ class Record(Callback):
             averager = strategy.engine.gradients.averager  # None on one device
             self.reductions = averager.reductions if averager is not None else 0
             self.trunk_params = len(strategy.engine.trunk_parameters())
-            self.slot_references = models.extra_slot_references(strategy.engine)
+            self.slot_references = tasks.extra_slot_references(strategy.engine)
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             self.report["grad_bytes"] = sum(g.numel() * g.element_size() for g in grads)
             self.shared_maps = shared_mappings()
@@ -142,9 +142,9 @@ def fit(
     pl.seed_everything(8, verbose=False)
     record = Record()
     options.setdefault("devices", 2)
-    trainer = models.trainer(strategy, callbacks=[record, *callbacks], **options)
-    val = models.data("lm", batches=4, seed=1) if validate else None
-    trainer.fit(task, models.data("lm"), val, ckpt_path=ckpt_path)
+    trainer = tasks.trainer(strategy, callbacks=[record, *callbacks], **options)
+    val = batches.data("lm", batches=4, seed=1) if validate else None
+    trainer.fit(task, batches.data("lm"), val, ckpt_path=ckpt_path)
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     rss, peak_rss = rss_bytes()
     torch.save(
@@ -257,14 +257,14 @@ def disk(out: Path) -> None:
     for name, strategy in (("ddp_validate", "ddp"), ("disk_validate", on_disk())):
         pl.seed_everything(7, verbose=False)
         task = SyncedTask()
-        trainer = models.trainer(strategy, devices=2, limit_val_batches=4)
-        trainer.validate(task, models.data("lm", batches=8, seed=1), verbose=False)
+        trainer = tasks.trainer(strategy, devices=2, limit_val_batches=4)
+        trainer.validate(task, batches.data("lm", batches=8, seed=1), verbose=False)
         torch.save({"val_losses": task.val_losses}, out / f"{name}_rank{trainer.global_rank}.pt")
     manual = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None, task_class=ManualTask)
     fit("ddp_manual", out, "ddp", **manual)
     fit("disk_manual", out, on_disk(), **manual)
     fit("ddp_configured", out, "ddp", max_steps=4, task_class=ConfiguredTask)
-    with models.fresh_initial_values() as fresh:
+    with tasks.fresh_initial_values() as fresh:
         fit("disk_configured", out, on_disk(), max_steps=4, task_class=ConfiguredTask)
     torch.save(fresh, out / f"disk_configured_fresh_rank{rank()}.pt")
     epochs = dict(max_steps=-1, limit_train_batches=8)

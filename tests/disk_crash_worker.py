@@ -112,7 +112,7 @@ def main(config: dict[str, Any]) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_superpipe import SuperpipeStrategy
-    from tests import models
+    from tests import batches, tasks
 
     tier, checkpoints = Path(config["tier"]), Path(config["checkpoints"])
     tier.mkdir(parents=True, exist_ok=True)
@@ -121,24 +121,24 @@ def main(config: dict[str, Any]) -> None:
         install_kill(point, int(step), tier, config.get("mutate"))
     log = os.open(config["losses"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
-    class Logged(models.Task):
+    class Logged(tasks.Task):
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             loss = super().training_step(batch, batch_idx)
             os.write(log, f"{self.trainer.global_step} {batch_idx} {loss.item()!r}\n".encode())
             return loss
 
-    build, kind = models.FAMILIES["llama"]
+    build, kind = tasks.EXAMPLES["llama"]
     # Other initial weights when resuming: everything must come from the checkpoint and its copy of the tier.
-    models.pl.seed_everything(7 if config.get("resume") is None else 123, verbose=False)
+    tasks.pl.seed_everything(7 if config.get("resume") is None else 123, verbose=False)
     task = Logged(build, kind)
-    models.pl.seed_everything(8, verbose=False)
+    tasks.pl.seed_everything(8, verbose=False)
     callback = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_last=True)
-    trainer = models.trainer(
+    trainer = tasks.trainer(
         SuperpipeStrategy(offload_device="disk", offload_path=tier), max_steps=MAX_STEPS, max_epochs=-1,
         limit_train_batches=MICRO_BATCHES_PER_EPOCH, accumulate_grad_batches=ACCUMULATE, enable_checkpointing=True,
         callbacks=[callback],
     )
-    trainer.fit(task, models.data(kind), ckpt_path=config.get("resume"))
+    trainer.fit(task, batches.data(kind), ckpt_path=config.get("resume"))
     if config.get("weights"):
         torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, config["weights"])
 

@@ -1,6 +1,6 @@
-"""A library of tiny models from many ``transformers`` families (and a few plain ``torch`` ones), with their data,
-their loss and a LightningModule, to train each one with plain Lightning and with the superpipe strategy and
-compare the two in fp32.
+"""A library of tiny models from many ``transformers`` families (and a few plain ``torch`` ones), with their data
+(:mod:`tests.batches`) and their loss, to train each one with plain Lightning and with the superpipe strategy
+(:func:`tests.tasks.fit_family`) and compare the two in fp32.
 
 Every model is built the way a new user builds one: ``AutoModel*.from_config`` on the family's config with its
 DEFAULT values for ``use_cache``, the attention implementation (sdpa unless a variant says ``eager``), dropout,
@@ -9,12 +9,12 @@ Nothing is downloaded: weights are random, drawn from the caller's seed.
 
 Usage::
 
-    from tests import families
+    from tests import tasks
 
-    plain = families.fit("llama-padded", "auto")
-    streamed = families.fit("llama-padded", "superpipe")
-    assert families.max_relative_difference(streamed, plain) < 1e-5
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    plain = tasks.fit_family("llama-padded", "auto")
+    streamed = tasks.fit_family("llama-padded", "superpipe")
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
 
 ``FAMILIES`` maps a name to a :class:`Family`; :func:`causal_lm` makes other variants of the causal LMs
 (``causal_lm("qwen2", padding="left", attn="eager")``).
@@ -22,19 +22,14 @@ Usage::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-VOCAB = 96  # token ids of the LMs; ids below FIRST_TOKEN are kept for special tokens
-FIRST_TOKEN = 4
-SEQ = 16  # tokens per row of the LMs
-BATCH = 4  # rows per micro-batch (the MoE LMs use 2 x 8 tokens, so that some experts get none)
+from tests.batches import SEQ, VOCAB, image_data, lm_data, seq2seq_data, vector_data, vlm_data
 
 Batch = Mapping[str, Tensor]
 
@@ -89,119 +84,6 @@ def cross_entropy_loss(model: nn.Module, batch: Batch) -> Tensor:
     """For plain torch models: ``model(x)`` are the logits."""
     logits = model(batch["x"])
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-
-
-def _loader(rows: Sequence[Mapping[str, Tensor]], batch_size: int) -> DataLoader:
-    # A list of dicts: the default collate stacks them into one dict per micro-batch.
-    return DataLoader(list(rows), batch_size=batch_size, shuffle=False)
-
-
-# ------------------------------------------------------------------------------------------------------ the data
-
-
-def _tokens(generator: torch.Generator, shape: tuple[int, ...], vocab: int = VOCAB) -> Tensor:
-    return torch.randint(FIRST_TOKEN, vocab, shape, generator=generator)
-
-
-def _lengths(generator: torch.Generator, rows: int, seq: int) -> Tensor:
-    """Per row of a micro-batch: the first row is full, every other one is padded (half to seq - 1 tokens)."""
-    lengths = torch.randint(seq // 2, seq, (rows,), generator=generator)
-    lengths[0] = seq
-    return lengths
-
-
-def _pad(ids: Tensor, length: int, side: str, pad_id: int) -> tuple[Tensor, Tensor]:
-    seq = ids.shape[0]
-    mask = torch.zeros(seq, dtype=torch.long)
-    if side == "right":
-        mask[:length] = 1
-    else:
-        mask[seq - length :] = 1
-    return torch.where(mask.bool(), ids, torch.full_like(ids, pad_id)), mask
-
-
-def lm_data(
-    batches: int, seed: int, *, padding: str | None = None, pad_id: int = 0, batch_size: int = BATCH, seq: int = SEQ,
-    vocab: int = VOCAB,
-) -> DataLoader:
-    """Random token rows for a causal LM; with ``padding``, rows but the first of each micro-batch are padded."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batches):
-        lengths = _lengths(generator, batch_size, seq)
-        for i in range(batch_size):
-            ids = _tokens(generator, (seq,), vocab)
-            if padding is None:
-                rows.append({"input_ids": ids, "labels": ids.clone()})
-                continue
-            ids, mask = _pad(ids, int(lengths[i]), padding, pad_id)
-            rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
-    return _loader(rows, batch_size)
-
-
-def seq2seq_data(
-    batches: int, seed: int, *, padding: str | None = None, pad_id: int = 0, batch_size: int = BATCH,
-    source: int = SEQ, target: int = SEQ // 2,
-) -> DataLoader:
-    """Source rows of ``source`` tokens and target rows of ``target`` tokens (the model builds the decoder
-    inputs from ``labels``); with ``padding``, sources are padded on that side and targets on the right."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batches):
-        source_lengths = _lengths(generator, batch_size, source)
-        target_lengths = _lengths(generator, batch_size, target)
-        for i in range(batch_size):
-            ids, labels = _tokens(generator, (source,)), _tokens(generator, (target,))
-            if padding is None:
-                rows.append({"input_ids": ids, "labels": labels})
-                continue
-            ids, mask = _pad(ids, int(source_lengths[i]), padding, pad_id)
-            labels[int(target_lengths[i]) :] = -100
-            rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return _loader(rows, batch_size)
-
-
-def image_data(batches: int, seed: int, *, size: int = 16, classes: int = 5, batch_size: int = BATCH) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    n = batches * batch_size
-    images = torch.randn(n, 3, size, size, generator=generator)
-    labels = torch.randint(0, classes, (n,), generator=generator)
-    return _loader([{"pixel_values": images[i], "labels": labels[i]} for i in range(n)], batch_size)
-
-
-def vector_data(
-    batches: int, seed: int, *, features: int = 12, classes: int = 3, batch_size: int = BATCH
-) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    n = batches * batch_size
-    x = torch.randn(n, features, generator=generator)
-    labels = torch.randint(0, classes, (n,), generator=generator)
-    return _loader([{"x": x[i], "labels": labels[i]} for i in range(n)], batch_size)
-
-
-def vlm_data(
-    batches: int, seed: int, *, image_token: int, image_tokens: int, image_size: int, batch_size: int = 2,
-    text: int = 8, vocab: int = VOCAB, prompt: int | None = None,
-) -> DataLoader:
-    """Rows ``[bos, image_token x image_tokens, text...]`` with one image each; ``labels`` are -100 on the
-    image tokens. Text ids avoid ``image_token``. With ``prompt``, the first ``prompt`` text tokens are a prompt:
-    ``token_type_ids`` are 0 on the bos, image and prompt tokens and 1 on the rest, and ``labels`` -100 on the
-    prompt too (PaliGemma's processor's layout: its prefix attends bidirectionally in training)."""
-    generator = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(batches * batch_size):
-        words = _tokens(generator, (text,), vocab)
-        words = torch.where(words == image_token, torch.full_like(words, FIRST_TOKEN), words)
-        ids = torch.cat([torch.tensor([1]), torch.full((image_tokens,), image_token), words])
-        labels = ids.clone()
-        prefix = 1 + image_tokens + (prompt or 0)
-        labels[:prefix] = -100
-        pixels = torch.randn(3, image_size, image_size, generator=generator)
-        row = {"input_ids": ids, "pixel_values": pixels, "labels": labels}
-        if prompt is not None:
-            row["token_type_ids"] = (torch.arange(ids.shape[0]) >= prefix).long()
-        rows.append(row)
-    return _loader(rows, batch_size)
 
 
 # ------------------------------------------------------------------------------------------- causal LM families
@@ -705,180 +587,3 @@ def select(*tags: str, exclude: Iterable[str] = ()) -> list[str]:
 def get(name: str | Family) -> Family:
     """The family called ``name`` (a :class:`Family` is returned as is)."""
     return name if isinstance(name, Family) else FAMILIES[name]
-
-
-# ------------------------------------------------------------------------------------------------ the LightningModule
-
-
-class FamilyTask(pl.LightningModule):
-    """Trains a family's model with its loss, recording every loss it sees.
-
-    Args:
-        family: A :class:`Family` or its name; its model is built here, under the caller's seed.
-        lr: The learning rate.
-        optimizer: ``"adamw"`` (``foreach=False``: a for-loop over parameters), ``"adamw-fused"`` or ``"sgd"``
-            (momentum 0.9). AdamW decays (0.1) the parameters with ``ndim >= 2`` only.
-        schedule: Adds a per-step linear LR warm-up over 4 steps.
-    """
-
-    def __init__(
-        self, family: str | Family, lr: float = 1e-3, optimizer: str = "adamw", schedule: bool = False
-    ) -> None:
-        super().__init__()
-        self.family = get(family)
-        self.model = self.family.build()
-        self.lr = lr
-        self.optimizer_name = optimizer
-        self.schedule = schedule
-        self.losses: list[float] = []
-        self.val_losses: list[float] = []
-
-    def forward(self, batch: Batch) -> Tensor:
-        return self.family.loss(self.model, batch)
-
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self(batch)
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        loss = self(batch)
-        self.val_losses.append(loss.item())
-        self.log("val_loss", loss)
-        return loss
-
-    def predict_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        return self(batch)
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "sgd":
-            optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        else:
-            decay = [p for p in self.parameters() if p.ndim >= 2]
-            no_decay = [p for p in self.parameters() if p.ndim < 2]
-            implementation = {"fused": True} if self.optimizer_name == "adamw-fused" else {"foreach": False}
-            groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-            optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, **implementation)
-        if not self.schedule:
-            return optimizer
-        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
-
-
-# ------------------------------------------------------------------------------------------------------- training
-
-SEED = 7
-ACCUMULATE = 2
-
-
-def trainer(strategy: Any, steps: int = 4, **overrides: Any) -> pl.Trainer:
-    """The comparison Trainer: CPU, deterministic, nothing logged or saved, 2 micro-batches per step."""
-    options: dict[str, Any] = dict(
-        accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=ACCUMULATE, deterministic=True,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
-    )
-    options.update(overrides)
-    return pl.Trainer(strategy=strategy, **options)
-
-
-def build_task(name: str | Family, seed: int = SEED, **task_options: Any) -> FamilyTask:
-    """The task with its initial weights, exactly as :func:`fit` builds it."""
-    pl.seed_everything(seed, verbose=False)
-    return FamilyTask(name, **task_options)
-
-
-def fit(
-    name: str | Family, strategy: Any, steps: int = 4, seed: int = SEED, *, validate: bool = False,
-    lr: float = 1e-3, optimizer: str = "adamw", schedule: bool = False, **trainer_overrides: Any,
-) -> FamilyTask:
-    """Trains ``steps`` optimizer steps (``2 * steps`` micro-batches, the family's default dropout on) and
-    returns the task (``task.losses``: one per micro-batch; ``task.val_losses`` with ``validate``).
-
-    Seeds before building (``seed``) and before fitting (``seed + 1``), so two runs with ``strategy="auto"``
-    are bitwise identical. ``validate`` adds 2 validation batches (another seed) after every epoch; pass
-    ``val_check_interval`` etc. in ``trainer_overrides`` for more.
-    """
-    f = get(name)
-    task = build_task(f, seed, lr=lr, optimizer=optimizer, schedule=schedule)
-    micro_batches = trainer_overrides.get("accumulate_grad_batches", ACCUMULATE) * steps
-    train = f.data(micro_batches, seed)
-    pl.seed_everything(seed + 1, verbose=False)
-    if validate:
-        trainer_overrides.setdefault("limit_val_batches", 2)
-        trainer(strategy, steps, **trainer_overrides).fit(task, train, f.data(2, seed + 1000))
-    else:
-        trainer(strategy, steps, **trainer_overrides).fit(task, train)
-    return task
-
-
-# ---------------------------------------------------------------------------------------------------- comparisons
-
-
-def _state(module: nn.Module | Mapping[str, Tensor]) -> Mapping[str, Tensor]:
-    return module if isinstance(module, Mapping) else module.state_dict()
-
-
-def max_relative_difference(
-    a: nn.Module | Mapping[str, Tensor], b: nn.Module | Mapping[str, Tensor], *, integers: bool = True,
-) -> float:
-    """The largest ``|x - y| / max(|x|, |y|)`` (Frobenius norms) over the floating tensors of two state dicts
-    (0 for equal tensors, at most 2; the symmetric denominator keeps zero-initialised biases meaningful).
-
-    ``math.inf`` when the key sets differ, a pair's shapes differ, or any floating tensor of either holds a NaN
-    or an infinity. With ``integers`` (the default), an integer buffer that differs (BatchNorm's
-    ``num_batches_tracked``) is ``math.inf`` too.
-    """
-    x_state, y_state = _state(a), _state(b)
-    if set(x_state) != set(y_state):
-        return math.inf
-    worst = 0.0
-    for key, x in x_state.items():
-        y = y_state[key]
-        if x.shape != y.shape or x.is_floating_point() != y.is_floating_point():
-            return math.inf
-        x, y = x.detach().cpu(), y.detach().cpu()
-        if not x.is_floating_point():
-            if integers and not torch.equal(x, y):
-                return math.inf
-            continue
-        x, y = x.double(), y.double()
-        if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-            return math.inf
-        difference = (x - y).norm().item()
-        if difference == 0.0:
-            continue
-        worst = max(worst, difference / max(x.norm().item(), y.norm().item()))
-    return worst
-
-
-def max_relative_loss_difference(a: Sequence[float], b: Sequence[float]) -> float:
-    """The largest ``|a_i - b_i| / max(|a_i|, |b_i|)``; ``math.inf`` when the lengths differ or a loss is not
-    finite."""
-    if len(a) != len(b) or not all(math.isfinite(v) for v in [*a, *b]):
-        return math.inf
-    return max((abs(x - y) / max(abs(x), abs(y)) for x, y in zip(a, b) if x != y), default=0.0)
-
-
-def self_check() -> None:
-    """``max_relative_difference`` sees a NaN (``max(worst, nan)`` would not) and a missing key."""
-    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert max_relative_difference(model, state) == 0.0
-    poisoned = {k: v.clone() for k, v in state.items()}
-    poisoned["0.weight"][0, 0] = float("nan")
-    assert max_relative_difference(poisoned, state) == math.inf
-    assert max_relative_difference(state, poisoned) == math.inf
-    poisoned["0.weight"][0, 0] = float("inf")
-    assert max_relative_difference(poisoned, state) == math.inf
-    assert max_relative_difference({k: v for k, v in state.items() if k != "0.bias"}, state) == math.inf
-    counted = dict(state, **{"1.num_batches_tracked": state["1.num_batches_tracked"] + 1})
-    assert max_relative_difference(counted, state) == math.inf
-    assert max_relative_difference(counted, state, integers=False) == 0.0
-    assert max_relative_loss_difference([1.0, float("nan")], [1.0, 2.0]) == math.inf
-    assert max_relative_loss_difference([1.0, 2.0], [1.0, 2.0]) == 0.0
-
-
-if __name__ == "__main__":
-    self_check()
-    print("self-check passed;", len(FAMILIES), "families:", ", ".join(FAMILIES))

@@ -18,7 +18,7 @@ import torch
 from lightning_superpipe.memory.disk import DiskStore
 from lightning_superpipe.streaming import disk_tier
 from tests import disk_crash_worker as worker
-from tests import models
+from tests import tasks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def assert_tier_loads(folder: Path, step: Optional[int] = None) -> None:
     """Opens the disk tier in ``folder`` with a fresh model and reads every block: the manifest, every committed
     file at its full size, the values finite. With ``step``, the committed step must be that one."""
     manifest = json.loads((folder / "manifest.json").read_text())
-    params = dict(models.build_task("llama").named_parameters())
+    params = dict(tasks.build_task("llama").named_parameters())
     blocks = [{name: params[name] for name in names} for names in manifest["names"]]
     store = DiskStore.open(folder, blocks)
     try:

@@ -23,7 +23,7 @@ from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrate
 from lightning_superpipe.streaming import engine as engine_module
 from lightning_superpipe.streaming import gradients as gradients_module
 from lightning_superpipe.streaming.emulated import parse_bandwidth
-from tests import models
+from tests import batches, tasks
 
 CPU = torch.device("cpu")
 
@@ -160,7 +160,7 @@ def test_bad_arguments_and_a_gpu_are_refused_with_the_users_call() -> None:
         EmulatedLink().copier(torch.device("cuda", 0))
     strategy = SuperpipeStrategy(link="lazy")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationException, match=r"link='lazy'\) must be an `EmulatedLink`"):
-        models.trainer(strategy, max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer(strategy, max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
 
 
 @pytest.mark.parametrize("mode", ["lazy", "thread"])
@@ -173,11 +173,11 @@ def test_the_engine_takes_its_asynchronous_paths_and_stays_exact(mode: str) -> N
         original(self, *args)
 
     link = EmulatedLink(mode=mode)
-    plain = models.fit("gpt2", "auto")
+    plain = tasks.fit("gpt2", "auto")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gradients_module.GradientReturn, "_accumulate", recording)
-        streamed = models.fit("gpt2", SuperpipeStrategy(resident_blocks=0, prefetch=1, link=link))
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+        streamed = tasks.fit("gpt2", SuperpipeStrategy(resident_blocks=0, prefetch=1, link=link))
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     assert threads and all(name.startswith("superpipe-gradients") for name in threads)  # the worker added them
     assert link.stats.copies > 100 and link.stats.waits > 100 and not link.stats.violations
 
@@ -218,17 +218,17 @@ MUTATIONS = {
 }
 
 
-def _streamed_fit(link: Any) -> models.Task:
-    return models.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1, link=link), max_steps=3)
+def _streamed_fit(link: Any) -> tasks.Task:
+    return tasks.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1, link=link), max_steps=3)
 
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_seeded_ordering_bug_fails_under_the_emulator_and_passes_on_the_plain_cpu(mutation: str) -> None:
-    plain = models.fit("llama", "auto", max_steps=3)
+    plain = tasks.fit("llama", "auto", max_steps=3)
     with _mutated(*MUTATIONS[mutation]):
         # The synchronous CPU link cannot see it: this is the bug class the emulator is for.
         unnoticed = _streamed_fit(None)
-        assert models.max_relative_difference(unnoticed, plain) < 1e-5
+        assert tasks.max_relative_difference(unnoticed, plain) < 1e-5
         for mode in ("lazy", "thread"):
             with pytest.raises(OrderingViolation):
                 _streamed_fit(EmulatedLink(mode=mode, seed=1))

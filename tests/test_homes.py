@@ -20,7 +20,7 @@ from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory.home import DeviceLayout, Event, Home, Homes, Link, ParamSlice
 from lightning_superpipe.memory.host import BlockHome, build_homes
 from lightning_superpipe.streaming import setup as streaming_setup
-from tests import families
+from tests import tasks
 
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
@@ -113,11 +113,11 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
 def test_a_kind_of_home_of_its_own_trains_exactly_as_plain_lightning(recorded: Counter[str]) -> None:
     steps = 3
-    plain = families.fit("llama", "auto", steps=steps)
+    plain = tasks.fit_family("llama", "auto", steps=steps)
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
-    streamed = families.fit("llama", strategy, steps=steps)
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) == 0.0
-    assert families.max_relative_difference(streamed, plain) == 0.0
+    streamed = tasks.fit_family("llama", strategy, steps=steps)
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) == 0.0
+    assert tasks.max_relative_difference(streamed, plain) == 0.0
     blocks = strategy.memory_report()["num_blocks"]
     # Each step's new weights of every block came in through its home.
     assert recorded["copy_in"] >= blocks * steps

@@ -7,7 +7,7 @@ import torch
 
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory.pinned import PAGE, HostArena, caching_allocator_bytes, page_rounded
-from tests import models
+from tests import batches, tasks
 
 
 def test_buffers_are_page_aligned_exact_and_counted() -> None:
@@ -37,8 +37,8 @@ def test_the_caching_allocator_rounds_to_powers_of_two_and_the_arena_to_pages() 
 
 def test_the_report_counts_every_host_byte_the_engine_allocated() -> None:
     strategy = SuperpipeStrategy(resident_blocks=0)
-    task = models.build_task("llama")
-    models.trainer(strategy, max_steps=1).fit(task, models.data("lm"))
+    task = tasks.build_task("llama")
+    tasks.trainer(strategy, max_steps=1).fit(task, batches.data("lm"))
     report = strategy.memory_report()
     homes = sum(page_rounded(sum(-(-p.numel() // 64) * 64 for p in layer.parameters()) * 4) for layer in task.model.model.layers)
     assert report["host_bytes"] == homes  # fp32 on a CPU device: no transfer copies, no staging
@@ -48,15 +48,15 @@ def test_the_report_counts_every_host_byte_the_engine_allocated() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_homes_trunk_and_staging_are_page_locked_and_released() -> None:
     strategy = SuperpipeStrategy(resident_blocks=0)
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     seen: dict[str, object] = {}
 
-    class Inspect(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: object) -> None:
+    class Inspect(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
             seen["pinned"] = all(p.is_pinned() for p in pl_module.parameters())
             seen["report"] = strategy.memory_report()
 
-    models.trainer(strategy, accelerator="gpu", max_steps=1, callbacks=[Inspect()]).fit(task, models.data("lm"))
+    tasks.trainer(strategy, accelerator="gpu", max_steps=1, callbacks=[Inspect()]).fit(task, batches.data("lm"))
     report = seen["report"]
     assert seen["pinned"] is True
     assert report["pinned_host_bytes"] == report["host_bytes"] > 0  # type: ignore[index]

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from tests import families, models
+from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
@@ -34,9 +34,9 @@ def _bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def test_stepping_blocks_during_backward_is_bitwise_the_step_after_backward(family: str, optimizer: str, activations: str) -> None:
     """AdamW (loop and fused) and SGD with momentum, an LR warm-up, two parameter groups, accumulation over two
     micro-batches (only the last backward of each step overlaps)."""
-    serial = models.fit(family, SuperpipeStrategy(activations=activations, overlap_optimizer=False), optimizer=optimizer, **NO_CLIPPING)
+    serial = tasks.fit(family, SuperpipeStrategy(activations=activations, overlap_optimizer=False), optimizer=optimizer, **NO_CLIPPING)
     strategy = SuperpipeStrategy(activations=activations)
-    overlapped = models.fit(family, strategy, optimizer=optimizer, **NO_CLIPPING)
+    overlapped = tasks.fit(family, strategy, optimizer=optimizer, **NO_CLIPPING)
     assert overlapped.losses == serial.losses
     assert _bitwise_equal(overlapped, serial)
     report = strategy.memory_report()
@@ -46,18 +46,18 @@ def test_stepping_blocks_during_backward_is_bitwise_the_step_after_backward(fami
 def test_a_family_of_each_kind_trains_as_plain_with_the_overlap_on() -> None:
     for name in ("t5-padded", "llava", "qwen2_moe"):
         strategy = SuperpipeStrategy()
-        streamed = families.fit(name, strategy)
-        plain = families.fit(name, "auto")
-        assert families.max_relative_difference(streamed, plain) < 1e-5
+        streamed = tasks.fit_family(name, strategy)
+        plain = tasks.fit_family(name, "auto")
+        assert tasks.max_relative_difference(streamed, plain) < 1e-5
         assert strategy.memory_report()["overlapped_block_steps"] > 0
 
 
-class _ReadsGradients(models.pl.Callback):
-    def on_before_optimizer_step(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, optimizer: Any) -> None:
+class _ReadsGradients(tasks.pl.Callback):
+    def on_before_optimizer_step(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, optimizer: Any) -> None:
         self.norm = sum(p.grad.norm() for p in pl_module.parameters() if p.grad is not None)
 
 
-class _LBFGSTask(models.Task):
+class _LBFGSTask(tasks.Task):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=3)
 
@@ -74,20 +74,20 @@ def test_the_overlap_switches_itself_off_where_it_would_change_results(
     case: str, reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     options: dict[str, Any] = dict(NO_CLIPPING, max_steps=3)
-    make = lambda: models.Task(models.sequential, "vector")  # noqa: E731
+    make = lambda: tasks.Task(tasks.sequential, "vector")  # noqa: E731
     if case == "clipping by norm":
         options["gradient_clip_val"] = 0.5
     elif case == "a hook that reads gradients":
         options["callbacks"] = [_ReadsGradients()]
     else:
-        make = lambda: _LBFGSTask(models.sequential, "vector")  # noqa: E731
+        make = lambda: _LBFGSTask(tasks.sequential, "vector")  # noqa: E731
         options["accumulate_grad_batches"] = 1
-    plain = models.fit_task(make, "auto", models.data("vector"), **options)
+    plain = tasks.fit_task(make, "auto", batches.data("vector"), **options)
     strategy = SuperpipeStrategy()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
-        streamed = models.fit_task(make, strategy, models.data("vector"), **options)
+        streamed = tasks.fit_task(make, strategy, batches.data("vector"), **options)
     assert strategy.memory_report()["overlapped_block_steps"] == 0
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     said = [r.getMessage() for r in caplog.records if "steps the optimizer after backward" in r.getMessage()]
     assert len(said) == 1 and reason in said[0]  # once, with the reason
 
@@ -101,16 +101,16 @@ def test_auto_does_not_overlap_where_compute_already_uses_every_host_core(caplog
     try:
         with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
             auto = SuperpipeStrategy()
-            models.fit("sequential", auto, max_steps=2, **NO_CLIPPING)
+            tasks.fit("sequential", auto, max_steps=2, **NO_CLIPPING)
         forced = SuperpipeStrategy(overlap_optimizer=True)
-        models.fit("sequential", forced, max_steps=2, **NO_CLIPPING)
+        tasks.fit("sequential", forced, max_steps=2, **NO_CLIPPING)
     finally:
         torch.set_num_threads(threads)
     assert auto.memory_report()["overlapped_block_steps"] == 0
     assert any(f"torch's {cores} threads use every core" in r.getMessage() for r in caplog.records)
     assert forced.memory_report()["overlapped_block_steps"] == 2 * 4
     with pytest.raises(MisconfigurationException, match=r"overlap_optimizer='yes'\) must be True, False or 'auto'"):
-        models.fit("sequential", SuperpipeStrategy(overlap_optimizer="yes"), max_steps=1)
+        tasks.fit("sequential", SuperpipeStrategy(overlap_optimizer="yes"), max_steps=1)
 
 
 def test_each_stepped_block_takes_its_new_weights_into_its_transfer_copy_during_backward(
@@ -130,11 +130,11 @@ def test_each_stepped_block_takes_its_new_weights_into_its_transfer_copy_during_
 
     monkeypatch.setattr(BlockHome, "sync", recording_sync)
     options = dict(NO_CLIPPING, precision="bf16-mixed", max_steps=3)
-    serial = models.fit("llama", SuperpipeStrategy(resident_blocks=1, overlap_optimizer=False), **options)
+    serial = tasks.fit("llama", SuperpipeStrategy(resident_blocks=1, overlap_optimizer=False), **options)
     assert synced_on and all(not name.startswith("superpipe-optimizer") for name, _ in synced_on)
     synced_on.clear()
     strategy = SuperpipeStrategy(resident_blocks=1)
-    overlapped = models.fit("llama", strategy, **options)
+    overlapped = tasks.fit("llama", strategy, **options)
     assert strategy.memory_report()["overlapped_block_steps"] == 3 * 3
     assert [name.startswith("superpipe-optimizer") for name, _ in synced_on] == [True] * 9
     assert overlapped.losses == serial.losses
@@ -146,9 +146,9 @@ def test_parameters_outside_the_blocks_are_stepped_as_soon_as_their_gradients_ar
     the final norm as backward starts, the embeddings and a tied head (GPT-2's, used twice) at its end. Each is then
     stepped on the optimizer thread, bitwise as the serial step."""
     for family in ("llama", "gpt2"):
-        serial = models.fit(family, SuperpipeStrategy(overlap_optimizer=False), **NO_CLIPPING)
+        serial = tasks.fit(family, SuperpipeStrategy(overlap_optimizer=False), **NO_CLIPPING)
         strategy = SuperpipeStrategy()
-        overlapped = models.fit(family, strategy, **NO_CLIPPING)
+        overlapped = tasks.fit(family, strategy, **NO_CLIPPING)
         assert overlapped.losses == serial.losses
         assert _bitwise_equal(overlapped, serial)
         blocks = {id(p) for layer in _layers(overlapped) for p in layer.parameters()}
@@ -156,6 +156,6 @@ def test_parameters_outside_the_blocks_are_stepped_as_soon_as_their_gradients_ar
         assert strategy.memory_report()["overlapped_trunk_steps"] == 10 * len(outside), family
 
 
-def _layers(task: models.Task) -> Any:
+def _layers(task: tasks.Task) -> Any:
     model = task.model
     return model.model.layers if hasattr(model, "model") else model.transformer.h

@@ -14,7 +14,7 @@ from lightning_superpipe.planning.budget import resolve_budget
 from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.solver import minimum_plan
 from lightning_superpipe.streaming import activations
-from tests import models
+from tests import batches, tasks
 
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
@@ -43,14 +43,14 @@ def test_budgets_in_bytes_are_read_in_every_accepted_form(written: Any, expected
 )
 def test_budgets_that_mean_nothing_here_are_refused_with_the_users_call(written: Any, message: str) -> None:
     with pytest.raises(MisconfigurationException, match=message):
-        models.trainer(SuperpipeStrategy(memory_budget=written)).fit(models.build_task("llama"), models.data("lm"))
+        tasks.trainer(SuperpipeStrategy(memory_budget=written)).fit(tasks.build_task("llama"), batches.data("lm"))
 
 
 def test_a_budget_below_what_any_placement_needs_is_refused_before_anything_is_allocated() -> None:
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
     with pytest.raises(MisconfigurationException, match=r"memory_budget=4096\) is 4 KiB, and any placement .* needs more"):
-        models.trainer(SuperpipeStrategy(memory_budget=4096)).fit(task, models.data("lm"))
+        tasks.trainer(SuperpipeStrategy(memory_budget=4096)).fit(task, batches.data("lm"))
     # Nothing was lost: the parameters are the user's, unchanged, and still plain tensors.
     for name, param in task.named_parameters():
         assert type(param) is torch.nn.Parameter
@@ -60,7 +60,7 @@ def test_a_budget_below_what_any_placement_needs_is_refused_before_anything_is_a
 def _profiled(family: str = "llama", **options: Any) -> Any:
     """A run with a budget too large to constrain anything: its profile, plan and memory report."""
     strategy = SuperpipeStrategy(memory_budget="1GiB", **options)
-    models.fit(family, strategy, max_steps=4, **{"accumulate_grad_batches": 1, "gradient_clip_val": None})
+    tasks.fit(family, strategy, max_steps=4, **{"accumulate_grad_batches": 1, "gradient_clip_val": None})
     return strategy
 
 
@@ -72,7 +72,7 @@ def test_the_profile_measures_what_each_placement_holds(monkeypatch: pytest.Monk
     assert profile.h2d_bytes_per_s > 0 and profile.d2h_bytes_per_s > 0
     # What the census counted for "keep" is what a run that keeps its activations holds, block by block.
     keep = SuperpipeStrategy(resident_blocks=0, activations="keep")
-    models.fit("llama", keep, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
+    tasks.fit("llama", keep, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
     held = keep.memory_report()["peak_activation_bytes_per_block"]
     assert [b.kept_bytes for b in profile.blocks] == held
     for block in profile.blocks:
@@ -84,12 +84,12 @@ def test_profiled_steps_leave_no_activations_behind() -> None:
     # The census runs each block once more under counting hooks; what that run saved must go with its result.
     held: list[int] = []
 
-    class Probe(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
+    class Probe(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             held.append(trainer.strategy.engine.ledger.held["activations"])
 
     strategy = SuperpipeStrategy(memory_budget="1GiB", activations="recompute")
-    models.fit("llama", strategy, max_steps=3, callbacks=[Probe()], accumulate_grad_batches=1, gradient_clip_val=None)
+    tasks.fit("llama", strategy, max_steps=3, callbacks=[Probe()], accumulate_grad_batches=1, gradient_clip_val=None)
     assert strategy.memory_report()["peak_activation_bytes"] > 0  # the recomputation's were counted, and freed
     assert held == [0, 0, 0]
 
@@ -99,16 +99,16 @@ def test_budgets_from_the_least_to_the_whole_model_hold_and_train_as_plain(emula
     # Each run profiles itself: a little room keeps the least placement and the whole model within the next run's.
     least = int(1.05 * minimum_plan(profile).predicted_peak_bytes)
     everything = int(1.2 * predict(profile, range(len(profile.blocks)), 1, ["keep"] * len(profile.blocks)).peak_bytes)
-    plain = models.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
+    plain = tasks.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
     plans = []
     for budget in (least, (least + everything) // 2, everything):
         strategy = SuperpipeStrategy(memory_budget=budget)
-        task = models.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
+        task = tasks.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
         report = strategy.memory_report()
         assert report["peak_device_bytes"] <= budget
         assert report["plan"]["budget_bytes"] == budget
         np.testing.assert_allclose(task.losses, plain.losses, rtol=1e-5)
-        assert models.max_relative_difference(task, plain) < 1e-5
+        assert tasks.max_relative_difference(task, plain) < 1e-5
         # The engine runs the plan.
         plan = strategy.plan
         engine = strategy._last_report
@@ -135,13 +135,13 @@ def test_a_budget_the_activations_make_impossible_is_refused_with_the_least_that
     least = minimum_plan(profile).predicted_peak_bytes
     strategy = SuperpipeStrategy(memory_budget=least - 1, activations="keep")
     with pytest.raises(MisconfigurationException, match=r"the least it can run in is"):
-        models.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
+        tasks.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
 
 
 def test_an_evaluation_run_keeps_as_many_blocks_resident_as_the_budget_holds() -> None:
     def validate(strategy: Any) -> tuple[Any, list[float]]:
-        task = models.build_task("llama")
-        models.trainer(strategy, limit_val_batches=2).validate(task, models.data("lm", batches=2), verbose=False)
+        task = tasks.build_task("llama")
+        tasks.trainer(strategy, limit_val_batches=2).validate(task, batches.data("lm", batches=2), verbose=False)
         return strategy, task.val_losses
 
     roomy, losses = validate(SuperpipeStrategy(memory_budget="1GiB"))

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming import activations as activations_module
-from tests import families, models
+from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
@@ -29,17 +29,17 @@ MIXED = ["keep", "offload", "recompute"]
 @pytest.mark.parametrize("name", ["llama-eager-padded", "gpt2-padded", "t5-padded", "llava", "resnet", "qwen2_moe"])
 @pytest.mark.parametrize("activations", ["keep", "offload", "mixed"])
 def test_each_placement_trains_exactly_as_plain_lightning(name: str, activations: str) -> None:
-    plain = families.fit(name, "auto")
+    plain = tasks.fit_family(name, "auto")
     blocks = SuperpipeStrategy()
-    families.fit(name, blocks, steps=1)
+    tasks.fit_family(name, blocks, steps=1)
     modes: Any = activations
     if activations == "mixed":
         count = blocks.memory_report()["num_blocks"]
         modes = [MIXED[i % 3] for i in range(count)]
     strategy = SuperpipeStrategy(resident_blocks=1, prefetch=1, activations=modes)
-    streamed = families.fit(name, strategy)
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
-    assert families.max_relative_difference(streamed, plain) < 1e-5  # BatchNorm's statistics included
+    streamed = tasks.fit_family(name, strategy)
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5  # BatchNorm's statistics included
     report = strategy.memory_report()
     assert report["peak_activation_bytes"] > 0
     assert (report["host_activation_bytes"] > 0) == (activations != "keep")
@@ -51,26 +51,26 @@ def test_knobs_clipping_by_value_and_accumulation_do_not_change_results(
     resident_blocks: int, prefetch: int, activations: str
 ) -> None:
     options = dict(gradient_clip_algorithm="value")
-    plain = models.fit("sequential", "auto", **options)
+    plain = tasks.fit("sequential", "auto", **options)
     strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch, activations=activations)
-    streamed = models.fit("sequential", strategy, **options)
+    streamed = tasks.fit("sequential", strategy, **options)
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 def test_lora_with_kept_activations_matches_plain() -> None:
     peft = pytest.importorskip("peft")
 
-    def make() -> models.Task:
-        task = models.Task(models.llama, "lm")
+    def make() -> tasks.Task:
+        task = tasks.Task(tasks.llama, "lm")
         config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
         task.model = peft.get_peft_model(task.model, config)
         return task
 
-    plain = models.fit_task(make, "auto", models.data("lm"))
-    streamed = models.fit_task(make, SuperpipeStrategy(activations="keep"), models.data("lm"))
+    plain = tasks.fit_task(make, "auto", batches.data("lm"))
+    streamed = tasks.fit_task(make, SuperpipeStrategy(activations="keep"), batches.data("lm"))
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 @pytest.mark.parametrize("activations", ["recompute", "keep", "offload"])
@@ -78,16 +78,16 @@ def test_blocks_run_once_per_micro_batch_unless_recomputed_and_slots_stay_unrefe
     calls: list[int] = []
     extra_references: list[int] = []
 
-    class Probe(models.pl.Callback):
-        def on_train_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+    class Probe(tasks.pl.Callback):
+        def on_train_start(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
             pl_module.model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *args: calls.append(1))
 
-        def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
+        def on_before_backward(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             # Autograd holds handles, not views, of the streamed weights.
-            extra_references.extend(models.extra_slot_references(trainer.strategy.engine))
+            extra_references.extend(tasks.extra_slot_references(trainer.strategy.engine))
 
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1, activations=activations)
-    models.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(models.build_task("llama"), models.data("lm"))
+    tasks.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(tasks.build_task("llama"), batches.data("lm"))
     assert len(calls) == 4 * (2 if activations == "recompute" else 1)  # 4 micro-batches
     assert extra_references and max(extra_references) == 0
     report = strategy.memory_report()
@@ -99,14 +99,14 @@ def test_blocks_run_once_per_micro_batch_unless_recomputed_and_slots_stay_unrefe
 def test_the_ledger_counts_what_recomputation_holds_and_frees_it() -> None:
     held_after_step: list[int] = []
 
-    class Probe(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
+    class Probe(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             held_after_step.append(trainer.strategy.engine.ledger.held["activations"])
 
     reports = {}
     for activations in ("keep", "recompute"):
         strategy = SuperpipeStrategy(resident_blocks=0, activations=activations)
-        models.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(models.build_task("llama"), models.data("lm"))
+        tasks.trainer(strategy, max_steps=2, callbacks=[Probe()]).fit(tasks.build_task("llama"), batches.data("lm"))
         reports[activations] = strategy.memory_report()
     keep, recompute = reports["keep"], reports["recompute"]
     # A recomputed block saves what a kept one does, and the checkpoint held its inputs besides.
@@ -122,7 +122,7 @@ def test_offloading_keeps_fewer_activation_bytes_on_the_device_than_keeping() ->
     peaks = {}
     for activations in ("keep", "offload"):
         strategy = SuperpipeStrategy(resident_blocks=0, activations=activations)
-        models.trainer(strategy, max_steps=2).fit(models.build_task("gpt2"), models.data("lm"))
+        tasks.trainer(strategy, max_steps=2).fit(tasks.build_task("gpt2"), batches.data("lm"))
         peaks[activations] = strategy.memory_report()
     assert peaks["offload"]["peak_activation_bytes"] < 0.8 * peaks["keep"]["peak_activation_bytes"]
     assert peaks["offload"]["host_activation_bytes"] > 0 == peaks["keep"]["host_activation_bytes"]
@@ -130,10 +130,10 @@ def test_offloading_keeps_fewer_activation_bytes_on_the_device_than_keeping() ->
 
 def test_bad_placements_are_refused_with_the_users_call() -> None:
     with pytest.raises(MisconfigurationException, match=r"activations='stash'\): 'stash' is not one of"):
-        models.trainer(SuperpipeStrategy(activations="stash")).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer(SuperpipeStrategy(activations="stash")).fit(tasks.build_task("sequential"), batches.data("vector"))
     with pytest.raises(MisconfigurationException, match=r"has 2 entries, but the model streams 4 blocks"):
-        models.trainer(SuperpipeStrategy(activations=["keep", "offload"])).fit(
-            models.build_task("sequential"), models.data("vector")
+        tasks.trainer(SuperpipeStrategy(activations=["keep", "offload"])).fit(
+            tasks.build_task("sequential"), batches.data("vector")
         )
 
 
@@ -142,25 +142,25 @@ def test_bf16_mixed_and_resume_keep_their_guarantees(activations: str, tmp_path:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     mixed = dict(precision="bf16-mixed", gradient_clip_val=1.0)
-    recomputed = models.fit("llama", SuperpipeStrategy(resident_blocks=0), **mixed)
-    placed = models.fit("llama", SuperpipeStrategy(resident_blocks=0, activations=activations), **mixed)
+    recomputed = tasks.fit("llama", SuperpipeStrategy(resident_blocks=0), **mixed)
+    placed = tasks.fit("llama", SuperpipeStrategy(resident_blocks=0, activations=activations), **mixed)
     # The same bf16 weights and kernels; only where the saved tensors wait differs.
     np.testing.assert_allclose(placed.losses, recomputed.losses, rtol=1e-6)
-    assert models.max_relative_difference(placed, recomputed) < 1e-6
+    assert tasks.max_relative_difference(placed, recomputed) < 1e-6
 
     options = dict(max_steps=-1, limit_train_batches=8)
-    whole = models.fit_task(
-        lambda: models.Task(models.llama, "lm"), SuperpipeStrategy(activations=activations), models.data("lm"),
+    whole = tasks.fit_task(
+        lambda: tasks.Task(tasks.llama, "lm"), SuperpipeStrategy(activations=activations), batches.data("lm"),
         max_epochs=2, **options,
     )
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    models.fit_task(
-        lambda: models.Task(models.llama, "lm"), SuperpipeStrategy(activations=activations), models.data("lm"),
+    tasks.fit_task(
+        lambda: tasks.Task(tasks.llama, "lm"), SuperpipeStrategy(activations=activations), batches.data("lm"),
         max_epochs=1, enable_checkpointing=True, callbacks=[checkpoint], **options,
     )
-    resumed = models.build_task("llama", seed=123)
-    models.trainer(SuperpipeStrategy(activations=activations), max_epochs=2, **options).fit(
-        resumed, models.data("lm"), ckpt_path=tmp_path / "last.ckpt"
+    resumed = tasks.build_task("llama", seed=123)
+    tasks.trainer(SuperpipeStrategy(activations=activations), max_epochs=2, **options).fit(
+        resumed, batches.data("lm"), ckpt_path=tmp_path / "last.ckpt"
     )
     np.testing.assert_allclose(resumed.losses, whole.losses[8:], rtol=1e-6)
-    assert models.max_relative_difference(resumed, whole) < 1e-6
+    assert tasks.max_relative_difference(resumed, whole) < 1e-6

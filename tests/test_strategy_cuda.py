@@ -12,7 +12,7 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from tests import models
+from tests import batches, tasks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,25 +35,25 @@ def assert_losses_close(actual: Sequence[float], expected: Sequence[float], rtol
 def test_cuda_training_matches_plain_and_homes_are_pinned() -> None:
     seen: dict[str, bool] = {}
 
-    class Inspect(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: object) -> None:
+    class Inspect(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
             engine = trainer.strategy.engine
             seen["homes_pinned"] = all(h.master.is_pinned() for h in engine.homes if h is not None)
             seen["params_on_host"] = all(p.device.type == "cpu" for p in pl_module.parameters())
             seen["buffers_on_device"] = all(b.device.type == "cuda" for b in pl_module.buffers())
 
-    plain = models.fit("llama", "auto", **CUDA)
-    streamed = models.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Inspect()], **CUDA)
+    plain = tasks.fit("llama", "auto", **CUDA)
+    streamed = tasks.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Inspect()], **CUDA)
     assert seen == {"homes_pinned": True, "params_on_host": True, "buffers_on_device": True}
     # cuBLAS may pick other kernels for the two runs: agreement to float32 noise, not bit for bit.
     assert_losses_close(streamed.losses, plain.losses, rtol=1e-4)
-    assert models.max_relative_difference(streamed, plain) < 1e-3  # inf on NaN or inf
+    assert tasks.max_relative_difference(streamed, plain) < 1e-3  # inf on NaN or inf
 
 
 def test_cuda_bf16_mixed_trains_close_to_plain() -> None:
     options = dict(precision="bf16-mixed", **CUDA)
-    plain = models.fit("gpt2", "auto", **options)
-    streamed = models.fit("gpt2", "superpipe", **options)
+    plain = tasks.fit("gpt2", "auto", **options)
+    streamed = tasks.fit("gpt2", "superpipe", **options)
     assert_losses_close(streamed.losses, plain.losses, rtol=2e-2)
 
 
@@ -78,8 +78,8 @@ def test_cuda_device_memory_stays_within_the_ledger() -> None:
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        task = models.Task(_deep_stack, "vector")
-        models.trainer(strategy, max_steps=2, accumulate_grad_batches=1, **CUDA).fit(task, models.data("vector", batches=4))
+        task = tasks.Task(_deep_stack, "vector")
+        tasks.trainer(strategy, max_steps=2, accumulate_grad_batches=1, **CUDA).fit(task, batches.data("vector", batches=4))
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before, task.losses
 
@@ -101,14 +101,14 @@ def test_cuda_generate_under_the_strategy_matches_plain() -> None:
     """``generate()`` puts its inputs on ``model.device`` (the host, for a streamed model): the strategy still runs
     the model on the GPU and returns the same greedy tokens."""
 
-    class Generate(models.Task):
+    class Generate(tasks.Task):
         def predict_step(self, batch: object, batch_idx: int) -> torch.Tensor:
             prompt = batch[0][:, :4]  # type: ignore[index]
             return self.model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False).cpu()
 
-    task = Generate(models.llama, "lm")
+    task = Generate(tasks.llama, "lm")
     task.eval()
-    plain = models.trainer("auto", **CUDA).predict(task, models.data("lm", batches=2))
-    streamed = models.trainer("superpipe", **CUDA).predict(task, models.data("lm", batches=2))
+    plain = tasks.trainer("auto", **CUDA).predict(task, batches.data("lm", batches=2))
+    streamed = tasks.trainer("superpipe", **CUDA).predict(task, batches.data("lm", batches=2))
     assert all(torch.equal(a, b) for a, b in zip(streamed, plain))
     assert streamed[0].shape[1] == 10

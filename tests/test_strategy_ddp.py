@@ -18,7 +18,7 @@ import torch
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from tests import models
+from tests import batches, tasks
 
 SCRIPT = Path(__file__).with_name("ddp_script.py")
 
@@ -268,17 +268,17 @@ def test_host_bytes_per_node_one_copy_per_rank_by_default_one_per_node_with_shar
     """By default each rank holds the whole host state: a node of two ranks holds twice one process's. With
     ``shard_optimizer="node"`` the blocks' homes are one shared copy and gradients and optimizer state are split: the
     issue's target is a node of two ranks at most 1.25x one process."""
-    single = models.build_task("llama")
+    single = tasks.build_task("llama")
 
-    class Report(models.pl.Callback):
+    class Report(tasks.pl.Callback):
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.report = trainer.strategy.memory_report()
             self.report["grad_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in pl_module.parameters()
                                             if p.grad is not None)
 
     report = Report()
-    models.pl.seed_everything(8, verbose=False)
-    models.trainer(SuperpipeStrategy(), max_steps=6, callbacks=[report]).fit(single, models.data("lm"))
+    tasks.pl.seed_everything(8, verbose=False)
+    tasks.trainer(SuperpipeStrategy(), max_steps=6, callbacks=[report]).fit(single, batches.data("lm"))
     one = report.report
     assert one["shared_host_bytes"] == 0 and one["host_bytes"] > 0 and one["grad_bytes"] > 0
     replicated = _node_bytes(_load(exact_run, "superpipe"))
@@ -416,14 +416,14 @@ def test_shard_optimizer_is_checked_and_changes_nothing_on_one_device() -> None:
 
     message = r"SuperpipeStrategy\(shard_optimizer='yes'\) must be True, False or 'node'"
     with pytest.raises(MisconfigurationException, match=message):
-        models.trainer(SuperpipeStrategy(shard_optimizer="yes"), max_steps=1).fit(
-            models.build_task("sequential"), models.data("vector")
+        tasks.trainer(SuperpipeStrategy(shard_optimizer="yes"), max_steps=1).fit(
+            tasks.build_task("sequential"), batches.data("vector")
         )
-    plain = models.fit("sequential", SuperpipeStrategy(), max_steps=4)
+    plain = tasks.fit("sequential", SuperpipeStrategy(), max_steps=4)
     for value in (True, "node"):
-        sharded = models.fit("sequential", SuperpipeStrategy(shard_optimizer=value), max_steps=4)
+        sharded = tasks.fit("sequential", SuperpipeStrategy(shard_optimizer=value), max_steps=4)
         assert sharded.losses == plain.losses
-        assert models.max_relative_difference(sharded, plain) == 0.0
+        assert tasks.max_relative_difference(sharded, plain) == 0.0
 
 
 class _FakeNode:

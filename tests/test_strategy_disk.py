@@ -27,7 +27,7 @@ from lightning_superpipe.planning.solver import minimum_plan, predict
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
 from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS
-from tests import models
+from tests import batches, tasks
 
 
 def _relative(a: list[float], b: list[float]) -> float:
@@ -39,10 +39,10 @@ def _disk(path: Path, **knobs: Any) -> SuperpipeStrategy:
     return SuperpipeStrategy(offload_device="disk", offload_path=path, **knobs)
 
 
-def _assert_same(streamed: models.Task, host: models.Task) -> None:
+def _assert_same(streamed: tasks.Task, host: tasks.Task) -> None:
     """Bitwise equal to the host tier: every loss and every weight."""
     assert streamed.losses == host.losses
-    assert models.max_relative_difference(streamed, host) == 0.0
+    assert tasks.max_relative_difference(streamed, host) == 0.0
 
 
 @pytest.mark.usefixtures("emulated_link")
@@ -50,13 +50,13 @@ def _assert_same(streamed: models.Task, host: models.Task) -> None:
 def test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_path: Path, family: str) -> None:
     """AdamW with two groups, an LR warm-up, clipping by norm 0.5 and accumulation over 2 micro-batches, dropout on:
     every block's gradients are spilled, the global norm comes from the spilled norms and the trunk's."""
-    host = models.fit(family, "superpipe")
-    streamed = models.fit(family, _disk(tmp_path / "tier"))
+    host = tasks.fit(family, "superpipe")
+    streamed = tasks.fit(family, _disk(tmp_path / "tier"))
     _assert_same(streamed, host)
-    plain = models.fit(family, "auto")
+    plain = tasks.fit(family, "auto")
     assert _relative(streamed.losses, plain.losses) < 1e-5
-    assert models.max_relative_difference(streamed, plain) < 1e-5
-    assert models.max_relative_difference(streamed, models.build_task(family)) > 1e-3  # it trained
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, tasks.build_task(family)) > 1e-3  # it trained
     report = streamed.trainer.strategy.memory_report()
     assert report["overlapped_block_steps"] == 0  # clipping: nothing stepped during backward
     assert report["offload_device"] == "disk" and report["disk_bytes_written"] > 0
@@ -68,16 +68,16 @@ def test_without_clipping_blocks_step_through_the_store_during_backward(tmp_path
     """Where the overlapped step is exact each block steps as its gradients complete (the earlier micro-batch's
     gradients added on disk), and the step is committed after backward."""
     options = dict(gradient_clip_val=None, accumulate_grad_batches=accumulate)
-    host = models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options)
-    streamed = models.fit("llama", _disk(tmp_path / "tier"), **options)
+    host = tasks.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options)
+    streamed = tasks.fit("llama", _disk(tmp_path / "tier"), **options)
     _assert_same(streamed, host)
     assert streamed.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
 
 
 def test_bf16_mixed_casts_on_the_fly_and_equals_the_host_tier(tmp_path: Path) -> None:
     for options in (dict(), dict(gradient_clip_val=None)):
-        host = models.fit("gpt2", "superpipe", precision="bf16-mixed", **options)
-        streamed = models.fit("gpt2", _disk(tmp_path / "tier"), precision="bf16-mixed", **options)
+        host = tasks.fit("gpt2", "superpipe", precision="bf16-mixed", **options)
+        streamed = tasks.fit("gpt2", _disk(tmp_path / "tier"), precision="bf16-mixed", **options)
         _assert_same(streamed, host)
         assert all(p.dtype == torch.float32 for p in streamed.parameters())  # fp32 masters, back in memory
 
@@ -88,16 +88,16 @@ def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: s
     versions), and LoRA (frozen block weights: masters on disk, no state, no gradient)."""
     if variant != "lora":
         options: dict[str, Any] = dict(optimizer=variant, accumulate_grad_batches=1, gradient_clip_val=None)
-        _assert_same(models.fit("llama", _disk(tmp_path / "tier"), **options), models.fit("llama", "superpipe", **options))
+        _assert_same(tasks.fit("llama", _disk(tmp_path / "tier"), **options), tasks.fit("llama", "superpipe", **options))
         return
     peft = pytest.importorskip("peft")
 
-    def run(strategy: Any) -> models.Task:
-        task = models.build_task("llama")
+    def run(strategy: Any) -> tasks.Task:
+        task = tasks.build_task("llama")
         config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
         task.model = peft.get_peft_model(task.model, config)
-        models.pl.seed_everything(8, verbose=False)
-        models.trainer(strategy).fit(task, models.data("lm"))
+        tasks.pl.seed_everything(8, verbose=False)
+        tasks.trainer(strategy).fit(task, batches.data("lm"))
         return task
 
     host, streamed = run("superpipe"), run(_disk(tmp_path / "tier"))
@@ -112,21 +112,21 @@ def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_ligh
     groups and a warm-up (and ``transformers``' Adafactor with its defaults: relative step sizes): stepped from disk
     after backward (clipping, accumulation 2: spilled gradients) and through the store during backward (no clipping),
     bitwise as the host tier (and its overlapped step) and plain Lightning."""
-    clipped = models.fit("llama", _disk(tmp_path / "tier"), optimizer=name)
-    host = models.fit("llama", "superpipe", optimizer=name)
+    clipped = tasks.fit("llama", _disk(tmp_path / "tier"), optimizer=name)
+    host = tasks.fit("llama", "superpipe", optimizer=name)
     _assert_same(clipped, host)
-    assert models.max_relative_difference(host, models.fit("llama", "auto", optimizer=name)) == 0.0
-    assert models.max_relative_difference(clipped, models.build_task("llama")) > 1e-3  # it trained
+    assert tasks.max_relative_difference(host, tasks.fit("llama", "auto", optimizer=name)) == 0.0
+    assert tasks.max_relative_difference(clipped, tasks.build_task("llama")) > 1e-3  # it trained
     options: dict[str, Any] = dict(optimizer=name, gradient_clip_val=None)
-    during = models.fit("llama", _disk(tmp_path / "tier"), **options)
-    _assert_same(during, models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options))
+    during = tasks.fit("llama", _disk(tmp_path / "tier"), **options)
+    _assert_same(during, tasks.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **options))
     assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
 
 
 def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Lion as a third-party package writes it (``models.Lion``): refused by the disk tier, with the way out, and not
+    """Lion as a third-party package writes it (``tasks.Lion``): refused by the disk tier, with the way out, and not
     overlapped by the host tier until registered; registered, stepped from disk after backward (clipping: spilled
     gradients) and during backward, bitwise plain Lightning."""
     from lightning_superpipe import register_per_parameter_optimizer
@@ -135,16 +135,16 @@ def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
     monkeypatch.setattr(overlap, "REGISTERED_PER_PARAMETER", [])
     during: dict[str, Any] = dict(optimizer="lion", gradient_clip_val=None)
     with pytest.raises(MisconfigurationException, match=r"Lion is not known .* lightning_superpipe\.register_per_parameter_optimizer\(Lion\)"):
-        models.fit("llama", _disk(tmp_path / "refused"), **during)
-    unregistered = models.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **during)
+        tasks.fit("llama", _disk(tmp_path / "refused"), **during)
+    unregistered = tasks.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **during)
     assert unregistered.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
-    assert register_per_parameter_optimizer(models.Lion) is models.Lion
+    assert register_per_parameter_optimizer(tasks.Lion) is tasks.Lion
     for options in (dict(optimizer="lion"), during):
-        plain = models.fit("llama", "auto", **options)
-        assert models.max_relative_difference(plain, models.build_task("llama")) > 1e-3  # it trained
+        plain = tasks.fit("llama", "auto", **options)
+        assert tasks.max_relative_difference(plain, tasks.build_task("llama")) > 1e-3  # it trained
         for strategy in (_disk(tmp_path / str(len(options))), SuperpipeStrategy(overlap_optimizer=True)):
-            streamed = models.fit("llama", strategy, **options)
-            assert models.max_relative_difference(streamed, plain) == 0.0
+            streamed = tasks.fit("llama", strategy, **options)
+            assert tasks.max_relative_difference(streamed, plain) == 0.0
             overlapped = streamed.trainer.strategy.memory_report()["overlapped_block_steps"]
             assert overlapped == (3 * 10 if options is during else 0)
     with pytest.raises(TypeError, match=r"register_per_parameter_optimizer\('object'\): expected a subclass"):
@@ -158,7 +158,7 @@ class _DefaultsAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=(0.8, 0.95), weight_decay=0.05)
 
 
-class _DefaultsTask(models.Task):
+class _DefaultsTask(tasks.Task):
     def configure_optimizers(self) -> Any:
         return _DefaultsAdamW(self.parameters())
 
@@ -166,8 +166,8 @@ class _DefaultsTask(models.Task):
 def test_a_subclass_that_only_sets_defaults_trains_on_the_disk_tier_and_in_the_overlapped_step(tmp_path: Path) -> None:
     """A subclass of a per-parameter optimizer that overrides only ``__init__`` is stepped block by block (from
     disk, and during backward) exactly as plain Lightning steps it."""
-    def fit(strategy: Any, **options: Any) -> models.Task:
-        return models.fit_task(lambda: _DefaultsTask(models.llama, "lm"), strategy, models.data("lm"), **options)
+    def fit(strategy: Any, **options: Any) -> tasks.Task:
+        return tasks.fit_task(lambda: _DefaultsTask(tasks.llama, "lm"), strategy, batches.data("lm"), **options)
 
     _assert_same(fit(_disk(tmp_path / "tier")), fit("superpipe"))
     unclipped = dict(gradient_clip_val=None)
@@ -175,7 +175,7 @@ def test_a_subclass_that_only_sets_defaults_trains_on_the_disk_tier_and_in_the_o
     for strategy in (_disk(tmp_path / "tier"), SuperpipeStrategy(overlap_optimizer=True)):
         during = fit(strategy, **unclipped)
         assert during.trainer.strategy.memory_report()["overlapped_block_steps"] == 3 * 10  # 3 blocks, 10 steps
-        assert during.losses == plain.losses and models.max_relative_difference(during, plain) == 0.0
+        assert during.losses == plain.losses and tasks.max_relative_difference(during, plain) == 0.0
 
 
 @pytest.mark.usefixtures("emulated_link")
@@ -186,25 +186,25 @@ def test_memory_budgets_hold_and_train_as_the_host_tier(tmp_path: Path) -> None:
     gradients) and without (blocks stepped through the store during backward)."""
     unclipped = dict(accumulate_grad_batches=1, gradient_clip_val=None)
     profiling = SuperpipeStrategy(memory_budget="1GiB")
-    models.fit("llama", profiling, max_steps=4, **unclipped)
+    tasks.fit("llama", profiling, max_steps=4, **unclipped)
     profile = profiling._planner.profile
     least = int(1.05 * minimum_plan(profile).predicted_peak_bytes)
     everything = int(1.2 * predict(profile, range(len(profile.blocks)), 1, ["keep"] * len(profile.blocks)).peak_bytes)
     for options in (dict(unclipped, max_steps=6), dict(max_steps=6)):  # 2 profiled steps, 4 planned
-        host = models.fit("llama", "superpipe", **options)
+        host = tasks.fit("llama", "superpipe", **options)
         # The solver picks by measured times; resident_blocks, a constraint of the plan, makes the second resident.
         for budget, knobs in ((least, {}), (everything, dict(resident_blocks=len(profile.blocks)))):
             strategy = _disk(tmp_path / "tier", memory_budget=budget, **knobs)
-            _assert_same(models.fit("llama", strategy, **options), host)
+            _assert_same(tasks.fit("llama", strategy, **options), host)
             assert strategy.memory_report()["peak_device_bytes"] <= budget
             assert len(strategy.plan.resident) == knobs.get("resident_blocks", len(strategy.plan.resident))
 
 
-class _PoisonOneBlock(models.pl.Callback):
+class _PoisonOneBlock(tasks.pl.Callback):
     """Before the scaler's check of step 3, an infinite gradient in block 1 only: in its spilled gradients under
     the disk tier, in ``.grad`` on the host tier."""
 
-    def on_after_backward(self, trainer: models.pl.Trainer, module: Any) -> None:
+    def on_after_backward(self, trainer: tasks.pl.Trainer, module: Any) -> None:
         if trainer.global_step != 3 or trainer.fit_loop._should_accumulate():  # the last micro-batch of step 3
             return
         param = next(module.model.model.layers[1].parameters())
@@ -225,15 +225,15 @@ def test_16_mixed_with_a_gradient_scaler_skips_and_steps_as_the_host_tier(tmp_pa
     scale lowered, the others unscaled and clipped from disk, bitwise as the host tier; accumulation 2."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    def fit(strategy: Any) -> tuple[models.Task, list[float]]:
+    def fit(strategy: Any) -> tuple[tasks.Task, list[float]]:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2)
         scales: list[float] = []
 
-        class Scales(models.pl.Callback):
+        class Scales(tasks.pl.Callback):
             def on_train_batch_end(self, *args: Any) -> None:
                 scales.append(scaler.get_scale())
 
-        task = models.fit("llama", strategy, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        task = tasks.fit("llama", strategy, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
                           callbacks=[_PoisonOneBlock(), Scales()])  # clipping by norm: the step after backward
         return task, scales
 
@@ -243,14 +243,14 @@ def test_16_mixed_with_a_gradient_scaler_skips_and_steps_as_the_host_tier(tmp_pa
     pairs = list(zip(scales, scales[1:]))
     assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs)  # steps skipped (the scale fell), others not
     assert scales[7] == scales[6] / 2  # step 3 (micro-batch 7) was skipped for block 1's gradient alone
-    assert models.max_relative_difference(streamed, models.build_task("llama")) > 1e-3  # and others stepped
+    assert tasks.max_relative_difference(streamed, tasks.build_task("llama")) > 1e-3  # and others stepped
     assert all(torch.isfinite(p).all() for p in streamed.parameters())
 
 
 def test_resident_blocks_and_deeper_prefetch_equal_the_host_tier(tmp_path: Path) -> None:
     knobs = dict(resident_blocks=2, prefetch=2)
-    host = models.fit("sequential", SuperpipeStrategy(**knobs))
-    streamed = models.fit("sequential", _disk(tmp_path / "tier", **knobs))
+    host = tasks.fit("sequential", SuperpipeStrategy(**knobs))
+    streamed = tasks.fit("sequential", _disk(tmp_path / "tier", **knobs))
     _assert_same(streamed, host)
 
 
@@ -259,16 +259,16 @@ def test_checkpoints_hold_the_manifest_and_resume_exactly_from_a_copy_elsewhere(
     files of a removed checkpoint go with it; a resume from copies in another folder continues with the losses and
     weights of an uninterrupted run, whatever the model's initial weights."""
     options = dict(max_steps=-1, limit_train_batches=8)
-    uninterrupted = models.build_task("llama")
-    models.pl.seed_everything(8, verbose=False)
-    models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(uninterrupted, models.data("lm"))
+    uninterrupted = tasks.build_task("llama")
+    tasks.pl.seed_everything(8, verbose=False)
+    tasks.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(uninterrupted, batches.data("lm"))
 
-    first = models.build_task("llama")
-    models.pl.seed_everything(8, verbose=False)
+    first = tasks.build_task("llama")
+    tasks.pl.seed_everything(8, verbose=False)
     checkpoints = tmp_path / "checkpoints"
     callback = ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=2)
-    models.trainer(_disk(tmp_path / "tier"), max_epochs=1, enable_checkpointing=True, callbacks=[callback],
-                   **options).fit(first, models.data("lm"))
+    tasks.trainer(_disk(tmp_path / "tier"), max_epochs=1, enable_checkpointing=True, callbacks=[callback],
+                   **options).fit(first, batches.data("lm"))
     # save_top_k=1: the step-2 checkpoint and its folder were removed when step 4's was written.
     assert sorted(os.listdir(checkpoints)) == ["epoch=0-step=4.ckpt", "epoch=0-step=4.ckpt.disk-tier", "last.ckpt",
                                                "last.ckpt.disk-tier"]
@@ -283,39 +283,39 @@ def test_checkpoints_hold_the_manifest_and_resume_exactly_from_a_copy_elsewhere(
     shutil.copy(checkpoints / "last.ckpt", elsewhere / "last.ckpt")
     shutil.copytree(checkpoints / "last.ckpt.disk-tier", elsewhere / "last.ckpt.disk-tier")
     shutil.rmtree(checkpoints)
-    resumed = models.build_task("llama", seed=123)  # other initial weights: everything must come from the copies
-    models.trainer(_disk(tmp_path / "other-tier"), max_epochs=2, **options).fit(
-        resumed, models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+    resumed = tasks.build_task("llama", seed=123)  # other initial weights: everything must come from the copies
+    tasks.trainer(_disk(tmp_path / "other-tier"), max_epochs=2, **options).fit(
+        resumed, batches.data("lm"), ckpt_path=elsewhere / "last.ckpt"
     )
     assert first.losses == uninterrupted.losses[:8]
     assert resumed.losses == uninterrupted.losses[8:]
-    assert models.max_relative_difference(resumed, uninterrupted) == 0.0
+    assert tasks.max_relative_difference(resumed, uninterrupted) == 0.0
 
     shutil.rmtree(elsewhere / "last.ckpt.disk-tier")
     with pytest.raises(disk.DiskTierError, match=r"last\.ckpt\.disk-tier.*missing"):
-        models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
-            models.build_task("llama"), models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+        tasks.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
+            tasks.build_task("llama"), batches.data("lm"), ckpt_path=elsewhere / "last.ckpt"
         )
     # A host-tier checkpoint holds the blocks' optimizer state, which the disk tier cannot take from a .ckpt yet.
     host_checkpoint = tmp_path / "host.ckpt"
-    host_trainer = models.trainer("superpipe", max_steps=1)
-    host_trainer.fit(models.build_task("llama"), models.data("lm"))
+    host_trainer = tasks.trainer("superpipe", max_steps=1)
+    host_trainer.fit(tasks.build_task("llama"), batches.data("lm"))
     host_trainer.save_checkpoint(host_checkpoint)
     with pytest.raises(MisconfigurationException, match="written with offload_device='cpu'"):
-        models.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(
-            models.build_task("llama"), models.data("lm"), ckpt_path=host_checkpoint
+        tasks.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(
+            tasks.build_task("llama"), batches.data("lm"), ckpt_path=host_checkpoint
         )
     with pytest.raises(MisconfigurationException, match="written by SuperpipeStrategy\\(offload_device='disk'\\)"):
-        models.trainer("superpipe", max_epochs=2, **options).fit(
-            models.build_task("llama"), models.data("lm"), ckpt_path=elsewhere / "last.ckpt"
+        tasks.trainer("superpipe", max_epochs=2, **options).fit(
+            tasks.build_task("llama"), batches.data("lm"), ckpt_path=elsewhere / "last.ckpt"
         )
 
 
 def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path) -> None:
-    task = models.build_task("llama")
-    trainer = models.trainer(_disk(tmp_path / "tier", host_buffer_bytes=1 << 20), max_steps=2)
+    task = tasks.build_task("llama")
+    trainer = tasks.trainer(_disk(tmp_path / "tier", host_buffer_bytes=1 << 20), max_steps=2)
     began = time.perf_counter()
-    trainer.fit(task, models.data("lm"))
+    trainer.fit(task, batches.data("lm"))
     wall = time.perf_counter() - began
     report = trainer.strategy.memory_report()
     block_bytes = sum(p.numel() * 4 for layer in task.model.model.layers for p in layer.parameters() if p.ndim >= 1)
@@ -337,16 +337,16 @@ def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path
 def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
     options = dict(limit_val_batches=2, val_check_interval=4)
     strategies = {"host": SuperpipeStrategy(), "disk": _disk(tmp_path / "tier")}
-    tasks = {}
+    trained = {}
     for name, strategy in strategies.items():
-        build, kind = models.FAMILIES["llama"]
-        tasks[name] = models.fit_task(lambda: models.Task(build, kind), strategy, models.data(kind),
-                                      models.data(kind, batches=2), **options)
-    assert tasks["disk"].val_losses == tasks["host"].val_losses and len(tasks["disk"].val_losses) > 0
+        build, kind = tasks.EXAMPLES["llama"]
+        trained[name] = tasks.fit_task(lambda: tasks.Task(build, kind), strategy, batches.data(kind),
+                                       batches.data(kind, batches=2), **options)
+    assert trained["disk"].val_losses == trained["host"].val_losses and len(trained["disk"].val_losses) > 0
     predictions = {}
-    for name, task in tasks.items():
+    for name, task in trained.items():
         strategy = SuperpipeStrategy() if name == "host" else _disk(tmp_path / "tier")
-        predictions[name] = models.trainer(strategy).predict(task, models.data("lm", batches=2))
+        predictions[name] = tasks.trainer(strategy).predict(task, batches.data("lm", batches=2))
     assert all(torch.equal(a, b) for a, b in zip(predictions["disk"], predictions["host"]))
 
 
@@ -361,41 +361,41 @@ def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
     ],
 )
 def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[str, Any], message: str) -> None:
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
     with pytest.raises(MisconfigurationException, match=message):
-        models.trainer(SuperpipeStrategy(**knobs)).fit(task, models.data("lm"))
+        tasks.trainer(SuperpipeStrategy(**knobs)).fit(task, batches.data("lm"))
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
 
 
 def test_a_disk_too_small_or_unwritable_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
     monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 20)
     with pytest.raises(MisconfigurationException, match=r"offload_device='disk'.*The disk tier needs .* bytes: two slots.*only 1 MiB \(1048576 bytes\) are free"):
-        models.trainer(_disk(tmp_path / "tier")).fit(task, models.data("lm"))
+        tasks.trainer(_disk(tmp_path / "tier")).fit(task, batches.data("lm"))
     monkeypatch.undo()
     assert not any((tmp_path / "tier").iterdir())  # nothing written
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(MisconfigurationException, match="is not writable"):
-            models.trainer(SuperpipeStrategy(offload_device="disk", offload_path=locked)).fit(task, models.data("lm"))
+            tasks.trainer(SuperpipeStrategy(offload_device="disk", offload_path=locked)).fit(task, batches.data("lm"))
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
 
 
 def test_a_file_deleted_mid_run_is_named_and_the_other_blocks_come_back(tmp_path: Path) -> None:
     tier = tmp_path / "tier"
 
-    class Delete(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, *args: Any) -> None:
+    class Delete(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, *args: Any) -> None:
             if trainer.global_step == 2:
                 for path in tier.glob("block00001.*.bin"):
                     path.unlink()
 
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     with pytest.raises(disk.DiskTierError, match=r"block00001\.\d\.bin' is missing"):
-        models.trainer(_disk(tier), callbacks=[Delete()]).fit(task, models.data("lm"))
+        tasks.trainer(_disk(tier), callbacks=[Delete()]).fit(task, batches.data("lm"))
     layers = task.model.model.layers
     for index in (0, 2):  # the committed step of the readable blocks is back in memory
         assert all(p.stride() == torch.empty(p.shape).stride() for p in layers[index].parameters())
@@ -406,8 +406,8 @@ def test_after_a_run_the_blocks_map_their_committed_files_and_no_later_run_write
     read): a second run in the same folder, an in-place edit and removing the folder all leave the values of the
     first run, held in a state dict, as they were."""
     tier = tmp_path / "tier"
-    first = models.fit("llama", _disk(tier))
-    host = models.fit("llama", "superpipe")
+    first = tasks.fit("llama", _disk(tier))
+    host = tasks.fit("llama", "superpipe")
     _assert_same(first, host)
     layer = first.model.model.layers[1]
     held = {name: tensor for name, tensor in layer.state_dict().items()}  # references, not copies
@@ -418,7 +418,7 @@ def test_after_a_run_the_blocks_map_their_committed_files_and_no_later_run_write
     weight = layer.mlp.down_proj.weight
     weight.data.add_(1.0)  # copy-on-write: the file keeps the committed value
     expected["mlp.down_proj.weight"] += 1.0
-    models.fit("llama", _disk(tier), seed=8)  # another model trained in the same folder: new files
+    tasks.fit("llama", _disk(tier), seed=8)  # another model trained in the same folder: new files
     assert all(torch.equal(held[name], expected[name]) for name in held)
     shutil.rmtree(tier)  # unlinked files live while mapped
     assert all(torch.equal(held[name], expected[name]) for name in held)
@@ -433,14 +433,14 @@ def test_save_safetensors_exports_the_model_during_the_run_and_after_it(tmp_path
 
     from lightning_superpipe import save_safetensors
 
-    class SaveAtStep2(models.pl.Callback):
+    class SaveAtStep2(tasks.pl.Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             if trainer.global_step == 2:
                 save_safetensors(pl_module, tmp_path / "inside.safetensors")
 
     plain = _StateDictAtStep2()
-    models.fit("llama", "auto", callbacks=[plain])
-    task = models.fit("llama", _disk(tmp_path / "tier"), callbacks=[SaveAtStep2()])
+    tasks.fit("llama", "auto", callbacks=[plain])
+    task = tasks.fit("llama", _disk(tmp_path / "tier"), callbacks=[SaveAtStep2()])
     inside = load_file(tmp_path / "inside.safetensors")
     blocks = [key for key in inside if ".layers." in key]
     assert blocks and inside.keys() == plain.cloned.keys()
@@ -449,7 +449,7 @@ def test_save_safetensors_exports_the_model_during_the_run_and_after_it(tmp_path
     save_safetensors(task.model, tmp_path / "model.safetensors")
     written, state = load_file(tmp_path / "model.safetensors"), task.model.state_dict()
     assert written.keys() == state.keys() and all(torch.equal(written[k], state[k]) for k in state)
-    _assert_same(task, models.fit("llama", "superpipe"))  # the weights trained are the host tier's
+    _assert_same(task, tasks.fit("llama", "superpipe"))  # the weights trained are the host tier's
 
 
 def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
@@ -466,7 +466,7 @@ def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     monkeypatch.setattr(disk_tier.DiskTier, "copy_in", namespace["copy_in"])
     with pytest.raises(OrderingViolation, match="while it was in flight"):
         strategy = _disk(tmp_path / "tier", resident_blocks=0, link=EmulatedLink(mode="lazy", seed=1))
-        models.fit("llama", strategy, max_steps=3)
+        tasks.fit("llama", strategy, max_steps=3)
 
 
 @pytest.mark.usefixtures("emulated_link")
@@ -474,15 +474,15 @@ def test_clipping_by_value_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
     """``gradient_clip_algorithm="value"`` with accumulation 2: the trunk's gradients are clamped in memory, each
     block's spilled (accumulated) gradients as the block is stepped from disk."""
     options = dict(gradient_clip_algorithm="value", gradient_clip_val=0.02)
-    host = models.fit("llama", "superpipe", **options)
-    streamed = models.fit("llama", _disk(tmp_path / "tier"), **options)
+    host = tasks.fit("llama", "superpipe", **options)
+    streamed = tasks.fit("llama", _disk(tmp_path / "tier"), **options)
     _assert_same(streamed, host)
-    unclipped = models.fit("llama", "superpipe", gradient_clip_val=None)
-    assert models.max_relative_difference(host, unclipped) > 1e-4  # the clamp changed the steps
+    unclipped = tasks.fit("llama", "superpipe", gradient_clip_val=None)
+    assert tasks.max_relative_difference(host, unclipped) > 1e-4  # the clamp changed the steps
     assert streamed.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
 
 
-class _Manual(models.Task):
+class _Manual(tasks.Task):
     """Manual optimization as users write it, one way per ``loop``:
 
     * ``"halves"``: two backwards a batch (half a batch each), ``self.clip_gradients`` by norm, the step, the LR
@@ -502,7 +502,7 @@ class _Manual(models.Task):
     def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
         if self.loop == "halves":
-            models.two_backwards_and_a_step(self, batch)
+            tasks.two_backwards_and_a_step(self, batch)
         elif self.loop == "accumulate":
 
             def backward() -> None:
@@ -539,14 +539,14 @@ def test_manual_optimization_equals_plain_lightning_bitwise(tmp_path: Path) -> N
     """Two backwards a step, clipping by norm through ``self.clip_gradients``, an LR schedule stepped by hand: the
     losses and weights of plain Lightning (every block's gradients spilled, then stepped from disk)."""
     options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
-    build, kind = models.FAMILIES["llama"]
+    build, kind = tasks.EXAMPLES["llama"]
     plain, streamed = (
-        models.fit_task(lambda: _Manual(build, kind), strategy, models.data(kind), **options)
+        tasks.fit_task(lambda: _Manual(build, kind), strategy, batches.data(kind), **options)
         for strategy in ("auto", _disk(tmp_path / "tier"))
     )
     assert len(plain.losses) == 8
     _assert_same(streamed, plain)
-    assert models.max_relative_difference(plain, models.build_task("llama")) > 1e-3  # they trained
+    assert tasks.max_relative_difference(plain, tasks.build_task("llama")) > 1e-3  # they trained
 
 
 def test_manual_optimization_under_a_gradient_scaler_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
@@ -554,12 +554,12 @@ def test_manual_optimization_under_a_gradient_scaler_equals_the_host_tier_bitwis
     blocks' spilled gradients, the user's ``zero_grad`` follows) and lowers the scale, as on the host tier."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    def run(strategy: Any) -> models.Task:
+    def run(strategy: Any) -> tasks.Task:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
         options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None,
                        plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
-        build, kind = models.FAMILIES["llama"]
-        task = models.fit_task(lambda: _Manual(build, kind), strategy, models.data(kind), **options)
+        build, kind = tasks.EXAMPLES["llama"]
+        task = tasks.fit_task(lambda: _Manual(build, kind), strategy, batches.data(kind), **options)
         assert scaler.get_scale() < 2.0**24  # a step was skipped
         return task
 
@@ -571,17 +571,17 @@ def test_base_finetuning_unfreezing_the_blocks_mid_run_equals_plain_lightning(tm
     them from then on, and sees the optimizer's zero_grad cover them."""
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
     plain, streamed = (
-        models.fit_task(lambda: models.HeadFirstTask(models.llama, "lm"), strategy, models.data("lm"),
-                        callbacks=[models.UnfreezeLayersAtEpochOne()], **options)
+        tasks.fit_task(lambda: tasks.HeadFirstTask(tasks.llama, "lm"), strategy, batches.data("lm"),
+                        callbacks=[tasks.UnfreezeLayersAtEpochOne()], **options)
         for strategy in ("auto", _disk(tmp_path / "tier"))
     )
     _assert_same(streamed, plain)
-    models.pl.seed_everything(7, verbose=False)
-    initial = models.HeadFirstTask(models.llama, "lm")
-    assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
+    tasks.pl.seed_everything(7, verbose=False)
+    initial = tasks.HeadFirstTask(tasks.llama, "lm")
+    assert tasks.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
 
 
-class _StateDictAtStep2(models.pl.Callback):
+class _StateDictAtStep2(tasks.pl.Callback):
     """Takes ``state_dict()`` after the second step (and a clone of it); with ``load``, then loads one whose
     embedding is zeroed."""
 
@@ -590,7 +590,7 @@ class _StateDictAtStep2(models.pl.Callback):
         self.taken: dict[str, torch.Tensor] = {}
         self.cloned: dict[str, torch.Tensor] = {}
 
-    def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == 2 and not self.taken:
             self.taken = pl_module.state_dict()
             self.cloned = {key: value.clone() for key, value in self.taken.items()}
@@ -603,8 +603,8 @@ def test_state_dict_during_the_run_holds_the_weights_of_that_step(tmp_path: Path
     from the files, bitwise plain Lightning's at that step, and they stay those values as training goes on (the
     store writes those slots into new files)."""
     plain, streamed = _StateDictAtStep2(), _StateDictAtStep2()
-    models.fit("llama", "auto", callbacks=[plain])
-    models.fit("llama", _disk(tmp_path / "tier"), callbacks=[streamed])
+    tasks.fit("llama", "auto", callbacks=[plain])
+    tasks.fit("llama", _disk(tmp_path / "tier"), callbacks=[streamed])
     blocks = [key for key in plain.cloned if ".layers." in key]
     assert blocks and plain.cloned.keys() == streamed.cloned.keys()
     assert all(torch.equal(streamed.cloned[key], plain.cloned[key]) for key in plain.cloned)
@@ -615,7 +615,7 @@ def test_state_dict_during_the_run_holds_the_weights_of_that_step(tmp_path: Path
 def test_a_block_parameter_read_directly_during_the_run_is_nan_not_plausible_zeros(tmp_path: Path) -> None:
     """A callback reading a block parameter's values itself gets the placeholder's NaN (its values are in the files;
     ``state_dict()`` gives them), the trunk's parameters their values."""
-    class ReadWeights(models.pl.Callback):
+    class ReadWeights(tasks.pl.Callback):
         block = trunk = torch.empty(0)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
@@ -623,20 +623,20 @@ def test_a_block_parameter_read_directly_during_the_run_is_nan_not_plausible_zer
             self.trunk = pl_module.model.model.embed_tokens.weight.detach().clone()
 
     read = ReadWeights()
-    models.fit("llama", _disk(tmp_path / "tier"), callbacks=[read], max_steps=2)
+    tasks.fit("llama", _disk(tmp_path / "tier"), callbacks=[read], max_steps=2)
     assert read.block.numel() and bool(read.block.isnan().all())
     assert bool(read.trunk.isfinite().all())
 
 
 def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:
     callback = _StateDictAtStep2(load=True)
-    build, kind = models.FAMILIES["llama"]
-    models.pl.seed_everything(7, verbose=False)
-    task = models.Task(build, kind)
+    build, kind = tasks.EXAMPLES["llama"]
+    tasks.pl.seed_everything(7, verbose=False)
+    task = tasks.Task(build, kind)
     message = (r"load_state_dict during the run would write 'model\.model\.layers\.0\.[\w.]+', a block parameter"
                r" whose values are in the tier's files .* Nothing was loaded\.$")
     with pytest.raises(RuntimeError, match=message):
-        models.trainer(_disk(tmp_path / "tier"), callbacks=[callback]).fit(task, models.data(kind))
+        tasks.trainer(_disk(tmp_path / "tier"), callbacks=[callback]).fit(task, batches.data(kind))
     assert torch.equal(task.model.model.embed_tokens.weight, callback.cloned["model.model.embed_tokens.weight"])
 
 
@@ -647,11 +647,11 @@ def test_true_half_precision_trains_as_plain_lightning_on_both_tiers(
     """``precision="bf16-true"``/``"16-true"``: the model, its masters on disk included, in half precision (clipping
     by norm, accumulation 2). SGD for fp16: AdamW's eps underflows there and plain Lightning's losses turn NaN."""
     options = dict(precision=precision, optimizer=optimizer)
-    plain = models.fit("llama", "auto", **options)
+    plain = tasks.fit("llama", "auto", **options)
     assert next(plain.parameters()).dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float16)
     assert all(np.isfinite(plain.losses))
     for strategy in ("superpipe", _disk(tmp_path / "tier")):
-        _assert_same(models.fit("llama", strategy, **options), plain)
+        _assert_same(tasks.fit("llama", strategy, **options), plain)
 
 
 def test_an_accumulation_schedule_that_changes_between_epochs_equals_plain_lightning(tmp_path: Path) -> None:
@@ -662,7 +662,7 @@ def test_an_accumulation_schedule_that_changes_between_epochs_equals_plain_light
     options = dict(accumulate_grad_batches=1, max_steps=-1, max_epochs=2, limit_train_batches=6,
                    gradient_clip_val=None)
     plain, streamed = (
-        models.fit("llama", strategy, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})], **options)
+        tasks.fit("llama", strategy, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2})], **options)
         for strategy in ("auto", _disk(tmp_path / "tier"))
     )
     assert len(plain.losses) == 12
@@ -676,15 +676,15 @@ def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp
     """The tier learns of ``zero_grad`` from the optimizer, Lightning's wrapper of it and the modules: spilled
     gradients accumulate across batches until a step, and are dropped (whole blocks, or part of one) when zeroed."""
     options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
-    build, kind = models.FAMILIES["llama"]
+    build, kind = tasks.EXAMPLES["llama"]
     plain, streamed = (
-        models.fit_task(lambda: _Manual(build, kind, loop=loop), strategy, models.data(kind), **options)
+        tasks.fit_task(lambda: _Manual(build, kind, loop=loop), strategy, batches.data(kind), **options)
         for strategy in ("auto", _disk(tmp_path / "tier"))
     )
     _assert_same(streamed, plain)
     if loop == "skip":  # the MLP zeroed before each step never moved, the rest did
         mlp = {n for n, _ in plain.named_parameters() if ".layers.1.mlp." in n}
-        initial = models.build_task("llama")
+        initial = tasks.build_task("llama")
         before = dict(initial.named_parameters())
         after = dict(streamed.named_parameters())
         assert mlp and all(torch.equal(after[n], before[n]) for n in mlp)
@@ -702,13 +702,13 @@ def test_manual_zero_grad_where_users_call_it_equals_plain_lightning_bitwise(tmp
 def test_manual_steps_over_consumed_gradients_are_refused(tmp_path: Path, loop: str, message: str) -> None:
     """The host tier would add to (or step again with) gradients the tier no longer has: one clear error, and the
     files stay at the last committed step."""
-    build, kind = models.FAMILIES["llama"]
-    models.pl.seed_everything(7, verbose=False)
+    build, kind = tasks.EXAMPLES["llama"]
+    tasks.pl.seed_everything(7, verbose=False)
     task = _Manual(build, kind, loop=loop)
     tier = tmp_path / "tier"
     with pytest.raises(RuntimeError, match=message):
-        models.trainer(_disk(tier), max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None).fit(
-            task, models.data(kind))
+        tasks.trainer(_disk(tier), max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None).fit(
+            task, batches.data(kind))
     assert len(task.losses) == (2 if loop == "no-zero-grad" else 1)
     assert json.loads((tier / "manifest.json").read_text())["step"] == 1
 
@@ -721,17 +721,17 @@ class _OwnSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-class _OwnOptimizer(models.Task):
+class _OwnOptimizer(tasks.Task):
     def configure_optimizers(self) -> Any:
         return _OwnSGD(self.parameters(), lr=0.1)
 
 
-class _Fused(models.Task):
+class _Fused(tasks.Task):
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.1, fused=True)
 
 
-class _StepHook(models.Task):
+class _StepHook(tasks.Task):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.1)
         optimizer.register_step_post_hook(lambda *args: None)
@@ -744,11 +744,11 @@ def _refusal_cases() -> list[Any]:
 
     call = r"SuperpipeStrategy\(offload_device='disk', offload_path='[^']+', host_buffer_bytes=None\): "
     return [
-        pytest.param(models.Task, dict(callbacks=[EMAWeightAveraging()]),
+        pytest.param(tasks.Task, dict(callbacks=[EMAWeightAveraging()]),
                      call + r"the callback EMAWeightAveraging is not supported: .* files .*"
                      r" with offload_device='cpu'\.$",
                      id="ema"),
-        pytest.param(models.Task, dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
+        pytest.param(tasks.Task, dict(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3)]),
                      call + r"the callback StochasticWeightAveraging is not supported", id="swa"),
         pytest.param(_OwnOptimizer, {}, call + r"_OwnSGD is not known to update each parameter on its own.*"
                      r"\(supported: SGD, Adam, AdamW, Adadelta, .*, Rprop, transformers\.optimization\.Adafactor,"
@@ -767,13 +767,13 @@ def test_what_the_tier_cannot_train_is_refused_with_the_users_call_before_traini
 ) -> None:
     """Each refusal is one MisconfigurationException quoting the strategy's call and saying what to do, raised
     before any file is written or any weight changes."""
-    build, kind = models.FAMILIES["llama"]
-    models.pl.seed_everything(7, verbose=False)
+    build, kind = tasks.EXAMPLES["llama"]
+    tasks.pl.seed_everything(7, verbose=False)
     task = task_class(build, kind)
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
     tier = tmp_path / "tier"
     with pytest.raises(MisconfigurationException, match=message):
-        models.trainer(_disk(tier), **options).fit(task, models.data(kind))
+        tasks.trainer(_disk(tier), **options).fit(task, batches.data(kind))
     assert task.losses == []  # not one training step
     assert not list(tier.iterdir())  # not one file
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
@@ -786,7 +786,7 @@ def test_a_step_hook_for_every_optimizer_is_refused_too(tmp_path: Path) -> None:
     handle = register_optimizer_step_pre_hook(lambda *args: None)
     try:
         with pytest.raises(MisconfigurationException, match="the optimizer has step hooks, which would run once per"):
-            models.fit("llama", _disk(tmp_path / "tier"), max_steps=1)
+            tasks.fit("llama", _disk(tmp_path / "tier"), max_steps=1)
     finally:
         handle.remove()
 
@@ -796,20 +796,20 @@ def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_th
     the trunk's gradients and ``None`` for the blocks'. Without such a hook, no warning."""
     seen: list[tuple[int, int]] = []
 
-    class Logging(models.Task):
+    class Logging(tasks.Task):
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             layers = list(self.model.model.layers.parameters())
             seen.append((sum(p.grad is not None for p in layers), int(self.model.lm_head.weight.grad is not None)))
 
-    build, kind = models.FAMILIES["llama"]
+    build, kind = tasks.EXAMPLES["llama"]
     with pytest.warns(UserWarning, match=r"offload_device='disk'.*Logging\.on_before_optimizer_step will see"):
-        models.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(Logging(build, kind), models.data(kind))
+        tasks.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(Logging(build, kind), batches.data(kind))
     assert seen == [(0, 1), (0, 1)]
     import warnings
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*will see `p.grad is None`")
-        models.trainer(_disk(tmp_path / "tier"), max_steps=1).fit(models.build_task("llama"), models.data("lm"))
+        tasks.trainer(_disk(tmp_path / "tier"), max_steps=1).fit(tasks.build_task("llama"), batches.data("lm"))
 
 
 def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_weights_tied() -> None:
@@ -842,7 +842,7 @@ def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_we
             model = LlamaForCausalLM(config)
         return writes.bytes / sum(p.numel() * p.element_size() for p in model.parameters()), model
 
-    trainer = models.trainer(SuperpipeStrategy())  # deterministic=True
+    trainer = tasks.trainer(SuperpipeStrategy())  # deterministic=True
     assert torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
     untouched, model = written(trainer.init_module(empty_init=True))
     assert untouched < 0.01
@@ -853,11 +853,11 @@ def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_we
     assert touched > 0.9  # the count sees the init functions' writes
     assert torch.isnan(model.model.layers[0].mlp.up_proj.weight).sum() == 0  # normal_ wrote over the NaN fill
 
-class _BuiltInConfigureModel(models.Task):
+class _BuiltInConfigureModel(tasks.Task):
     """Builds its model in ``configure_model``, as Lightning advises for a model too large to build eagerly."""
 
     def __init__(self, family: str) -> None:
-        build, kind = models.FAMILIES[family]
+        build, kind = tasks.EXAMPLES[family]
         super().__init__(lambda: None, kind)
         self._build = build
 
@@ -868,8 +868,8 @@ class _BuiltInConfigureModel(models.Task):
 
 def _fit_configure_model(family: str, strategy: Any, **overrides: Any) -> _BuiltInConfigureModel:
     task = _BuiltInConfigureModel(family)
-    models.pl.seed_everything(8, verbose=False)  # configure_model builds under the fit's seed
-    models.trainer(strategy, **overrides).fit(task, models.data(task.kind))
+    tasks.pl.seed_everything(8, verbose=False)  # configure_model builds under the fit's seed
+    tasks.trainer(strategy, **overrides).fit(task, batches.data(task.kind))
     return task
 
 
@@ -881,7 +881,7 @@ def test_a_model_built_in_configure_model_reaches_the_files_block_by_block_with_
     """Under the disk tier the init calls of ``configure_model`` are recorded and each block's run into fresh tensors
     as it is written (the parameters' own memory is never written): the run equals the host tier's, which builds
     the model eagerly, bitwise, and the random stream after the build (dropout) is the same."""
-    with models.fresh_initial_values() as fresh:
+    with tasks.fresh_initial_values() as fresh:
         host = _fit_configure_model(family, "superpipe")
         assert not fresh  # the host tier builds eagerly
         streamed = _fit_configure_model(family, _disk(tmp_path / "tier"))
@@ -889,7 +889,7 @@ def test_a_model_built_in_configure_model_reaches_the_files_block_by_block_with_
     manifest = json.loads((tmp_path / "tier" / disk.MANIFEST).read_text())
     blocks = {name for block in manifest["names"] for name in block}
     assert blocks and fresh == dict.fromkeys(blocks, True)  # every block parameter's values made apart from it
-    assert models.max_relative_difference(streamed, _BuiltInConfigureModel(family)) > 1e-3  # it trained
+    assert tasks.max_relative_difference(streamed, _BuiltInConfigureModel(family)) > 1e-3  # it trained
 
 
 def test_a_resume_into_a_model_built_in_configure_model_keeps_the_checkpoints_values(tmp_path: Path) -> None:
@@ -902,15 +902,15 @@ def test_a_resume_into_a_model_built_in_configure_model_keeps_the_checkpoints_va
     _fit_configure_model("llama", _disk(tmp_path / "tier"), max_epochs=1, enable_checkpointing=True,
                          callbacks=[callback], **options)
     resumed = _BuiltInConfigureModel("llama")
-    models.pl.seed_everything(123, verbose=False)  # other initial weights: everything must come from the checkpoint
-    models.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
-        resumed, models.data("lm"), ckpt_path=checkpoints / "last.ckpt"
+    tasks.pl.seed_everything(123, verbose=False)  # other initial weights: everything must come from the checkpoint
+    tasks.trainer(_disk(tmp_path / "tier"), max_epochs=2, **options).fit(
+        resumed, batches.data("lm"), ckpt_path=checkpoints / "last.ckpt"
     )
     assert resumed.losses == uninterrupted.losses[8:]
-    assert models.max_relative_difference(resumed, uninterrupted) == 0.0
+    assert tasks.max_relative_difference(resumed, uninterrupted) == 0.0
 
 
-class _LoadedInConfigureModel(models.Task):
+class _LoadedInConfigureModel(tasks.Task):
     """Builds a model from a saved folder's config in ``configure_model`` and gives it the folder's weights."""
 
     def __init__(self, folder: Path, through_from_pretrained: bool = False) -> None:
@@ -934,14 +934,14 @@ class _LoadedInConfigureModel(models.Task):
 def test_a_saved_model_loaded_in_configure_model_trains_as_from_pretrained(tmp_path: Path) -> None:
     """``load_safetensors`` in ``configure_model`` under the disk tier reads each block's tensors as the block is
     written: the run equals the host tier's with the same weights from ``from_pretrained``, bitwise."""
-    models.pl.seed_everything(3, verbose=False)
-    models.llama().save_pretrained(tmp_path / "saved")
+    tasks.pl.seed_everything(3, verbose=False)
+    tasks.llama().save_pretrained(tmp_path / "saved")
     pretrained = _LoadedInConfigureModel(tmp_path / "saved", through_from_pretrained=True)
-    models.pl.seed_everything(8, verbose=False)
-    models.trainer("superpipe").fit(pretrained, models.data("lm"))
+    tasks.pl.seed_everything(8, verbose=False)
+    tasks.trainer("superpipe").fit(pretrained, batches.data("lm"))
     loaded = _LoadedInConfigureModel(tmp_path / "saved")
-    models.pl.seed_everything(8, verbose=False)
-    models.trainer(_disk(tmp_path / "tier")).fit(loaded, models.data("lm"))
+    tasks.pl.seed_everything(8, verbose=False)
+    tasks.trainer(_disk(tmp_path / "tier")).fit(loaded, batches.data("lm"))
     _assert_same(loaded, pretrained)
 
 
@@ -949,11 +949,11 @@ def test_a_set_up_that_fails_leaves_a_model_built_in_configure_model_initialized
     """The tier refuses its buffer bound after the blocks' files are written: the model the user keeps must hold
     its eager values, not the untouched memory the deferred init left in its parameters."""
     failed = _BuiltInConfigureModel("llama")
-    models.pl.seed_everything(8, verbose=False)
+    tasks.pl.seed_everything(8, verbose=False)
     with pytest.raises(MisconfigurationException, match="host_buffer_bytes=4096"):
-        models.trainer(_disk(tmp_path / "tier", host_buffer_bytes=4096)).fit(failed, models.data("lm"))
+        tasks.trainer(_disk(tmp_path / "tier", host_buffer_bytes=4096)).fit(failed, batches.data("lm"))
     eager = _BuiltInConfigureModel("llama")
-    models.pl.seed_everything(8, verbose=False)
+    tasks.pl.seed_everything(8, verbose=False)
     eager.configure_model()
     assert [n for n, _ in failed.named_parameters()] == [n for n, _ in eager.named_parameters()]
     assert all(torch.equal(p, q) for p, q in zip(failed.parameters(), eager.parameters()))

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lightning_superpipe import SuperpipeStrategy
-from tests import families
+from tests import families, tasks
 
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["stepped-during-backward", "clipped-spilled"])
@@ -21,11 +21,11 @@ def test_every_family_trains_on_the_disk_tier_exactly_as_plain_lightning(
     its gradients complete (the first micro-batch's spilled and added); clipping by norm spills every block's and
     steps them from disk after backward. Experts no token reached (MoE), two stacks (T5, BART), BatchNorm's
     statistics (ResNet), a vision tower (LLaVA) included."""
-    plain = families.fit(name, "auto", gradient_clip_val=clip)
+    plain = tasks.fit_family(name, "auto", gradient_clip_val=clip)
     disk = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path, resident_blocks=1, prefetch=1)
-    streamed = families.fit(name, disk, gradient_clip_val=clip)
+    streamed = tasks.fit_family(name, disk, gradient_clip_val=clip)
     assert len(streamed.losses) == len(plain.losses) == 8
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
-    assert families.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     assert disk.memory_report()["disk_bytes_written"] > 0
-    assert families.max_relative_difference(streamed, families.build_task(name), integers=False) > 1e-4
+    assert tasks.max_relative_difference(streamed, tasks.build_family_task(name), integers=False) > 1e-4

@@ -14,55 +14,55 @@ from lightning_superpipe.memory import host_memory
 from lightning_superpipe.memory.host import HostMemoryError
 from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks
 from lightning_superpipe.streaming.blocks import assign_parameters
-from tests import models
+from tests import batches, tasks
 
 
 def test_registered_under_its_name_and_usable_as_an_instance() -> None:
-    trainer = models.trainer("superpipe")
+    trainer = tasks.trainer("superpipe")
     assert isinstance(trainer.strategy, SuperpipeStrategy)
     assert trainer.strategy.root_device == torch.device("cpu")
-    trainer = models.trainer(SuperpipeStrategy(resident_blocks=3, prefetch=2))
+    trainer = tasks.trainer(SuperpipeStrategy(resident_blocks=3, prefetch=2))
     assert (trainer.strategy.resident_blocks, trainer.strategy.prefetch) == (3, 2)
 
 
 def test_several_devices_resolve_to_one_rank_each() -> None:
     # Runs on several devices are tested end to end in tests/test_strategy_ddp.py; here only what the Trainer
     # resolves: two CPU processes launched by Lightning's subprocess launcher, each streaming through one device.
-    trainer = models.trainer("superpipe", devices=2)
+    trainer = tasks.trainer("superpipe", devices=2)
     assert isinstance(trainer.strategy, SuperpipeStrategy)
     assert trainer.strategy.parallel_devices == [torch.device("cpu")] * 2
     assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
-    assert models.trainer("superpipe").strategy.launcher is None  # one device: this process, no process group
+    assert tasks.trainer("superpipe").strategy.launcher is None  # one device: this process, no process group
 
 
 def test_a_model_without_blocks_says_how_to_name_them() -> None:
-    class Flat(models.Task):
+    class Flat(tasks.Task):
         def __init__(self) -> None:
             super().__init__(lambda: nn.Linear(12, 3), "vector")
 
     with pytest.raises(NoBlocksFoundError, match=r"SuperpipeStrategy\(blocks=\{MyLayer\}\)"):
-        models.trainer("superpipe").fit(Flat(), models.data("vector"))
+        tasks.trainer("superpipe").fit(Flat(), batches.data("vector"))
 
 
 def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
     strategy = SuperpipeStrategy(resident_blocks=9, prefetch=5)
     with pytest.warns(UserWarning, match=r"resident_blocks=9\) is more than the number of blocks \(4\); using 4"):
-        models.trainer(strategy, max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer(strategy, max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
     assert strategy.memory_report()["resident_blocks"] == 4
     assert strategy.memory_report()["prefetch"] == 0
     with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero"):
-        models.trainer(SuperpipeStrategy(prefetch=-1)).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer(SuperpipeStrategy(prefetch=-1)).fit(tasks.build_task("sequential"), batches.data("vector"))
     # A boolean is an int to Python, but `resident_blocks=True` is a mistake, not "one block".
     with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(resident_blocks=True\) must be a whole"):
-        models.trainer(SuperpipeStrategy(resident_blocks=True)).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer(SuperpipeStrategy(resident_blocks=True)).fit(tasks.build_task("sequential"), batches.data("vector"))
 
 
 def test_a_host_too_small_is_refused_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1024)
-    task = models.build_task("llama")
+    task = tasks.build_task("llama")
     before = {name: param.detach().clone() for name, param in task.named_parameters()}
     with pytest.raises(HostMemoryError, match=r"needs about .* more host memory .* only 1 KiB is available"):
-        models.trainer("superpipe").fit(task, models.data("lm"))
+        tasks.trainer("superpipe").fit(task, batches.data("lm"))
     for name, param in task.named_parameters():
         assert torch.equal(param, before[name])  # nothing lost
 
@@ -76,16 +76,16 @@ def test_an_error_inside_a_block_leaves_the_parameters_in_place() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("boom")
 
-    task = models.build_task("sequential")
+    task = tasks.build_task("sequential")
     task.model[1][2] = Failing()
     with pytest.raises(RuntimeError, match="boom"):
-        models.trainer(SuperpipeStrategy(blocks={nn.Sequential, Failing}), max_steps=1).fit(task, models.data("vector"))
+        tasks.trainer(SuperpipeStrategy(blocks={nn.Sequential, Failing}), max_steps=1).fit(task, batches.data("vector"))
     assert isinstance(task.model[1][2].linear.weight, nn.Parameter)
     assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in task.parameters())
 
 
 def test_block_discovery_and_policies() -> None:
-    llama = models.llama()
+    llama = tasks.llama()
     assert find_blocks(llama) == list(llama.model.layers)
     # A list of modules of several classes is a stack only if they are transformers decoder layers (hybrids).
     with pytest.raises(NoBlocksFoundError, match="same-type"):
@@ -100,7 +100,7 @@ def test_block_discovery_and_policies() -> None:
 
 
 def test_parameters_shared_between_blocks_stay_resident_and_tied() -> None:
-    model = models.tied()
+    model = tasks.tied()
     stack = model[1]
     shared = stack[0][0]
     blocks = find_blocks(model)
@@ -110,9 +110,9 @@ def test_parameters_shared_between_blocks_stay_resident_and_tied() -> None:
     assert [id(p) for p in per_block[1]] == [id(p) for p in stack[1].parameters()]
     assert {id(shared.weight), id(shared.bias)} <= {id(p) for p in trunk}
 
-    plain = models.fit("tied", "auto")
-    streamed = models.fit("tied", SuperpipeStrategy(resident_blocks=0))
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    plain = tasks.fit("tied", "auto")
+    streamed = tasks.fit("tied", SuperpipeStrategy(resident_blocks=0))
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     assert streamed.model[1][0][0] is streamed.model[1][2][1]
 
 
@@ -138,10 +138,10 @@ def test_default_discovery_streams_every_outermost_stack_in_execution_order() ->
 
 
 def test_blocks_of_different_dtypes_are_refused_before_training() -> None:
-    task = models.build_task("sequential")
+    task = tasks.build_task("sequential")
     task.model[1][2].half()  # one block in fp16, the others in fp32: they cannot share slots
     with pytest.raises(TypeError, match=r"slots of one dtype, but the blocks' weights have \['torch.float16', 'torch.float32'\]"):
-        models.trainer(SuperpipeStrategy(resident_blocks=0), max_steps=1).fit(task, models.data("vector"))
+        tasks.trainer(SuperpipeStrategy(resident_blocks=0), max_steps=1).fit(task, batches.data("vector"))
 
 
 def test_cuda_graph_capture_while_streaming_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,16 +149,16 @@ def test_cuda_graph_capture_while_streaming_is_refused(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(Copier, "capturing", lambda self: True)
     with pytest.raises(RuntimeError, match="cannot stream blocks inside CUDA graph capture"):
-        models.trainer("superpipe", max_steps=1).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer("superpipe", max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
 
 
 def test_parameters_replaced_by_new_objects_mid_run_are_refused() -> None:
     """`load_state_dict(assign=True)` swaps the Parameter objects the strategy streams: refused, not ignored."""
 
-    class Reassign(models.pl.Callback):
-        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: object) -> None:
+    class Reassign(tasks.pl.Callback):
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
             state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             pl_module.load_state_dict(state, assign=True)
 
     with pytest.raises(RuntimeError, match=r"was replaced by another\s+object during the run .*assign=True"):
-        models.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(models.build_task("sequential"), models.data("vector"))
+        tasks.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(tasks.build_task("sequential"), batches.data("vector"))

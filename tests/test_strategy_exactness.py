@@ -8,7 +8,7 @@ import torch
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from tests import models
+from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
@@ -23,38 +23,38 @@ def _relative(a: list[float], b: list[float]) -> float:
 def test_losses_and_weights_match_plain_lightning(family: str) -> None:
     """10 optimizer steps of AdamW with two parameter groups, an LR warm-up, clipping by norm, accumulation over
     two micro-batches and dropout on."""
-    plain = models.fit(family, "auto")
-    streamed = models.fit(family, "superpipe")
+    plain = tasks.fit(family, "auto")
+    streamed = tasks.fit(family, "superpipe")
     assert len(plain.losses) == 20  # 10 steps x 2 micro-batches
     assert _relative(streamed.losses, plain.losses) < 1e-5
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     # Training changed the weights, so the comparison above compared something.
-    assert models.max_relative_difference(streamed, models.build_task(family)) > 1e-3
+    assert tasks.max_relative_difference(streamed, tasks.build_task(family)) > 1e-3
 
 
 @pytest.mark.parametrize(("resident_blocks", "prefetch"), [(0, 0), (0, 2), (2, 1), (4, 0)])
 def test_knobs_do_not_change_results(resident_blocks: int, prefetch: int) -> None:
-    plain = models.fit("sequential", "auto", gradient_clip_algorithm="value")
-    streamed = models.fit(
+    plain = tasks.fit("sequential", "auto", gradient_clip_algorithm="value")
+    streamed = tasks.fit(
         "sequential", SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch), gradient_clip_algorithm="value"
     )
     assert _relative(streamed.losses, plain.losses) < 1e-5
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 def test_sgd_with_momentum_and_no_accumulation() -> None:
     options = dict(optimizer="sgd", accumulate_grad_batches=1, gradient_clip_val=None)
-    plain = models.fit("llama", "auto", **options)
-    streamed = models.fit("llama", "superpipe", **options)
+    plain = tasks.fit("llama", "auto", **options)
+    streamed = tasks.fit("llama", "superpipe", **options)
     assert len(plain.losses) == 10
     assert _relative(streamed.losses, plain.losses) < 1e-5
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 def test_tied_weights_stay_tied_and_optimizer_state_stays_on_the_host() -> None:
-    task = models.build_task("gpt2")
-    trainer = models.trainer("superpipe", max_steps=3)
-    trainer.fit(task, models.data("lm"))
+    task = tasks.build_task("gpt2")
+    trainer = tasks.trainer("superpipe", max_steps=3)
+    trainer.fit(task, batches.data("lm"))
     model = task.model
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(p.device.type == "cpu" for p in task.parameters())

@@ -12,15 +12,15 @@ import torch
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from tests import families
+from tests import batches, families, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
 
-def _plain_and_streamed(name: str, **options: Any) -> tuple[families.FamilyTask, families.FamilyTask]:
-    plain = families.fit(name, "auto", **options)
-    streamed = families.fit(name, SuperpipeStrategy(resident_blocks=1, prefetch=1), **options)
+def _plain_and_streamed(name: str, **options: Any) -> tuple[tasks.Task, tasks.Task]:
+    plain = tasks.fit_family(name, "auto", **options)
+    streamed = tasks.fit_family(name, SuperpipeStrategy(resident_blocks=1, prefetch=1), **options)
     return plain, streamed
 
 
@@ -28,10 +28,10 @@ def _plain_and_streamed(name: str, **options: Any) -> tuple[families.FamilyTask,
 def test_every_family_trains_exactly_as_plain_lightning(name: str) -> None:
     plain, streamed = _plain_and_streamed(name)
     assert len(streamed.losses) == len(plain.losses) == 8
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
-    assert families.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
     # Training moved the weights, so the comparison compared something.
-    assert families.max_relative_difference(streamed, families.build_task(name), integers=False) > 1e-4
+    assert tasks.max_relative_difference(streamed, tasks.build_family_task(name), integers=False) > 1e-4
 
 
 @pytest.mark.parametrize("name", ["llama-eager-padded", "t5-padded", "llava", "resnet"])
@@ -53,13 +53,13 @@ def test_validation_between_steps_matches_plain(name: str) -> None:
 )
 def test_every_stack_of_blocks_streams_and_the_report_says_which(name: str, stacks: list[str]) -> None:
     strategy = SuperpipeStrategy()
-    families.fit(name, strategy, steps=1)
+    tasks.fit_family(name, strategy, steps=1)
     assert strategy.memory_report()["streamed_stacks"] == stacks
 
 
 def test_a_vision_language_model_streams_its_vision_tower_and_its_language_model() -> None:
     strategy = SuperpipeStrategy()
-    task = families.fit("llava", strategy, steps=1)
+    task = tasks.fit_family("llava", strategy, steps=1)
     stacks = strategy.memory_report()["streamed_stacks"]
     assert len(stacks) == 2
     assert "vision_tower" in stacks[0] and "CLIPEncoderLayer" in stacks[0]
@@ -69,7 +69,7 @@ def test_a_vision_language_model_streams_its_vision_tower_and_its_language_model
     )
 
 
-class _CacheSpy(families.FamilyTask):
+class _CacheSpy(tasks.Task):
     """Records how many positions the KV cache the model returns holds after each training forward."""
 
     def forward(self, batch: Any) -> torch.Tensor:
@@ -83,14 +83,14 @@ def test_training_keeps_no_layers_keys_and_values_alive_through_the_step() -> No
     values and keeps it to the end of the step; streamed blocks are handed no cache in training."""
 
     def run(strategy: Any) -> list[int]:
-        families.pl.seed_everything(7, verbose=False)
-        task = _CacheSpy("llama-padded")
+        tasks.pl.seed_everything(7, verbose=False)
+        task = _CacheSpy.of("llama-padded")
         task.cached = []  # type: ignore[attr-defined]
         family = families.get("llama-padded")
-        families.trainer(strategy, steps=1).fit(task, family.data(2, 0))
+        tasks.trainer(strategy, max_steps=1, gradient_clip_val=None).fit(task, family.data(2, 0))
         return task.cached  # type: ignore[attr-defined]
 
-    assert run("auto") == [families.SEQ, families.SEQ]
+    assert run("auto") == [batches.SEQ, batches.SEQ]
     assert run("superpipe") == [0, 0]
 
 
@@ -99,17 +99,17 @@ def test_a_filled_cache_in_training_is_refused_with_a_clear_message() -> None:
     recomputation; the strategy refuses it rather than train something else."""
     from transformers import DynamicCache
 
-    class PrefixTask(families.FamilyTask):
+    class PrefixTask(tasks.Task):
         def forward(self, batch: Any) -> torch.Tensor:
             with torch.no_grad():
                 prefix = self.model(input_ids=batch["input_ids"][:, :4], use_cache=True).past_key_values
             return self.model(input_ids=batch["input_ids"][:, 4:], past_key_values=prefix, labels=batch["labels"][:, 4:]).loss
 
-    families.pl.seed_everything(7, verbose=False)
-    task = PrefixTask("llama")
+    tasks.pl.seed_everything(7, verbose=False)
+    task = PrefixTask.of("llama")
     assert DynamicCache is not None
     with pytest.raises(ValueError, match=r"key-value cache that already\s+holds keys and values"):
-        families.trainer("superpipe", steps=1).fit(task, families.get("llama").data(2, 0))
+        tasks.trainer("superpipe", max_steps=1, gradient_clip_val=None).fit(task, families.get("llama").data(2, 0))
 
 
 @pytest.mark.parametrize("name", ["llama-eager-padded", "gpt_neox-padded", "gemma3", "t5-padded", "llava", "resnet"])
@@ -117,7 +117,7 @@ def test_bf16_mixed_is_plain_bf16_mixed_for_dense_families(name: str) -> None:
     """Matrices stream in bf16 (what autocast casts them to before each matmul); norms, biases and embedding tables
     stay fp32 and resident, as autocast keeps them. (Fused MoE experts stream in bf16 too, where plain autocast may
     compute them in fp32, so MoE families are close, not equal: see the README.)"""
-    plain = families.fit(name, "auto", precision="bf16-mixed")
-    streamed = families.fit(name, SuperpipeStrategy(), precision="bf16-mixed")
-    assert families.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-6
-    assert families.max_relative_difference(streamed, plain) < 1e-6
+    plain = tasks.fit_family(name, "auto", precision="bf16-mixed")
+    streamed = tasks.fit_family(name, SuperpipeStrategy(), precision="bf16-mixed")
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-6
+    assert tasks.max_relative_difference(streamed, plain) < 1e-6

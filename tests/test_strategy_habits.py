@@ -13,7 +13,7 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from tests import models
+from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
@@ -24,22 +24,22 @@ def _strategies() -> list[Any]:
     return ["auto", SuperpipeStrategy(resident_blocks=1, prefetch=1)]
 
 
-def _assert_same(streamed: models.Task, plain: models.Task) -> None:
+def _assert_same(streamed: tasks.Task, plain: tasks.Task) -> None:
     assert len(streamed.losses) == len(plain.losses) > 0
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 # ---------------------------------------------------------------------------------------------------- weights
 
 
-class _ClipWeights(models.pl.Callback):
+class _ClipWeights(tasks.pl.Callback):
     """WGAN-style weight clipping after every step, through ``.data`` or under ``torch.no_grad()``."""
 
     def __init__(self, idiom: str) -> None:
         self.idiom = idiom
 
-    def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
         for param in pl_module.parameters():
             if self.idiom == "data":
                 param.data.clamp_(-0.05, 0.05)
@@ -50,7 +50,7 @@ class _ClipWeights(models.pl.Callback):
 
 @pytest.mark.parametrize("idiom", ["data", "no_grad"])
 def test_weights_clipped_in_a_callback_are_what_the_next_step_computes_with(idiom: str) -> None:
-    plain, streamed = (models.fit("llama", s, callbacks=[_ClipWeights(idiom)]) for s in _strategies())
+    plain, streamed = (tasks.fit("llama", s, callbacks=[_ClipWeights(idiom)]) for s in _strategies())
     _assert_same(streamed, plain)
     assert all(p.abs().max() <= 0.05 for p in streamed.parameters())
 
@@ -60,8 +60,8 @@ def test_an_ema_swapped_in_for_validation_is_what_validation_sees() -> None:
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=6, limit_val_batches=2, accumulate_grad_batches=1)
 
     plain, streamed = (
-        models.fit_task(
-            lambda: models.Task(models.llama, "lm"), s, models.data("lm"), models.data("lm", batches=2, seed=1),
+        tasks.fit_task(
+            lambda: tasks.Task(tasks.llama, "lm"), s, batches.data("lm"), batches.data("lm", batches=2, seed=1),
             callbacks=[EMAWeightAveraging(decay=0.5)], **options,
         )
         for s in _strategies()
@@ -74,16 +74,16 @@ def test_an_ema_swapped_in_for_validation_is_what_validation_sees() -> None:
 def test_load_state_dict_by_hand_mid_run() -> None:
     """A callback rewinds the model to its initial weights after step 3: the next step must start from them."""
 
-    class Rewind(models.pl.Callback):
-        def on_train_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+    class Rewind(tasks.pl.Callback):
+        def on_train_start(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
             self.initial = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
-        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
             if trainer.global_step == 3 and not hasattr(self, "done"):
                 self.done = True
                 pl_module.load_state_dict(self.initial)
 
-    plain, streamed = (models.fit("llama", s, callbacks=[Rewind()], accumulate_grad_batches=1) for s in _strategies())
+    plain, streamed = (tasks.fit("llama", s, callbacks=[Rewind()], accumulate_grad_batches=1) for s in _strategies())
     _assert_same(streamed, plain)
     assert streamed.losses[3] == pytest.approx(streamed.losses[0], rel=0.05)  # back at the start (other batch)
 
@@ -91,13 +91,13 @@ def test_load_state_dict_by_hand_mid_run() -> None:
 def test_lbfgs_evaluates_its_closure_with_the_weights_it_just_set() -> None:
     """LBFGS calls the closure several times per step, changing the weights in between."""
 
-    class LBFGSTask(models.Task):
+    class LBFGSTask(tasks.Task):
         def configure_optimizers(self) -> Any:
             return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5, history_size=4)
 
     options = dict(max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
     plain, streamed = (
-        models.fit_task(lambda: LBFGSTask(models.sequential, "vector"), s, models.data("vector"), **options)
+        tasks.fit_task(lambda: LBFGSTask(tasks.sequential, "vector"), s, batches.data("vector"), **options)
         for s in _strategies()
     )
     assert len(plain.losses) > 4  # several closure evaluations per step
@@ -105,20 +105,20 @@ def test_lbfgs_evaluates_its_closure_with_the_weights_it_just_set() -> None:
 
 
 def test_manual_optimization_with_two_backwards_per_step() -> None:
-    class Manual(models.Task):
+    class Manual(tasks.Task):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.automatic_optimization = False
 
         def training_step(self, batch: Any, batch_idx: int) -> None:
-            models.two_backwards_and_a_step(self, batch)
+            tasks.two_backwards_and_a_step(self, batch)
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
 
     options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
     plain, streamed = (
-        models.fit_task(lambda: Manual(models.gpt2, "lm"), s, models.data("lm"), **options) for s in _strategies()
+        tasks.fit_task(lambda: Manual(tasks.gpt2, "lm"), s, batches.data("lm"), **options) for s in _strategies()
     )
     assert len(plain.losses) == 8
     _assert_same(streamed, plain)
@@ -126,7 +126,7 @@ def test_manual_optimization_with_two_backwards_per_step() -> None:
 
 def test_a_checkpoint_saved_mid_run_holds_the_weights_of_that_step(tmp_path: Any) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
-    streamed = models.fit("llama", SuperpipeStrategy(), callbacks=[checkpoint], enable_checkpointing=True, max_steps=3)
+    streamed = tasks.fit("llama", SuperpipeStrategy(), callbacks=[checkpoint], enable_checkpointing=True, max_steps=3)
     saved = torch.load(tmp_path / "step=3.ckpt", weights_only=True)["state_dict"]
     current = streamed.state_dict()
     assert saved.keys() == current.keys()
@@ -139,35 +139,35 @@ def test_a_checkpoint_saved_mid_run_holds_the_weights_of_that_step(tmp_path: Any
 def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=4, accumulate_grad_batches=1)
 
-    models.pl.seed_everything(7, verbose=False)
-    initial = models.HeadFirstTask(models.llama, "lm")
+    tasks.pl.seed_everything(7, verbose=False)
+    initial = tasks.HeadFirstTask(tasks.llama, "lm")
     plain, streamed = (
-        models.fit_task(
-            lambda: models.HeadFirstTask(models.llama, "lm"), s, models.data("lm"),
-            callbacks=[models.UnfreezeLayersAtEpochOne()], **options
+        tasks.fit_task(
+            lambda: tasks.HeadFirstTask(tasks.llama, "lm"), s, batches.data("lm"),
+            callbacks=[tasks.UnfreezeLayersAtEpochOne()], **options
         )
         for s in _strategies()
     )
     _assert_same(streamed, plain)
     # The layers trained in epoch 1 (they moved 0.0 when the strategy read `requires_grad` only at set-up).
-    assert models.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
+    assert tasks.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
 
 
 def test_parameters_frozen_mid_run_stop_moving() -> None:
-    class FreezeMlpAtStep2(models.pl.Callback):
-        def on_train_batch_start(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+    class FreezeMlpAtStep2(tasks.pl.Callback):
+        def on_train_batch_start(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
             if trainer.global_step == 2:
                 for name, param in pl_module.named_parameters():
                     if ".mlp." in name:
                         param.requires_grad_(False)
                         param.grad = None
 
-        def on_train_batch_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
             if trainer.global_step == 2:
                 pl_module.frozen = {n: p.clone() for n, p in pl_module.named_parameters() if ".mlp." in n}
 
     plain, streamed = (
-        models.fit("llama", s, callbacks=[FreezeMlpAtStep2()], accumulate_grad_batches=1, gradient_clip_val=None)
+        tasks.fit("llama", s, callbacks=[FreezeMlpAtStep2()], accumulate_grad_batches=1, gradient_clip_val=None)
         for s in _strategies()
     )
     _assert_same(streamed, plain)
@@ -207,12 +207,12 @@ class _SkipLastHead(nn.Module):
 
 
 def test_unused_parameters_get_no_gradient_and_are_not_moved_by_weight_decay() -> None:
-    def make() -> models.Task:
-        task = models.Task(_SkipLastHead, "vector")
+    def make() -> tasks.Task:
+        task = tasks.Task(_SkipLastHead, "vector")
         task.initial = {k: v.clone() for k, v in task.state_dict().items()}  # type: ignore[attr-defined]
         return task
 
-    plain, streamed = (models.fit_task(make, s, models.data("vector"), max_steps=4) for s in _strategies())
+    plain, streamed = (tasks.fit_task(make, s, batches.data("vector"), max_steps=4) for s in _strategies())
     _assert_same(streamed, plain)
     unused = [n for n in streamed.state_dict() if ".unused." in n or n.startswith("model.model.3.")]
     assert len(unused) == 8
@@ -245,7 +245,7 @@ def _conv_net() -> nn.Module:
 def test_batchnorm_statistics_in_streamed_blocks_update_once_per_forward() -> None:
     options = dict(max_steps=-1, max_epochs=1, limit_train_batches=6, limit_val_batches=2)
     plain, streamed = (
-        models.fit_task(lambda: models.Task(_conv_net, "vector"), s, _images(), _images(batches=2, seed=1), **options)
+        tasks.fit_task(lambda: tasks.Task(_conv_net, "vector"), s, _images(), _images(batches=2, seed=1), **options)
         for s in _strategies()
     )
     _assert_same(streamed, plain)  # includes running_mean, running_var and num_batches_tracked

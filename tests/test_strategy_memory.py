@@ -7,13 +7,13 @@ import torch
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from tests import families, models
+from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
 
-class _Probe(models.pl.Callback):
+class _Probe(tasks.pl.Callback):
     """Records the ledger after every micro-batch and checks the slot storages after each forward."""
 
     def __init__(self) -> None:
@@ -22,13 +22,13 @@ class _Probe(models.pl.Callback):
         self.extra_references: list[int] = []
         self.largest_block_bytes = 0
 
-    def on_before_backward(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, loss: torch.Tensor) -> None:
         # Forward is done, backward has not started: autograd must hold no view of any slot (every streamed block
         # is checkpointed), so each slot's storage is referenced by the slot's own flat tensor alone (and by the
         # temporary storage object asked for the count).
-        self.extra_references += models.extra_slot_references(trainer.strategy.engine)
+        self.extra_references += tasks.extra_slot_references(trainer.strategy.engine)
 
-    def on_train_batch_end(self, trainer: models.pl.Trainer, *args: object) -> None:
+    def on_train_batch_end(self, trainer: tasks.pl.Trainer, *args: object) -> None:
         ledger = trainer.strategy.engine.ledger
         self.largest_block_bytes = trainer.strategy.engine.largest_block_bytes()
         self.trunk_bytes = trainer.strategy.engine.trunk_device_bytes()
@@ -40,8 +40,8 @@ class _Probe(models.pl.Callback):
 def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int, emulated_link: str) -> None:
     probe = _Probe()
     strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch)
-    task = models.build_task("llama")
-    models.trainer(strategy, max_steps=4, callbacks=[probe]).fit(task, models.data("lm"))
+    task = tasks.build_task("llama")
+    tasks.trainer(strategy, max_steps=4, callbacks=[probe]).fit(task, batches.data("lm"))
     block_bytes = sum(p.numel() * 4 for p in task.model.model.layers[0].parameters())
     largest = probe.largest_block_bytes
     assert block_bytes <= largest <= block_bytes * 1.1  # alignment padding only
@@ -61,16 +61,16 @@ def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int
 
 
 def test_memory_report_is_logged_and_counts_host_bytes() -> None:
-    task = models.build_task("gpt2")
+    task = tasks.build_task("gpt2")
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
     seen: dict[str, int] = {}
 
-    class Snapshot(models.pl.Callback):
-        def on_train_end(self, trainer: models.pl.Trainer, pl_module: models.pl.LightningModule) -> None:
+    class Snapshot(tasks.pl.Callback):
+        def on_train_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
             seen.update(strategy.memory_report())
             seen.update({k: v for k, v in trainer.callback_metrics.items() if k.startswith("superpipe/")})
 
-    models.trainer(strategy, max_steps=2, callbacks=[Snapshot()]).fit(task, models.data("lm"))
+    tasks.trainer(strategy, max_steps=2, callbacks=[Snapshot()]).fit(task, batches.data("lm"))
     blocks = task.model.transformer.h
     assert seen["num_blocks"] == len(blocks) == 3
     assert seen["resident_blocks"] == 0 and seen["prefetch"] == 1
@@ -89,8 +89,8 @@ def test_backward_reads_weights_fetched_again_not_stale_copies() -> None:
     (Poisoning without emptying would corrupt the block that legitimately stays in its slot from the end of
     forward to the start of backward, and NaN everything.)"""
 
-    class Poison(models.pl.Callback):
-        def on_before_backward(self, trainer: models.pl.Trainer, *args: object) -> None:
+    class Poison(tasks.pl.Callback):
+        def on_before_backward(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             engine = trainer.strategy.engine
             engine._release_busy()
             engine.copier.synchronize()  # the poison must not race copies in flight into the slots
@@ -99,21 +99,21 @@ def test_backward_reads_weights_fetched_again_not_stale_copies() -> None:
                 slot.block = None
                 slot.free = engine.copier.mark_compute()  # the next copy into the slot comes after the poison
 
-    plain = models.fit("llama", "auto")
-    streamed = models.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Poison()])
-    assert models.max_relative_difference(streamed, plain) < 1e-5
+    plain = tasks.fit("llama", "auto")
+    streamed = tasks.fit("llama", SuperpipeStrategy(resident_blocks=0, prefetch=1), callbacks=[Poison()])
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
 
 
 def test_the_weight_comparison_sees_nan() -> None:
     """The helpers the exactness tests rely on must fail on a broken model, NaN included."""
-    families.self_check()
-    task = models.build_task("llama")
-    same = models.build_task("llama")
-    assert models.max_relative_difference(task, same) == 0.0
+    tasks.self_check()
+    task = tasks.build_task("llama")
+    same = tasks.build_task("llama")
+    assert tasks.max_relative_difference(task, same) == 0.0
     with torch.no_grad():
         same.model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
-    assert models.max_relative_difference(task, same) == float("inf")
-    assert models.max_relative_difference(same, task) == float("inf")
+    assert tasks.max_relative_difference(task, same) == float("inf")
+    assert tasks.max_relative_difference(same, task) == float("inf")
 
 
 def test_trunk_gradients_are_counted_and_leave_as_soon_as_complete() -> None:
@@ -122,8 +122,8 @@ def test_trunk_gradients_are_counted_and_leave_as_soon_as_complete() -> None:
     ledger counts them all."""
     held_at_block_sends: list[int] = []
 
-    class Spy(models.pl.Callback):
-        def on_train_start(self, trainer: models.pl.Trainer, *args: object) -> None:
+    class Spy(tasks.pl.Callback):
+        def on_train_start(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             gradients = trainer.strategy.engine.gradients
             original = gradients.send_block
 
@@ -135,8 +135,8 @@ def test_trunk_gradients_are_counted_and_leave_as_soon_as_complete() -> None:
             gradients.send_block = spying  # type: ignore[method-assign]
 
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
-    task = models.build_task("llama")
-    models.trainer(strategy, max_steps=2, callbacks=[Spy()]).fit(task, models.data("lm"))
+    task = tasks.build_task("llama")
+    tasks.trainer(strategy, max_steps=2, callbacks=[Spy()]).fit(task, batches.data("lm"))
     report = strategy.memory_report()
     head = task.model.lm_head.weight.numel() * 4
     embedding = task.model.model.embed_tokens.weight.numel() * 4
@@ -151,8 +151,8 @@ def test_blocks_stream_on_every_pass() -> None:
     loads: list[int] = []
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=0)
 
-    class Count(models.pl.Callback):
-        def on_train_start(self, trainer: models.pl.Trainer, *args: object) -> None:
+    class Count(tasks.pl.Callback):
+        def on_train_start(self, trainer: tasks.pl.Trainer, *args: object) -> None:
             engine = trainer.strategy.engine
             original = engine._load
 
@@ -162,7 +162,7 @@ def test_blocks_stream_on_every_pass() -> None:
 
             engine._load = counting_load  # type: ignore[method-assign]
 
-    models.trainer(strategy, max_steps=1, accumulate_grad_batches=1, callbacks=[Count()]).fit(
-        models.build_task("llama"), models.data("lm")
+    tasks.trainer(strategy, max_steps=1, accumulate_grad_batches=1, callbacks=[Count()]).fit(
+        tasks.build_task("llama"), batches.data("lm")
     )
     assert loads == [0, 1, 2, 1, 0]  # block 2 stays for its own backward; the last step's refresh is not counted

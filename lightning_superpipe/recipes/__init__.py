@@ -1,15 +1,11 @@
 """Recipes: fine-tune and evaluate ``transformers`` models from a YAML file with the ``superpipe`` command."""
 
-from lightning_superpipe.recipes.causal_lm import (
-    CausalLMModule,
-    GenerationSettings,
-    LoRASettings,
-    OptimizerSettings,
-)
+from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, TrainingInterrupted
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.generation_writer import GenerationWriter
 from lightning_superpipe.recipes.memory_report import MemoryReport
+from lightning_superpipe.recipes.settings import GenerationSettings, LoRASettings, OptimizerSettings
 from lightning_superpipe.recipes.text_data import ResumableDataLoader, ResumableSampler, TextDataModule
 from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenizer, load_tokenizer
 

@@ -9,14 +9,10 @@ strategy's disk tier takes it block by block, for a model that does not fit in h
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, is_dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from dataclasses import asdict, is_dataclass
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -25,254 +21,28 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
-from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
+from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.model_building import add_lora, build_from_config, check_folder, load_pretrained
+from lightning_superpipe.recipes.settings import (
+    GenerationSettings,
+    LoRASettings,
+    OptimizerSettings,
+    WarmupCosine,
+    settings_from,
+)
 from lightning_superpipe.recipes.tokenization import TextTokenizer
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 
+# The settings (and their schedule) live in ``settings`` now; ``lightning_superpipe.recipes.causal_lm.LoRASettings`` and
+# the others keep working for code that imported them from here.
+__all__ = ["CausalLMModule", "GenerationSettings", "LoRASettings", "OptimizerSettings", "WarmupCosine"]
+
 log = logging.getLogger(__name__)
 
-#: Weight files of a folder saved with ``save_pretrained``.
-WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 #: Checkpoint key of the random-number state at the time of saving.
 RNG_STATE_KEY = "causal_lm_rng_states"
-#: ``dtype`` names accepted in recipes.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-@dataclass(frozen=True)
-class LoRASettings:
-    """Low-rank adapters (``peft`` LoRA) instead of training all weights.
-
-    Args:
-        rank: Rank of each adapter's update matrices.
-        alpha: Scale of the update; the effective scale is ``alpha / rank``.
-        dropout: Dropout on the adapter's input.
-        target_modules: Names of the modules to adapt, matched against the end of each module's dotted name
-            (e.g. ``[q_proj, v_proj]``); a single string is a regular expression over full names, ``all-linear``
-            adapts every linear layer but the output layer, and ``None`` uses ``peft``'s default for the model type.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] | str | None = None
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """AdamW with linear warm-up and cosine decay, stepped every optimizer step.
-
-    Args:
-        lr: Peak learning rate, reached after ``warmup_steps``.
-        weight_decay: Decoupled weight decay of matrices; biases and norm weights are never decayed.
-        betas: AdamW's moment decay rates.
-        eps: AdamW's denominator epsilon.
-        warmup_steps: Steps of linear warm-up from ``lr / (warmup_steps + 1)``.
-        min_lr_ratio: The cosine ends at ``lr * min_lr_ratio`` on the last step (1.0 keeps the rate constant).
-        implementation: ``fused`` (one kernel for all parameters; fastest, ~9x ``foreach`` on CPU), ``for-loop``
-            (a Python loop over parameters; ~3x ``foreach`` on CPU), ``foreach`` (PyTorch's multi-tensor default) or
-            ``auto``: ``fused`` unless gradients are clipped under mixed precision, which Lightning cannot do with an
-            optimizer that unscales gradients itself (the superpipe strategy can, under ``bf16-mixed``), in which case
-            ``for-loop``.
-    """
-
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """How ``predict`` continues prompts.
-
-    Args:
-        max_new_tokens: Tokens generated after each prompt at most.
-        do_sample: Sample from the model's distribution instead of taking the most likely token.
-        temperature: Sampling temperature (only with ``do_sample``).
-        top_p: Nucleus-sampling probability mass (only with ``do_sample``).
-        schedule: ``model``: ``model.generate`` per batch; ``flexgen``: :func:`lightning_superpipe.generate`, each
-            block on the device once per token for the whole batch split into micro-batches, the KV cache in host
-            memory (under ``SuperpipeStrategy`` the strategy streams the weights, this the cache).
-        micro_batch_size: Prompts per micro-batch with ``flexgen`` (``None``: the policy's or the whole batch).
-        memory_budget: Device bytes for ``flexgen``'s cost model (``2GiB``, ``90%`` of free device memory, ``auto``;
-            :class:`~lightning_superpipe.GenerationPolicy`); ``None``: no cost model.
-        compress_kv: ``flexgen``: the KV cache in FlexGen's 4-bit form in host memory and over the link.
-        compress_weights: ``flexgen`` without ``SuperpipeStrategy``: block weights in FlexGen's 4-bit form.
-    """
-
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    schedule: Literal["model", "flexgen"] = "model"
-    micro_batch_size: int | None = None
-    memory_budget: int | str | None = None
-    compress_kv: bool = False
-    compress_weights: bool = False
-
-
-@dataclass(frozen=True)
-class WarmupCosine:
-    """Learning-rate multiplier: linear warm-up, then cosine decay to ``min_lr_ratio``.
-
-    Args:
-        warmup_steps: Steps of linear warm-up.
-        total_steps: Optimizer steps of the whole run; ``None`` (unknown length) keeps the rate flat after warm-up.
-        min_lr_ratio: Multiplier reached on the last step.
-    """
-
-    warmup_steps: int
-    total_steps: int | None
-    min_lr_ratio: float
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return (step + 1) / (self.warmup_steps + 1)
-        if self.total_steps is None:
-            return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-SettingsT = TypeVar("SettingsT")
-
-
-def settings_from(value: SettingsT | Mapping[str, Any], settings_type: type[SettingsT]) -> SettingsT:
-    """``value`` itself, or the settings dataclass built from it when it is a dict (as stored in checkpoints)."""
-    return settings_type(**value) if isinstance(value, Mapping) else value
-
-
-def lora_adaptable_types() -> tuple[type[nn.Module], ...]:
-    """Module types that ``peft`` LoRA can wrap."""
-    from transformers.pytorch_utils import Conv1D
-
-    return (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
-
-
-def check_lora_targets(model: nn.Module, target_modules: list[str] | str | None) -> None:
-    """Fail with a clear message if a LoRA target names no module of ``model`` that LoRA can adapt.
-
-    ``peft`` would raise a long error, or for a regular expression silently adapt nothing; quoting the names that do
-    exist lets the user fix the recipe in one go.
-
-    Args:
-        model: The model that will receive the adapters.
-        target_modules: As in :class:`LoRASettings`.
-
-    Raises:
-        RecipeError: If a name matches no module, or only modules LoRA cannot adapt.
-    """
-    if target_modules is None or target_modules == "all-linear":
-        return
-    adaptable = lora_adaptable_types()
-    modules = dict(model.named_modules())
-    adaptable_names = sorted(
-        {name.rsplit(".", 1)[-1] for name, module in modules.items() if isinstance(module, adaptable)}
-    )
-    hint = f"modules LoRA can adapt in this model: {', '.join(adaptable_names)}"
-    if isinstance(target_modules, str):
-        try:
-            pattern = re.compile(target_modules)
-        except re.error as error:
-            raise RecipeError(
-                f"LoRA target_modules '{target_modules}' is not a valid regular expression: {error}"
-            ) from error
-        if not any(pattern.fullmatch(name) and isinstance(module, adaptable) for name, module in modules.items()):
-            raise RecipeError(f"LoRA target_modules '{target_modules}' matches no module name in the model; {hint}")
-        return
-    if not target_modules:
-        raise RecipeError(f"LoRA target_modules is an empty list; {hint}")
-    for target in target_modules:
-        matches = [module for name, module in modules.items() if name == target or name.endswith(f".{target}")]
-        if not matches:
-            raise RecipeError(f"LoRA target module '{target}' is not in the model; {hint}")
-        if not any(isinstance(module, adaptable) for module in matches):
-            kind = type(matches[0]).__name__
-            raise RecipeError(f"LoRA target module '{target}' is a {kind}, which LoRA cannot adapt; {hint}")
-
-
-def find_weight_files(folder: Path) -> list[Path]:
-    """Weight files of a ``save_pretrained`` folder."""
-    return sorted({path for pattern in WEIGHT_FILE_PATTERNS for path in folder.glob(pattern)})
-
-
-def blame_config_keys(overrides: dict[str, Any], build: Callable[[dict[str, Any]], object]) -> list[str]:
-    """The keys of ``overrides`` that a failed ``build(overrides)`` is down to.
-
-    Those without which it succeeds; failing that, those that fail on their own (over the type's defaults); none
-    if the build succeeds after all (a failure that is not about the values, such as running out of memory).
-    """
-
-    def builds(settings: dict[str, Any]) -> bool:
-        try:
-            build(settings)
-        except Exception:  # noqa: BLE001 - any failure counts: it is the one being explained
-            return False
-        return True
-
-    if builds(overrides):
-        return []
-    if len(overrides) == 1:
-        return list(overrides)
-    culprits = [key for key in overrides if builds({k: v for k, v in overrides.items() if k != key})]
-    return culprits or [key for key, value in overrides.items() if not builds({key: value})]
-
-
-def describe_config_error(
-    model_type: str,
-    what: str,
-    overrides: dict[str, Any],
-    error: BaseException,
-    build: Callable[[dict[str, Any]], object],
-) -> str:
-    """One line for an error that transformers raised while building a configuration or a model from ``overrides``.
-
-    Args:
-        model_type: The ``transformers`` model type.
-        what: ``"configuration"`` or ``"model"``: what was being built.
-        overrides: The values under ``model.config``.
-        error: What transformers raised.
-        build: Builds the same thing from other values, to tell which keys the failure is down to.
-
-    Returns:
-        For example ``"model.config.hidden_size: The hidden size (250) is not a multiple of the number of attention
-        heads (4)."`` or ``"model.config.num_attention_heads: transformers cannot build a 'llama' configuration
-        with num_attention_heads=0 (ZeroDivisionError: integer division or modulo by zero)"``.
-    """
-    # ``huggingface_hub``'s strict dataclasses wrap the validator's own error, and name the field they checked.
-    field = re.match(r"Validation error for field '(\w+)'", str(error))
-    keys = [field.group(1)] if field and field.group(1) in overrides else blame_config_keys(overrides, build)
-    cause = error.__cause__
-    root = cause if cause is not None and type(error).__module__.startswith("huggingface_hub") else error
-    message = first_line(root)
-    if len(keys) == 1:
-        message = re.sub(rf"^Field '{re.escape(keys[0])}' ", "", message)  # the key is named already
-    where = " and ".join(f"model.config.{key}" for key in keys) or "model.config"
-    if isinstance(root, (ValueError, TypeError)):
-        # transformers' validators say what is wrong in words.
-        return f"{where}: {message}"
-    values = ", ".join(f"{key}={overrides[key]!r}" for key in keys)
-    with_values = f" with {values}" if values else ""
-    return f"{where}: transformers cannot build a '{model_type}' {what}{with_values} ({type(root).__name__}: {message})"
-
-
-def check_numeric_values(default_config: Any, overrides: dict[str, Any]) -> None:
-    """Refuse text where the configuration has a number, for configurations that do not check their types.
-
-    Raises:
-        RecipeError: Naming the first key whose value is not a number though its default is.
-    """
-    for key, value in overrides.items():
-        default = getattr(default_config, key, None)
-        numeric_default = isinstance(default, (int, float)) and not isinstance(default, bool)
-        if numeric_default and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            kind = "an integer" if isinstance(default, int) else "a number"
-            raise RecipeError(f"model.config.{key}: expected {kind} (the default is {default!r}), got {value!r}")
 
 
 class CausalLMModule(LightningModule):
@@ -331,10 +101,10 @@ class CausalLMModule(LightningModule):
         self.model: nn.Module | None = None
         if build_in_configure_model:
             if pretrained_path is not None:
-                self._check_folder(pretrained_path, safetensors_only=True)
+                check_folder(pretrained_path, safetensors_only=True)
             else:
                 with torch.device("meta"):  # the settings' errors now, without the memory
-                    self._build_from_config(model_type, config or {}, dtype, vocab_size)
+                    build_from_config(model_type, config or {}, dtype, vocab_size)
         else:
             self.configure_model()
         # A LoRA fine-tune of a pretrained model needs only the adapters in its checkpoints: the base weights are
@@ -350,146 +120,12 @@ class CausalLMModule(LightningModule):
             return
         settings = self.hparams
         if settings["pretrained_path"] is not None:
-            model = self._load_pretrained(settings["pretrained_path"], settings["dtype"], settings["vocab_size"],
-                                          tensor_by_tensor=settings["build_in_configure_model"])
+            model = load_pretrained(settings["pretrained_path"], settings["dtype"], settings["vocab_size"],
+                                    tensor_by_tensor=settings["build_in_configure_model"])
         else:
-            model = self._build_from_config(settings["model_type"], settings["config"] or {}, settings["dtype"],
-                                            settings["vocab_size"])
-        self.model = self._add_lora(model, self.lora) if self.lora is not None else model
-
-    @staticmethod
-    def _check_folder(pretrained_path: str, safetensors_only: bool = False) -> Path:
-        folder = Path(pretrained_path).expanduser()
-        if not folder.exists():
-            raise RecipeError(f"model path '{pretrained_path}' does not exist")
-        if not folder.is_dir():
-            raise RecipeError(f"model path '{pretrained_path}' is a file; expected a folder saved with save_pretrained")
-        if not (folder / "config.json").is_file():
-            raise RecipeError(f"model path '{pretrained_path}' holds no model: it has no config.json")
-        if not find_weight_files(folder):
-            raise RecipeError(
-                f"model path '{pretrained_path}' holds no model weights: no *.safetensors or pytorch_model*.bin files"
-            )
-        if safetensors_only and not list(folder.glob("*.safetensors")):
-            raise RecipeError(
-                f"model path '{pretrained_path}' has no *.safetensors files, which model.build_in_configure_model"
-                " reads tensor by tensor; save the model with safe_serialization, or leave the option off"
-            )
-        return folder
-
-    @staticmethod
-    def _load_pretrained(
-        pretrained_path: str, dtype: str, vocab_size: int | None, tensor_by_tensor: bool = False
-    ) -> nn.Module:
-        from safetensors import SafetensorError
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from lightning_superpipe.streaming.deferred_init import load_safetensors
-
-        folder = CausalLMModule._check_folder(pretrained_path, safetensors_only=tensor_by_tensor)
-        try:
-            if tensor_by_tensor:  # built from its config, each weight read when it is needed (the disk tier's blocks)
-                config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-                saved = getattr(config, "dtype", None) or torch.float32
-                saved = getattr(torch, saved) if isinstance(saved, str) else saved
-                model_dtype = saved if dtype == "auto" else DTYPES[dtype]
-                model = AutoModelForCausalLM.from_config(config, dtype=model_dtype)
-                load_safetensors(model, folder)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(folder), local_files_only=True, dtype="auto" if dtype == "auto" else DTYPES[dtype]
-                )
-        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as error:
-            # Whatever fails while loading from a folder (an unknown architecture, a corrupt or truncated weight
-            # file, shapes that do not match the config) is a problem with that folder, so it is reported as such.
-            raise RecipeError(f"cannot load a causal LM from '{pretrained_path}': {first_line(error)}") from error
-        # ``from_pretrained`` returns the model in eval mode; fine-tuning wants dropout as in pre-training, and
-        # Lightning keeps whatever mode the module starts ``fit`` in.
-        model.train()
-        embedding_rows = model.get_input_embeddings().num_embeddings
-        if vocab_size is not None and vocab_size > embedding_rows:
-            log.warning(
-                "The tokenizer has %d ids but '%s' embeds %d; resizing the embeddings (new rows start random).",
-                vocab_size,
-                pretrained_path,
-                embedding_rows,
-            )
-            model.resize_token_embeddings(vocab_size)
-        return model
-
-    @staticmethod
-    def _build_from_config(model_type: str, overrides: dict[str, Any], dtype: str, vocab_size: int | None) -> nn.Module:
-        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
-
-        if model_type not in CONFIG_MAPPING:
-            close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=3)
-            suggestion = f"; did you mean {', '.join(repr(name) for name in close)}?" if close else ""
-            raise RecipeError(f"model_type '{model_type}' is not a transformers model type{suggestion}")
-        default_config = AutoConfig.for_model(model_type)
-        # ``AutoConfig.for_model`` stores any keyword as an attribute, so a misspelt size would be silently ignored.
-        # Some settings (``attn_implementation``) are stored under a private name.
-        unknown = [key for key in overrides if not any(hasattr(default_config, name) for name in (key, f"_{key}"))]
-        if unknown:
-            details = ", ".join(f"'{key}'{did_you_mean(key, default_config.to_dict())}" for key in unknown)
-            raise RecipeError(f"model.config has keys that the '{model_type}' configuration does not know: {details}")
-        torch_dtype = DTYPES.get(dtype, torch.float32)
-
-        def make_config(settings: dict[str, Any]) -> Any:
-            config = AutoConfig.for_model(model_type, **settings)
-            if vocab_size is not None:
-                config.vocab_size = vocab_size
-            return config
-
-        def make_model_on_meta(settings: dict[str, Any]) -> Any:
-            with torch.device("meta"):  # the layers' shapes without their memory, to tell which key is wrong
-                return AutoModelForCausalLM.from_config(make_config(settings), dtype=torch_dtype)
-
-        # Whatever goes wrong while transformers builds the configuration or the model from it (a failed
-        # validator, a division by a zero head count, an unknown activation, a negative size) is down to the values
-        # under model.config, so it is reported against them.
-        try:
-            config = make_config(overrides)
-        except Exception as error:
-            message = describe_config_error(model_type, "configuration", overrides, error, make_config)
-            raise RecipeError(message) from error
-        check_numeric_values(default_config, overrides)
-        try:
-            return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        except Exception as error:
-            if isinstance(error, ValueError) and "Unrecognized configuration class" in str(error):
-                raise RecipeError(f"model_type '{model_type}' has no causal-LM model in transformers") from error
-            message = describe_config_error(model_type, "model", overrides, error, make_model_on_meta)
-            raise RecipeError(message) from error
-
-    @staticmethod
-    def _add_lora(model: nn.Module, settings: LoRASettings) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-        from transformers.pytorch_utils import Conv1D
-
-        check_lora_targets(model, settings.target_modules)
-        target_modules = settings.target_modules
-        # GPT-2 style ``Conv1D`` layers store the weight transposed; telling peft avoids a warning per layer.
-        fan_in_fan_out = isinstance(target_modules, list) and any(
-            isinstance(module, Conv1D) and name.rsplit(".", 1)[-1] in target_modules
-            for name, module in model.named_modules()
-        )
-        lora_config = LoraConfig(
-            r=settings.rank,
-            lora_alpha=settings.alpha,
-            lora_dropout=settings.dropout,
-            target_modules=target_modules,
-            fan_in_fan_out=fan_in_fan_out,
-            task_type="CAUSAL_LM",
-        )
-        try:
-            peft_model = get_peft_model(model, lora_config)
-        except ValueError as error:
-            # Reached for ``target_modules: null`` on a model type peft has no default for.
-            raise RecipeError(f"cannot add LoRA adapters: {first_line(error)}") from error
-        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in peft_model.parameters())
-        log.info("LoRA: training %d of %d parameters (%.2f%%).", trainable, total, 100.0 * trainable / total)
-        return peft_model
+            model = build_from_config(settings["model_type"], settings["config"] or {}, settings["dtype"],
+                                      settings["vocab_size"])
+        self.model = add_lora(model, self.lora) if self.lora is not None else model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits of shape ``(batch, sequence, vocabulary)``."""
