@@ -107,10 +107,9 @@ def reset_peak_rss() -> bool:
 def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     """One ``Trainer.fit`` through the strategy, ``args.role`` being ``"host"`` or ``"disk"``."""
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import LlamaForCausalLM
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_superpipe import SuperpipeStrategy, load_safetensors
 

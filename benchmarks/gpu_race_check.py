@@ -52,6 +52,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -439,10 +440,9 @@ def _transfer_itemsize(cfg: Config) -> int:
     return 2 if cfg.precision.startswith(("bf16", "16")) else 4
 
 
-def calibrate(cfg: Config) -> dict[str, Any]:
-    """Times one block's forward, forward+backward and upload, and the GPU clock ``torch.cuda._sleep`` counts, and
-    sizes the delays at twice a block's forward (long enough that a missing wait would be caught in the act)."""
-    device = torch.device("cuda")
+def _block_timings(cfg: Config, device: torch.device) -> tuple[float, float, float, int]:
+    """One block's forward and forward+backward times, its upload time and its transfer bytes, in ms and bytes; the
+    block and its buffers go with the call."""
     block = Block(cfg.width).to(device)
     x = torch.randn(cfg.tokens, cfg.width, device=device)
     low = torch.bfloat16 if cfg.precision.startswith("bf16") else torch.float16
@@ -463,12 +463,18 @@ def calibrate(cfg: Config) -> dict[str, Any]:
     src = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(block_bytes, dtype=torch.uint8, device=device)
     copy_ms = _time_ms(lambda: dst.copy_(src, non_blocking=True))
+    return forward_ms, train_ms, copy_ms, block_bytes
+
+
+def calibrate(cfg: Config) -> dict[str, Any]:
+    """Times one block's forward, forward+backward and upload, and the GPU clock ``torch.cuda._sleep`` counts, and
+    sizes the delays at twice a block's forward (long enough that a missing wait would be caught in the act)."""
+    forward_ms, train_ms, copy_ms, block_bytes = _block_timings(cfg, torch.device("cuda"))
+    _free_memory()
     probe = 20_000_000  # ~10 ms at the H200's ~2 GHz boost clock
     cycles_per_ms = probe / _time_ms(lambda: torch.cuda._sleep(probe), reps=3, warmup=1)
     # Twice a block's forward, kept between 1 and 40 ms so that a run stays seconds long whatever the sizes.
     sleep_ms = min(max(2.0 * forward_ms, 1.0), 40.0)
-    del block, x, src, dst
-    _free_memory()
     return {
         "block_forward_ms": forward_ms,
         "block_forward_backward_ms": train_ms,
@@ -846,7 +852,7 @@ def reference_copies(h2d_bytes: int, d2h_bytes: int, reps: int = 5) -> dict[str,
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         destination, source = (dev, host) if direction == "h2d" else (host, dev)
-        copy_once = lambda: destination.copy_(source, non_blocking=True)  # noqa: E731
+        copy_once = partial(destination.copy_, source, non_blocking=True)
         event_ms = _time_ms(copy_once, reps=reps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
             for _ in range(reps):

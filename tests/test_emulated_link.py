@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy
+from lightning_superpipe.memory import host as host_module
 from lightning_superpipe.streaming import engine as engine_module
 from lightning_superpipe.streaming import gradients as gradients_module
 from lightning_superpipe.streaming.emulated import parse_bandwidth
@@ -206,8 +207,8 @@ MUTATIONS = {
         engine_module, "StreamingEngine", "acquire_flat", "self.copier.wait_on_compute(slot.ready)", "pass",
     ),
     "load into a slot with no after event": (
-        engine_module, "StreamingEngine", "_copy_in", "self.homes[index].transfer, after, what)",
-        "self.homes[index].transfer, None, what)",
+        host_module, "BlockHome", "copy_in", "link.to_device(dst, self.transfer, after, what)",
+        "link.to_device(dst, self.transfer, None, what)",
     ),
     "the worker skips its wait for the copy": (
         gradients_module, "GradientReturn", "_accumulate", "self.copier.wait_on_host(done)", "pass",

@@ -33,11 +33,19 @@ def _kl(model, evaluation, reference) -> float:
     return F.kl_div(paged, reference, log_target=True, reduction="none").sum(-1).mean().item()
 
 
-def _baselines(handle, nbytes: int) -> dict[str, list[int]]:
+#: Random allocations averaged for the random baseline: one draw can be lucky or unlucky by more than the margin.
+RANDOM_DRAWS = 5
+
+
+def _baselines(handle, nbytes: int) -> dict[str, list[list[int]]]:
     table = handle.store.bytes_table()
+    levels = handle.store.levels
     return {
-        "uniform": [handle.store.levels[i] for i in uniform_levels(table, nbytes)],
-        "random": [handle.store.levels[i] for i in random_levels(table, nbytes, torch.Generator().manual_seed(0))],
+        "uniform": [[levels[i] for i in uniform_levels(table, nbytes)]],
+        "random": [
+            [levels[i] for i in random_levels(table, nbytes, torch.Generator().manual_seed(seed))]
+            for seed in range(RANDOM_DRAWS)
+        ],
     }
 
 
@@ -49,10 +57,13 @@ def test_planner_kl_is_lower_than_uniform_and_random_at_equal_bytes(trained, fra
     planned_bytes = handle.device_bytes()
     planned = _kl(model, evaluation, reference)
     results = {}
-    for name, levels in _baselines(handle, planned_bytes).items():
-        handle.apply_levels(levels)
-        assert handle.device_bytes() <= planned_bytes
-        results[name] = _kl(model, evaluation, reference)
+    for name, draws in _baselines(handle, planned_bytes).items():
+        kls = []
+        for levels in draws:
+            handle.apply_levels(levels)
+            assert handle.device_bytes() <= planned_bytes
+            kls.append(_kl(model, evaluation, reference))
+        results[name] = sum(kls) / len(kls)
     assert planned < results["uniform"], results | {"planner": planned}
     assert planned < results["random"], results | {"planner": planned}
 
@@ -70,7 +81,7 @@ def test_lowering_the_budget_step_by_step_stays_close_to_a_fresh_plan(trained):
     fresh = _kl(model, evaluation, reference)
     assert stepped_bytes <= final
     assert stepped < 1.5 * fresh
-    handle.apply_levels(_baselines(handle, stepped_bytes)["uniform"])
+    handle.apply_levels(_baselines(handle, stepped_bytes)["uniform"][0])
     assert stepped < _kl(model, evaluation, reference)
 
 
