@@ -186,7 +186,9 @@ BAD_KNOBS = [
 ]
 
 
-@pytest.mark.parametrize(("knobs", "message"), BAD_KNOBS, ids=[f"{next(iter(k))}-{i}" for i, (k, _) in enumerate(BAD_KNOBS)])
+@pytest.mark.parametrize(
+    ("knobs", "message"), BAD_KNOBS, ids=[f"{next(iter(knobs))}-{i}" for i, (knobs, _) in enumerate(BAD_KNOBS)]
+)
 def test_a_bad_knob_fails_in_the_constructor_with_the_users_call(knobs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as raised:
         SuperpipeStrategy(**knobs)
