@@ -5,8 +5,9 @@ Lightning's subprocess launcher starts this script again for rank 1; both ranks 
 each, and rank 0 reports:
 
 * the median step time of each after warm-up, and superpipe's as a ratio of DDP's;
-* host memory per node, with the optimizer state replicated (the default), sharded (``shard_optimizer=True``),
-  sharded with one shared copy of the blocks per node (``shard_optimizer="node"``), and in files
+* host memory per node, with the default (``superpipe``: ``shard_optimizer="auto"``, which is ``"node"`` here), the
+  optimizer state replicated (``shard_optimizer=False``), sharded (``shard_optimizer=True``), sharded with one shared
+  copy of the blocks per node (``shard_optimizer="node"``), and in files
   (``offload_device="disk"``: each rank its own copy under ``--disk-path``): the sum over both ranks of the
   training state (fp32 masters, the ``.grad`` each rank keeps, optimizer state, from the strategy's report), of the
   strategy's own count of host bytes (``host_bytes``: homes, transfer copies, staging), and of each process's
@@ -147,7 +148,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--disk-path", type=Path, default=Path("/tmp/superpipe-bench-ddp-disk"),
                         help="offload_path of the disk-tier run (on a local disk)")
-    parser.add_argument("--first", choices=("node", "sharded", "superpipe", "disk"), default="node",
+    parser.add_argument("--first", choices=("node", "sharded", "superpipe", "replicated", "disk"), default="node",
                         help="the superpipe variant run first: only its resident set growth is measured")
     parser.add_argument("--single", action="store_true", help="internal: the one-process baseline, printed as JSON")
     args = parser.parse_args()
@@ -159,7 +160,8 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--single", *sys.argv[1:]], capture_output=True, text=True)
         single = json.loads(out.stdout.strip().splitlines()[-1])
     variants = {
-        "superpipe": lambda: SuperpipeStrategy(),
+        "superpipe": lambda: SuperpipeStrategy(),  # the default
+        "replicated": lambda: SuperpipeStrategy(shard_optimizer=False),
         "sharded": lambda: SuperpipeStrategy(shard_optimizer=True),
         "node": lambda: SuperpipeStrategy(shard_optimizer="node"),
         "disk": lambda: SuperpipeStrategy(offload_device="disk", offload_path=args.disk_path),

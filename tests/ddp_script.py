@@ -8,7 +8,8 @@ Modes:
     norm, accumulation 2, dropout), with a ``sync_dist`` metric, also on the emulated asynchronous link; the
     overlapped optimizer step (no clipping) against DDP; then a run checkpointed after one epoch and resumed; then the
     same with ``shard_optimizer=True`` and with ``shard_optimizer="node"`` (the blocks' homes shared by both ranks),
-    also under ``bf16-mixed`` against ``shard_optimizer=True``.
+    also under ``bf16-mixed`` against ``shard_optimizer=True``; the default (``shard_optimizer="auto"``, which is
+    ``"node"`` here) against DDP. The runs of the replicated state name ``shard_optimizer=False``.
     ``node``: only the ``shard_optimizer="node"`` runs (with ``ddp`` to compare against).
     ``nodes``: two nodes of one device each (this script started once per node, with ``NODE_RANK``): ``"ddp"``,
     ``shard_optimizer="node"`` (each node's copy stepped by its own rank, from the gradients all-reduced across
@@ -18,11 +19,15 @@ Modes:
     too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
     ``/dev/shm`` too small for the node's shared homes; rank 1's disk too small for the node's copies of the disk
     tier; rank 1's ``configure_model`` making other init calls than rank 0's under the disk tier; the disk tier with
-    ``shard_optimizer=True`` and ``sync_batchnorm`` on two devices (refused on both).
+    ``shard_optimizer=True`` and ``sync_batchnorm`` on two devices (refused on both); the default with a
+    weight-averaging callback (``shard_optimizer=True`` then, said in an info line).
+
+Each run also saves what the strategy said about ``shard_optimizer`` (``said``: rank 0's info lines).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -129,6 +134,18 @@ def shared_mappings() -> list[tuple[str, int, int]]:
     return found
 
 
+class Said(logging.Handler):
+    """Keeps what Lightning's loggers (rank_zero_info among them) said about ``shard_optimizer``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "shard_optimizer" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 def rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -144,7 +161,12 @@ def fit(
     options.setdefault("devices", 2)
     trainer = tasks.trainer(strategy, callbacks=[record, *callbacks], **options)
     val = batches.data("lm", batches=4, seed=1) if validate else None
-    trainer.fit(task, batches.data("lm"), val, ckpt_path=ckpt_path)
+    said = Said()
+    logging.getLogger("lightning.pytorch").addHandler(said)
+    try:
+        trainer.fit(task, batches.data("lm"), val, ckpt_path=ckpt_path)
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(said)
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
     rss, peak_rss = rss_bytes()
     torch.save(
@@ -163,6 +185,8 @@ def fit(
             "rss": rss,
             "peak_rss": peak_rss,
             "sampler": type(trainer.train_dataloader.sampler).__name__,
+            "said": said.lines,
+            "node": isinstance(strategy, SuperpipeStrategy) and strategy.node is not None,
         },
         out / f"{name}_rank{trainer.global_rank}.pt",
     )
@@ -170,19 +194,22 @@ def fit(
 
 def exact(out: Path) -> None:
     fit("ddp", out, "ddp", max_steps=6)
-    fit("superpipe", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=6)
+    fit("superpipe", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_steps=6)
     fit("sharded", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_steps=6)
     # The CUDA code paths (staging, the gradient worker, events) on deferred copies, with the ordering checker.
-    fit("emulated", out, SuperpipeStrategy(link=EmulatedLink(mode="thread", seed=1), timeout=TIMEOUT), max_steps=6)
+    fit("emulated", out, SuperpipeStrategy(link=EmulatedLink(mode="thread", seed=1), shard_optimizer=False,
+                                           timeout=TIMEOUT), max_steps=6)
     # The overlapped optimizer step (blocks stepped during backward, as soon as their averaged gradients are in).
     fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
-    fit("overlapped", out, SuperpipeStrategy(overlap_optimizer=True, timeout=TIMEOUT), max_steps=4, gradient_clip_val=None)
+    fit("overlapped", out, SuperpipeStrategy(overlap_optimizer=True, shard_optimizer=False, timeout=TIMEOUT),
+        max_steps=4, gradient_clip_val=None)
     epochs = dict(max_steps=-1, limit_train_batches=8)
-    fit("uninterrupted", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, **epochs)
+    fit("uninterrupted", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_epochs=2, **epochs)
     checkpoint = ModelCheckpoint(dirpath=out, save_last=True)
-    fit("first", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=1, enable_checkpointing=True,
-        callbacks=(checkpoint,), **epochs)
-    fit("resumed", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, ckpt_path=out / "last.ckpt", **epochs)
+    fit("first", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_epochs=1,
+        enable_checkpointing=True, callbacks=(checkpoint,), **epochs)
+    fit("resumed", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_epochs=2,
+        ckpt_path=out / "last.ckpt", **epochs)
     # The same with each rank keeping its share of the optimizer state: one .ckpt with all of it, resumed.
     sharded = out / "sharded"
     checkpoint = ModelCheckpoint(dirpath=sharded, save_last=True)
@@ -191,6 +218,9 @@ def exact(out: Path) -> None:
     fit("sharded_resumed", out, SuperpipeStrategy(shard_optimizer=True, timeout=TIMEOUT), max_epochs=2,
         ckpt_path=sharded / "last.ckpt", **epochs)
     node(out, ddp=False)
+    # The default: shard_optimizer="auto", one copy of the blocks per node here. Last: a finished run's model keeps
+    # its parameters in its mapping of the shared homes until it is collected, and the "node" run counts mappings.
+    fit("default", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=6)
 
 
 def node(out: Path, ddp: bool = True) -> None:
@@ -207,7 +237,7 @@ def node(out: Path, ddp: bool = True) -> None:
         fit(name, out, SuperpipeStrategy(shard_optimizer=value, timeout=TIMEOUT), max_steps=6, precision="bf16-mixed")
     epochs = dict(max_steps=-1, limit_train_batches=8)
     if ddp:
-        fit("uninterrupted", out, SuperpipeStrategy(timeout=TIMEOUT), max_epochs=2, **epochs)
+        fit("uninterrupted", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_epochs=2, **epochs)
     folder = out / "node"
     checkpoint = ModelCheckpoint(dirpath=folder, save_last=True)
     fit("node_first", out, SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT), max_epochs=1,
@@ -245,13 +275,15 @@ def disk(out: Path) -> None:
     fit("ddp_unclipped", out, "ddp", max_steps=4, gradient_clip_val=None)
     fit("disk_overlapped", out, on_disk(overlap_optimizer=True), max_steps=4, gradient_clip_val=None)
     # Mixed precision (the masters cast on the fly) against the host tier, and validation between the steps.
-    fit("superpipe_bf16", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=4, precision="bf16-mixed")
+    fit("superpipe_bf16", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_steps=4,
+        precision="bf16-mixed")
     fit("disk_bf16", out, on_disk(), max_steps=4, precision="bf16-mixed")
     validating = dict(max_steps=4, limit_val_batches=2, val_check_interval=2, validate=True)
     fit("ddp_validated", out, "ddp", **validating)
     fit("disk_validated", out, on_disk(), **validating)
     # 16-mixed: the gradient scaler's checks cover the spilled blocks on every rank alike.
-    fit("superpipe_16", out, SuperpipeStrategy(timeout=TIMEOUT), max_steps=4, precision="16-mixed")
+    fit("superpipe_16", out, SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT), max_steps=4,
+        precision="16-mixed")
     fit("disk_16", out, on_disk(), max_steps=4, precision="16-mixed")
     # Evaluation alone (no optimizer: the tier's records hold masters only).
     for name, strategy in (("ddp_validate", "ddp"), ("disk_validate", on_disk())):
@@ -281,7 +313,7 @@ def disagree(out: Path) -> None:
     (out / "tier").mkdir(exist_ok=True)
     attempts = {
         "knobs": SuperpipeStrategy(prefetch=1 + rank(), timeout=TIMEOUT),
-        "host": SuperpipeStrategy(timeout=TIMEOUT),  # rank 1's host is too small
+        "host": SuperpipeStrategy(shard_optimizer=False, timeout=TIMEOUT),  # rank 1's host is too small
         "node_host": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # the same, rank 0 goes on to share
         "shm": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),  # rank 0's /dev/shm is too small
         "disk": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", shard_optimizer=True,
@@ -290,6 +322,7 @@ def disagree(out: Path) -> None:
         "disk_init": SuperpipeStrategy(offload_device="disk", offload_path=out / "tier", timeout=TIMEOUT),
         "batchnorm": SuperpipeStrategy(timeout=TIMEOUT),
         "ema": SuperpipeStrategy(shard_optimizer="node", timeout=TIMEOUT),
+        "ema_default": SuperpipeStrategy(timeout=TIMEOUT),  # True instead of "node", and an info line says why
     }
     available, shared_space, free_bytes = host_memory.available_host_bytes, pinned.shared_space, space.free_bytes
     for name, strategy in attempts.items():
@@ -298,7 +331,7 @@ def disagree(out: Path) -> None:
         # Rank 1's disk has the margin the tier keeps free and one page: not the node's two copies of the tier.
         space.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes
         try:
-            callbacks = (EMAWeightAveraging(),) if name == "ema" else ()
+            callbacks = (EMAWeightAveraging(),) if name in ("ema", "ema_default") else ()
             task_class = DisagreeingTask if name == "disk_init" else SyncedTask
             fit(name, out, strategy, max_steps=2, sync_batchnorm=name == "batchnorm", callbacks=callbacks,
                 task_class=task_class)

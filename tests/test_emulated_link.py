@@ -159,8 +159,8 @@ def test_bad_arguments_and_a_gpu_are_refused_with_the_users_call() -> None:
         EmulatedLink(mode="eager")
     with pytest.raises(ValueError, match="emulates an asynchronous device on the CPU"):
         EmulatedLink().copier(torch.device("cuda", 0))
-    strategy = SuperpipeStrategy(link="lazy")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationException, match=r"link='lazy'\) must be an `EmulatedLink`"):
+        strategy = SuperpipeStrategy(link="lazy")  # type: ignore[arg-type]  # refused here, by the constructor
         tasks.trainer(strategy, max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
 
 

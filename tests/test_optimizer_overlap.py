@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import threading
 import os
+import threading
 from typing import Any
 
 import pytest

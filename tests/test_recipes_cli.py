@@ -227,6 +227,16 @@ BAD_INPUT = {
         lambda tmp: ["--config", LORA, "--trainer.strategy.prefetch", "-1"],
         "SuperpipeStrategy(prefetch=-1) must be a whole number, zero or more",
     ),
+    # The strategy's constructor refuses a bad knob; jsonargparse would report that as a type mismatch.
+    "strategy knob out of its values": (
+        lambda tmp: ["--config", LORA, "--trainer.strategy.init_args.offload_device", "nvme"],
+        "trainer.strategy: SuperpipeStrategy(offload_device='nvme', offload_path=None, host_buffer_bytes=None):"
+        " offload_device must be 'cpu'",
+    ),
+    "strategy knobs that do not go together": (
+        lambda tmp: ["--config", LORA, "--trainer.strategy.host_buffer_bytes", "4096"],
+        "host_buffer_bytes=4096): host_buffer_bytes is used only by the disk tier",
+    ),
     "unknown strategy name": (
         lambda tmp: ["--config", LORA, "--trainer.strategy", "superpip"],
         "trainer: You selected an invalid strategy name: `strategy='superpip'`",

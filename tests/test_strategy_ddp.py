@@ -262,10 +262,11 @@ def _node_bytes(ranks: list[dict[str, Any]]) -> dict[str, int]:
     }
 
 
-def test_host_bytes_per_node_one_copy_per_rank_by_default_one_per_node_with_shard_optimizer_node(
+def test_host_bytes_per_node_one_copy_per_rank_replicated_one_per_node_with_shard_optimizer_node(
     exact_run: Path,
 ) -> None:
-    """By default each rank holds the whole host state: a node of two ranks holds twice one process's. With
+    """With ``shard_optimizer=False`` each rank holds the whole host state: a node of two ranks holds twice one
+    process's. With
     ``shard_optimizer="node"`` the blocks' homes are one shared copy and gradients and optimizer state are split: the
     issue's target is a node of two ranks at most 1.25x one process."""
     single = tasks.build_task("llama")
@@ -316,6 +317,37 @@ def test_shard_optimizer_node_equals_plain_ddp_streaming_both_ranks_from_one_sha
         assert _max_difference(shared["weights"], sharded["weights"]) == 0.0
         assert _max_difference(shared["weights"], plain["weights"]) > 0  # bf16 compute indeed
         assert shared["report"]["shared_host_bytes"] == sharded["report"]["host_bytes"] > replicated["host_bytes"]
+
+
+def test_the_default_on_two_ranks_is_one_copy_per_node_and_equals_plain_ddp(exact_run: Path) -> None:
+    """``SuperpipeStrategy()`` on two devices: ``shard_optimizer="auto"`` is ``"node"`` (nothing said), bit for bit
+    plain DDP, with a node's host bytes those of ``shard_optimizer="node"``."""
+    ranks = _load(exact_run, "default")
+    for plain, rank in zip(_load(exact_run, "ddp"), ranks):
+        assert rank["node"] and rank["said"] == []
+        assert rank["losses"] == plain["losses"]
+        assert _max_difference(rank["weights"], plain["weights"]) == 0.0
+    assert _node_bytes(ranks) == _node_bytes(_load(exact_run, "node"))
+
+
+def test_the_default_falls_back_where_one_copy_per_node_is_refused_and_says_why(
+    disk_run: Path, disagree_run: Path
+) -> None:
+    """Where ``"node"`` is refused, ``"auto"`` takes the most sharing the run allows, in one info line on rank 0: per
+    rank sharding with a weight-averaging callback, none with the disk tier (``16-mixed``, which Lightning makes
+    ``bf16-mixed`` on the CPU, in tests/test_strategy_errors.py)."""
+    said = "SuperpipeStrategy(shard_optimizer='auto') is {} here, not 'node': {}"
+    cases = [
+        (disagree_run, "ema_default", said.format(True, "the callback EMAWeightAveraging writes the averaged weights")),
+        (disk_run, "disk", said.format(False, "the disk tier keeps each rank's copy of the training state")),
+    ]
+    for out, name, line in cases:
+        zero, one = _load(out, name)
+        assert len(zero["said"]) == 1 and zero["said"][0].startswith(line), (name, zero["said"])
+        assert one["said"] == [] and not zero["node"] and not one["node"]  # rank 0 says it; neither shares the homes
+    assert (disagree_run / "ema_default_rank0.txt").read_text() == "no error"
+    shares = [rank["report"]["optimizer_state_bytes"] for rank in _load(disagree_run, "ema_default")]
+    assert all(0 < share < sum(shares) for share in shares)  # shard_optimizer=True: each rank steps its share
 
 
 def test_shard_optimizer_node_on_two_nodes_steps_each_nodes_copy_alike_and_equals_plain_ddp(nodes_run: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -162,3 +164,64 @@ def test_parameters_replaced_by_new_objects_mid_run_are_refused() -> None:
 
     with pytest.raises(RuntimeError, match=r"was replaced by another\s+object during the run .*assign=True"):
         tasks.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(tasks.build_task("sequential"), batches.data("vector"))
+
+
+BAD_KNOBS = [
+    (dict(prefetch=-1), r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero or more\."),
+    (dict(resident_blocks=1.5), r"SuperpipeStrategy\(resident_blocks=1\.5\) must be a whole number, zero or more\."),
+    (dict(memory_budget="12 apples"), r"SuperpipeStrategy\(memory_budget='12 apples'\): expected bytes such as"),
+    (dict(memory_budget=0.9), r"SuperpipeStrategy\(memory_budget=0\.9\): a bare float is ambiguous .* e\.g\. '90%'"),
+    (dict(memory_budget=0), r"SuperpipeStrategy\(memory_budget=0\) must be a positive number of bytes\."),
+    (dict(activations="stash"), r"SuperpipeStrategy\(activations='stash'\): 'stash' is not one of"),
+    (dict(activations=["keep", "stash"]), r"activations=\['keep', 'stash'\]\): 'stash' is not one of"),
+    (dict(overlap_optimizer="yes"), r"SuperpipeStrategy\(overlap_optimizer='yes'\) must be True, False or 'auto'\."),
+    (dict(blocks={int}), r"SuperpipeStrategy\(blocks=\{<class 'int'>\}\): `blocks` must hold `nn.Module` subclasses"),
+    (dict(blocks="layers"), r"SuperpipeStrategy\(blocks='layers'\): `blocks` must be a set of module classes"),
+    (dict(link="lazy"), r"SuperpipeStrategy\(link='lazy'\) must be an `EmulatedLink` or None\."),
+    (dict(offload_device="nvme"), r"offload_device='nvme'.*must be 'cpu' .* or 'disk'"),
+    (dict(offload_path="/tmp"), r"offload_device='cpu', offload_path='/tmp'.*used only by the disk tier"),
+    (dict(offload_device="disk"), r"offload_path=None.*needs offload_path"),
+    (dict(offload_device="disk", offload_path="/tmp", host_buffer_bytes=-1), r"host_buffer_bytes must be a positive"),
+    (dict(shard_optimizer="yes"), r"SuperpipeStrategy\(shard_optimizer='yes'\) must be True, False or 'node'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"), BAD_KNOBS, ids=[f"{next(iter(knobs))}-{i}" for i, (knobs, _) in enumerate(BAD_KNOBS)]
+)
+def test_a_bad_knob_fails_in_the_constructor_with_the_users_call(knobs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        SuperpipeStrategy(**knobs)
+    assert isinstance(raised.value, MisconfigurationException)  # what the strategy raised for it at fit before
+
+
+def test_the_strategy_takes_keywords_only_and_keeps_the_knobs_readable() -> None:
+    with pytest.raises(TypeError, match="positional"):
+        SuperpipeStrategy(None, 1)  # type: ignore[misc]
+    strategy = SuperpipeStrategy(prefetch=2, blocks={nn.Linear}, offload_device="disk", offload_path="/nonexistent")
+    # The folder is the machine's state when the run starts, checked then (tests/test_strategy_disk.py).
+    assert (strategy.prefetch, strategy.block_policy, strategy.offload_device) == (2, {nn.Linear}, "disk")
+    assert strategy.shard_optimizer == "auto" and strategy.options.shard_optimizer == "auto"
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a checked value stays checked
+        strategy.options.prefetch = -1  # type: ignore[misc]
+
+
+def test_the_default_sharding_falls_back_where_one_copy_per_node_is_refused() -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
+
+    def choose(options: SuperpipeOptions = SuperpipeOptions(), **run: object) -> tuple[object, object]:
+        settings = {"precision": "32-true", "averaging": [], "shared_free": 1 << 30, "shared_needed": 1 << 20, **run}
+        return default_sharding(options, **settings)  # type: ignore[arg-type]
+
+    assert choose() == ("node", None)
+    assert choose(precision="bf16-mixed") == ("node", None)
+    disk = SuperpipeOptions(offload_device="disk", offload_path="/tmp")
+    assert choose(disk)[0] is False and "the disk tier" in choose(disk)[1]
+    assert choose(precision="16-mixed")[0] is False and "16-mixed" in choose(precision="16-mixed")[1]
+    averaging = choose(averaging=[EMAWeightAveraging()])
+    assert averaging[0] is True and "the callback EMAWeightAveraging" in averaging[1]
+    assert choose(shared_free=None) == (True, "this machine has no /dev/shm for the node's shared copy of the blocks")
+    small = choose(shared_free=1 << 20, shared_needed=1 << 21)
+    assert small[0] is True and "/dev/shm has 1 MiB free" in small[1]

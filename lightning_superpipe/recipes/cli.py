@@ -12,6 +12,7 @@ Ctrl-C or SIGTERM during ``fit`` saves ``last.ckpt`` after the current step and 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shlex
@@ -19,15 +20,17 @@ import sys
 import warnings
 from collections.abc import Sequence
 from copy import deepcopy
+from dataclasses import fields
 from typing import Any
 
-from jsonargparse import ArgumentError
+from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # Registers the "superpipe" strategy name with Lightning before the recipe is parsed.
 import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory import HostMemoryError
 from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
@@ -41,6 +44,7 @@ from lightning_superpipe.recipes.errors import (
 )
 from lightning_superpipe.recipes.text_data import TextDataModule
 from lightning_superpipe.streaming import NoBlocksFoundError
+from lightning_superpipe.streaming.options import KnobError, SuperpipeOptions
 
 #: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -89,6 +93,7 @@ class SuperpipeCLI(LightningCLI):
         prefix = f"{subcommand}.model" if subcommand else "model"
         for key, value in self._run_settings.items():
             self.config[f"{prefix}.{key}"] = value
+        check_strategy_knobs(self.config.get(f"{subcommand}.trainer.strategy" if subcommand else "trainer.strategy"))
 
     def _known_keys(self) -> list[str]:
         parsers = getattr(self, "_subcommand_parsers", {}) or {"": self.parser}
@@ -134,6 +139,39 @@ class SuperpipeCLI(LightningCLI):
             if interruptions:
                 raise interruptions[0] from None
             raise
+
+
+def check_strategy_knobs(strategy: Any) -> None:
+    """Checks the knobs of a ``SuperpipeStrategy`` in the recipe before jsonargparse builds it.
+
+    The strategy's constructor refuses a bad knob with a message that quotes it, but jsonargparse reports an error in
+    the constructor of a ``Union`` argument (the Trainer's ``strategy``: a name or a ``Strategy``) as a value that
+    matches none of its types, without that message. The knobs' own class says it here instead. A value jsonargparse
+    has yet to build (a ``link`` given by ``class_path``) is left to the constructor.
+
+    Raises:
+        RecipeError: A knob is wrong (``trainer.strategy: `` and the strategy's message).
+    """
+    class_path = getattr(strategy, "class_path", None)
+    if not isinstance(class_path, str):
+        return
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return  # jsonargparse says what is wrong with the class path
+    if not (isinstance(cls, type) and issubclass(cls, SuperpipeStrategy)):
+        return
+    init_args = getattr(strategy, "init_args", None) or {}
+    knobs = {
+        field.name: init_args.get(field.name)
+        for field in fields(SuperpipeOptions)
+        if field.name in init_args and not isinstance(init_args.get(field.name), (Namespace, dict))
+    }
+    try:
+        SuperpipeOptions(**knobs)
+    except KnobError as error:
+        raise RecipeError(f"trainer.strategy: {error}") from error
 
 
 def resume_command(args: Sequence[str], checkpoint_path: str) -> str:

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,
@@ -30,8 +31,8 @@ from lightning_superpipe.streaming.distributed import (
     gather_optimizer_state,
     on_every_rank,
 )
-from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
 _RNG_KEY = "superpipe_rng_states"
@@ -80,18 +81,22 @@ class RanksStrategy(DDPStrategy):
         else:
             Strategy.setup_environment(self)
 
-    def join_ranks(self, trainer: Trainer, knobs: dict[str, Any], deferred: Optional[DeferredInit] = None) -> None:
+    def join_ranks(
+        self, trainer: Trainer, options: SuperpipeOptions, deferred: Optional[DeferredInit] = None,
+        by_default: bool = False,
+    ) -> None:
         """Before streaming starts: on several ranks the same model and knobs everywhere and rank 0's weights given
         to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
-        sees it."""
+        sees it. ``options`` has ``shard_optimizer`` resolved (``by_default``: from ``"auto"``, as messages say)."""
         assert self.model is not None
         self.node = None
         if self.several_ranks:
-            join_ranks(self.model, self, trainer, knobs, deferred)
-            if knobs.get("shard_optimizer") == "node":  # every rank makes the node groups, in the same order
-                call = (f"`SuperpipeStrategy(shard_optimizer='node')` on devices={len(self.parallel_devices)},"
-                        f" num_nodes={self.num_nodes}")
-                self.node = NodeShare(self.local_rank, len(self.parallel_devices), self.node_rank, self.num_nodes, call)
+            join_ranks(self.model, self, trainer, options, deferred)
+            if options.shard_optimizer == "node":  # every rank makes the node groups, in the same order
+                written = "shard_optimizer='auto')` (here 'node')" if by_default else "shard_optimizer='node')`"
+                devices = len(self.parallel_devices)
+                call = f"`SuperpipeStrategy({written} on devices={devices}, num_nodes={self.num_nodes}"
+                self.node = NodeShare(self.local_rank, devices, self.node_rank, self.num_nodes, call)
         else:  # Lightning would put a DistributedSampler of one replica (another data order) in every DataLoader
             trainer._accelerator_connector.use_distributed_sampler = False
 

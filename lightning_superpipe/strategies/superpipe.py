@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -26,14 +27,17 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
+from lightning_superpipe.strategies.ranks import RanksStrategy
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
@@ -44,18 +48,18 @@ from lightning_superpipe.streaming.checkpoints import (
     tier_files_beside,
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.streaming.disk_tier import weight_averaging_callbacks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
 from lightning_superpipe.streaming.session import StreamingSession
 from lightning_superpipe.streaming.setup import (
-    KNOBS,
     EmptyInit,
     install_clipping,
     start_streaming,
     strategy_report,
     uninstall_clipping,
 )
-from lightning_superpipe.strategies.ranks import RanksStrategy
 
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -63,79 +67,138 @@ _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float
 class SuperpipeStrategy(RanksStrategy):
     """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
-    The knobs are described, with what each costs, in the README's table. With one device on one node it runs in
-    this process, with no process group; with more, Lightning launches one process per device (its subprocess
-    launcher, ``torchrun``, SLURM) and each streams its own copy, the gradients averaged across ranks.
+    The knobs are described, with what each costs, in the README's table. Every argument is a keyword, the knobs
+    first; a knob's value is checked here, so a bad one fails in the constructor (what needs the model or the run,
+    when streaming starts). With one device on one node it runs in this process, with no process group; with more,
+    Lightning launches one process per device (its subprocess launcher, ``torchrun``, SLURM) and each streams its own
+    copy, the gradients averaged across ranks.
 
     Args:
-        memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a fraction of free device memory, ``"auto"``):
-            the first steps are profiled and the fastest placement that fits is applied (:mod:`..planning`).
+        memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a share of free device memory such as ``"90%"``,
+            ``"auto"``): the first steps are profiled and the fastest placement that fits is applied
+            (:mod:`..planning`).
             ``None``: no planning.
         resident_blocks: Blocks kept on the device for the whole run (default 1, or the plan's).
         prefetch: Blocks copied in ahead of the one computing (default 1, or the plan's).
         activations: ``"recompute"`` (default), ``"keep"``, ``"offload"``, or one per block (or the plan's).
         overlap_optimizer: Step each block's parameters during backward where that is exact (``"auto"``: and pays).
         blocks: Which modules stream: module classes or a predicate; by default every outermost stack.
-        device: The compute device; by default the one the Trainer resolves.
         link: An :class:`~lightning_superpipe.EmulatedLink` (tests: the CUDA code paths on a CPU device).
         offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default) or
             ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's).
-        shard_optimizer: On several ranks, keep each block's gradients and optimizer state on one rank, which steps it
-            and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank. ``"node"``: one copy of the
-            blocks' masters per node besides, in shared memory that the node's ranks stream from, each block stepped
-            by one rank of each node.
+        shard_optimizer: On several ranks. ``True``: each block's gradients and optimizer state on one rank, which
+            steps it and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank. ``"node"``: that,
+            and one copy of the blocks' masters per node, in shared memory that the node's ranks stream from, each
+            block stepped by one rank of each node. ``False``: every rank holds everything. ``"auto"`` (default):
+            ``"node"``, or where the run refuses it (a weight-averaging callback, no ``/dev/shm`` or too little of
+            it) ``True``, or where that is refused too (``16-mixed``, the disk tier) ``False``, with an info line
+            saying why. Nothing on one device.
+        device: The compute device; by default the one the Trainer resolves.
         accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
             :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
         timeout: How long a collective waits for the other ranks before it fails (DDP's ``timeout``).
+
+    Raises:
+        KnobError: A knob's value is wrong (a ``ValueError`` whose message quotes the call).
     """
 
     strategy_name = "superpipe"
 
     def __init__(
         self,
+        *,
         memory_budget: Optional[MemoryBudget] = None,
         resident_blocks: Optional[int] = None,
         prefetch: Optional[int] = None,
         activations: Optional[ActivationsPolicy] = None,
         overlap_optimizer: Union[bool, str] = "auto",
         blocks: Optional[BlockPolicy] = None,
-        device: Optional[Union[str, torch.device]] = None,
         link: Optional[EmulatedLink] = None,
-        accelerator: Optional[Accelerator] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         offload_device: str = "cpu",
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
-        shard_optimizer: Union[bool, str] = False,
+        shard_optimizer: Union[bool, str] = "auto",
+        device: Optional[Union[str, torch.device]] = None,
+        accelerator: Optional[Accelerator] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
     ) -> None:
+        # First, so that a bad knob fails before Lightning's parts are made.
+        self.options = SuperpipeOptions(
+            memory_budget=memory_budget, resident_blocks=resident_blocks, prefetch=prefetch, activations=activations,
+            overlap_optimizer=overlap_optimizer, blocks=blocks, link=link, offload_device=offload_device,
+            offload_path=offload_path, host_buffer_bytes=host_buffer_bytes, shard_optimizer=shard_optimizer,
+        )
         super().__init__(
             accelerator=accelerator, parallel_devices=[torch.device(device)] if device is not None else None,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout,
         )
-        self.memory_budget = memory_budget
-        self.resident_blocks = resident_blocks
-        self.prefetch = prefetch
-        self.activations = activations
-        self.overlap_optimizer = overlap_optimizer
-        self.block_policy = blocks
-        self.link = link
-        self.offload_device = offload_device
-        self.offload_path = offload_path
-        self.host_buffer_bytes = host_buffer_bytes
-        self.shard_optimizer = shard_optimizer
+        self._run_options: Optional[SuperpipeOptions] = None  # the knobs of the last run: shard_optimizer resolved
+        self._sharding_said: set[str] = set()  # why "auto" was not "node", said once each
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
         self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` under the disk tier
         self._streaming: Optional[StreamingSession] = None
         self._planner: Optional[BudgetPlanner] = None  # kept after the run, for `plan` and its profile
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ the knobs, as written
+
+    @property
+    def memory_budget(self) -> Optional[MemoryBudget]:
+        return self.options.memory_budget
+
+    @property
+    def resident_blocks(self) -> Optional[int]:
+        return self.options.resident_blocks
+
+    @property
+    def prefetch(self) -> Optional[int]:
+        return self.options.prefetch
+
+    @property
+    def activations(self) -> Optional[ActivationsPolicy]:
+        return self.options.activations
+
+    @property
+    def overlap_optimizer(self) -> Union[bool, str]:
+        return self.options.overlap_optimizer
+
+    @property
+    def block_policy(self) -> Optional[BlockPolicy]:
+        return self.options.blocks
+
+    @property
+    def link(self) -> Optional[EmulatedLink]:
+        return self.options.link
+
+    @property
+    def offload_device(self) -> str:
+        return self.options.offload_device
+
+    @property
+    def offload_path(self) -> Optional[Union[str, os.PathLike[str]]]:
+        return self.options.offload_path
+
+    @property
+    def host_buffer_bytes(self) -> Optional[int]:
+        return self.options.host_buffer_bytes
+
+    @property
+    def shard_optimizer(self) -> Union[bool, str]:
+        """As written (``"auto"`` by default); the run's resolved value is in :attr:`run_options`."""
+        return self.options.shard_optimizer
+
+    @property
+    def run_options(self) -> SuperpipeOptions:
+        """The knobs of the current (or last) run, with ``shard_optimizer="auto"`` resolved; before one, as written."""
+        return self._run_options if self._run_options is not None else self.options
 
     # ------------------------------------------------------------------ set-up and tear-down
 
@@ -148,8 +211,10 @@ class SuperpipeStrategy(RanksStrategy):
             self._deferred.materialize(self.model)  # it reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
+        self._run_options = self._resolve_options(trainer)
         # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
-        self.join_ranks(trainer, {knob: getattr(self, knob) for knob in KNOBS}, self._deferred)
+        self.join_ranks(trainer, self._run_options, self._deferred,
+                        by_default=self.options.shard_optimizer != self._run_options.shard_optimizer)
         early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
         if early:
             self.setup_optimizers(trainer)
@@ -171,16 +236,42 @@ class SuperpipeStrategy(RanksStrategy):
         trainer = self.lightning_module.trainer if self._fitting and self.lightning_module is not None else None
         with self._deferred.settled(model) if self._deferred is not None else nullcontext():
             self._streaming = start_streaming(
-                model, self.root_device, fitting=self._fitting, trainer=trainer, optimizers=tuple(self.optimizers),
-                transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)), resume=self._resume,
+                model, self.root_device, self.run_options, fitting=self._fitting, trainer=trainer,
+                optimizers=tuple(self.optimizers), resume=self._resume,
+                transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
                 ranks=self.world_size if self.several_ranks else 1, rank=self.global_rank,
                 local_ranks=len(self.parallel_devices), node=self.node, deferred=self._deferred,
-                **{knob: getattr(self, knob) for knob in KNOBS},
             )
         self._resume = self._deferred = None
         self._planner = self._streaming.planner
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
+
+    def _resolve_options(self, trainer: Trainer) -> SuperpipeOptions:
+        """The run's knobs: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on several
+        :func:`~lightning_superpipe.streaming.options.default_sharding`'s choice, the same on every rank (any rank's
+        reason against ``"node"`` holds for all), said once per reason."""
+        options = self.options
+        if options.shard_optimizer != "auto":
+            return options
+        if not self.several_ranks:
+            return replace(options, shard_optimizer=False)
+        assert self.model is not None
+        precision = str(self.precision_plugin.precision)
+        # The shared homes hold the blocks' masters and, under mixed precision, copies in the compute dtype: at most
+        # this, which counts the trunk too.
+        copy = 2 if precision in _MIXED_PRECISION_DTYPES else 0
+        needed = sum(p.numel() * (p.element_size() + copy) for p in self.model.parameters())
+        averaging = weight_averaging_callbacks(trainer) if trainer.state.fn == TrainerFn.FITTING else []
+        choice = default_sharding(options, precision=precision, averaging=averaging, shared_free=shared_space(),
+                                  shared_needed=needed)
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, choice)
+        value, reason = next((theirs for theirs in everyone if theirs[1] is not None), choice)
+        if reason is not None and reason not in self._sharding_said:
+            self._sharding_said.add(reason)
+            rank_zero_info(f"SuperpipeStrategy(shard_optimizer='auto') is {value!r} here, not 'node': {reason}.")
+        return replace(options, shard_optimizer=value)
 
     @override
     def teardown(self) -> None:
@@ -221,7 +312,9 @@ class SuperpipeStrategy(RanksStrategy):
     def streaming(self) -> StreamingSession:
         """The run's engine, hooks and planner (:class:`~lightning_superpipe.streaming.session.StreamingSession`)."""
         if self._streaming is None:
-            raise RuntimeError("SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`.")
+            raise RuntimeError(
+                "SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`."
+            )
         return self._streaming
 
     @property
@@ -334,7 +427,8 @@ class SuperpipeStrategy(RanksStrategy):
         """What the strategy holds where, in bytes, from its own ledger of every byte it puts on the device: the
         engine's figures (:meth:`StreamingEngine.memory_report`), ``param_bytes``, ``trainable_param_bytes``,
         ``optimizer_state_bytes``, ``streamed_stacks`` (e.g. ``['model.encoder.block: 2 x T5Block', ...]``),
-        ``plan`` (with ``memory_budget``) and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it ended with."""
+        ``plan`` (with ``memory_budget``) and, on CUDA, ``cuda_max_allocated_bytes``. After the run, the figures it
+        ended with."""
         if self._streaming is None and self._last_report is not None:
             return dict(self._last_report)
         assert self.lightning_module is not None

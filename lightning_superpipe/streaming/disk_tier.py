@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.disk import DiskSpaceError, DiskStore, DiskTierError, checkpoint_folder, preflight
+from lightning_superpipe.memory.disk import DiskStore, DiskTierError, checkpoint_folder, preflight
 from lightning_superpipe.memory.disk_homes import READ_AHEAD, DiskHome, DiskTier, disk_host_bytes
 from lightning_superpipe.streaming.overlap import (
     REGISTER_HINT,
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 DISK_KEY = "superpipe_disk_tier"
 #: The key, in a checkpoint's manifest, of the subfolder beside the ``.ckpt`` that holds that save's files.
 SNAPSHOT_KEY = "snapshot"
-OFFLOAD_DEVICES = ("cpu", "disk")
 
 __all__ = [  # the tier itself is a kind of home (memory/); what Lightning sees of it is here
     "DISK_KEY",
@@ -66,50 +65,6 @@ __all__ = [  # the tier itself is a kind of home (memory/); what Lightning sees 
     "remove_snapshot",
     "resume_folder",
 ]
-
-
-def offload_call(offload_device: Any, offload_path: Any, host_buffer_bytes: Any) -> str:
-    """The user's call, as quoted in error messages."""
-    path = None if offload_path is None else os.fspath(offload_path)
-    return (
-        f"SuperpipeStrategy(offload_device={offload_device!r}, offload_path={path!r},"
-        f" host_buffer_bytes={host_buffer_bytes!r})"
-    )
-
-
-def check_offload(offload_device: Any, offload_path: Any, host_buffer_bytes: Any) -> None:
-    """Checks the disk tier's knobs as the user wrote them, before anything is allocated.
-
-    Raises:
-        ValueError: With the user's call: an unknown ``offload_device``, ``offload_path`` or ``host_buffer_bytes``
-            without ``offload_device="disk"``, a missing or unwritable ``offload_path``.
-    """
-    call = offload_call(offload_device, offload_path, host_buffer_bytes)
-    if offload_device not in OFFLOAD_DEVICES:
-        raise ValueError(
-            f"{call}: offload_device must be 'cpu' (the default: masters, gradients and optimizer state in host"
-            " memory) or 'disk' (block masters and optimizer state in files under offload_path)."
-        )
-    if offload_device == "cpu":
-        for name, value in (("offload_path", offload_path), ("host_buffer_bytes", host_buffer_bytes)):
-            if value is not None:
-                raise ValueError(
-                    f"{call}: {name} is used only by the disk tier. Pass offload_device='disk' to keep the training"
-                    f" state in files, or leave {name} out."
-                )
-        return
-    if offload_path is None:
-        raise ValueError(f"{call}: offload_device='disk' needs offload_path, a folder on a fast local disk.")
-    if host_buffer_bytes is not None and (
-        not isinstance(host_buffer_bytes, int) or isinstance(host_buffer_bytes, bool) or host_buffer_bytes <= 0
-    ):
-        raise ValueError(f"{call}: host_buffer_bytes must be a positive number of bytes, or None for the default.")
-    try:
-        preflight(offload_path, 0)
-    except DiskSpaceError:
-        pass  # the space is checked against the bytes the tier needs once the blocks and optimizer are known
-    except DiskTierError as error:
-        raise ValueError(f"{call}: {error}") from error
 
 
 def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> None:

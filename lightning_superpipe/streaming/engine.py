@@ -650,28 +650,6 @@ class StreamingEngine:
         )
 
 
-def check_knobs(
-    overlap_optimizer: Any, resident_blocks: Any, prefetch: Any, activations: Any, link: Any, num_blocks: int
-) -> None:
-    """Checks the strategy's knobs as the user wrote them (``None``: left to the default or the planner) for a model
-    of ``num_blocks`` blocks.
-
-    Raises:
-        ValueError: With the user's call.
-    """
-    from lightning_superpipe.streaming.emulated import EmulatedLink
-
-    if overlap_optimizer not in (True, False, "auto"):
-        raise ValueError(f"SuperpipeStrategy(overlap_optimizer={overlap_optimizer!r}) must be True, False or 'auto'.")
-    for name, value in (("resident_blocks", resident_blocks), ("prefetch", prefetch)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
-    if activations is not None:
-        per_block_modes(activations, num_blocks)
-    if link is not None and not isinstance(link, EmulatedLink):
-        raise ValueError(f"SuperpipeStrategy(link={link!r}) must be an `EmulatedLink` or None.")
-
-
 def _clamp(name: str, value: int, limit: int, what: str) -> int:
     if value > limit:
         warnings.warn(f"SuperpipeStrategy({name}={value}) is more than {what} ({limit}); using {limit}.", stacklevel=3)

@@ -1,13 +1,14 @@
-"""Starting to stream: the strategy's knobs checked, the blocks found, the homes (host or disk) and the engine built.
+"""Starting to stream: the blocks found, what of the knobs needs them checked, the homes (host or disk) and the engine
+built.
 
-This is the body of :meth:`SuperpipeStrategy.model_to_device`, kept here so that the strategy stays glue: every
-check runs before anything is allocated, so a bad knob leaves the model as it was. Under several devices
+This is the body of :meth:`SuperpipeStrategy.model_to_device`, kept here so that the strategy stays glue. The knobs
+were checked on their own when the strategy was made (:mod:`.options`); what needs the model or the run is checked
+here, before anything is allocated, so a bad knob leaves the model as it was. Under several devices
 :func:`join_ranks` runs first, and the engine averages gradients across ranks (:mod:`.distributed`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -21,19 +22,15 @@ from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
-from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
-from lightning_superpipe.streaming.activations import ActivationsPolicy
-from lightning_superpipe.streaming.blocks import BlockPolicy, assign_parameters, describe, describe_stacks, find_blocks
+from lightning_superpipe.streaming.blocks import assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
     BlockValuesHook,
     DiskTier,
-    check_offload,
     check_training,
     disk_host_bytes,
     disk_tier_of,
-    offload_call,
     rank_folder,
     weight_averaging_callbacks,
 )
@@ -46,8 +43,9 @@ from lightning_superpipe.streaming.distributed import (
     fingerprint,
     ready_on_every_rank,
 )
-from lightning_superpipe.streaming.engine import StreamingEngine, check_knobs
+from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import attach_hooks
+from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.session import StreamingSession
 
 
@@ -71,28 +69,13 @@ class EmptyInit(UnfilledNewTensors, _EmptyInit):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-#: The strategy's knobs that :func:`start_streaming` takes, by attribute name.
-KNOBS = ("memory_budget", "resident_blocks", "prefetch", "activations", "overlap_optimizer", "block_policy", "link",
-         "offload_device", "offload_path", "host_buffer_bytes", "shard_optimizer")
-
-
 def start_streaming(
     model: nn.Module,
     device: torch.device,
+    options: SuperpipeOptions,
     *,
     transfer_dtype: Optional[torch.dtype],
     fitting: bool,
-    memory_budget: Optional[MemoryBudget],
-    resident_blocks: Optional[int],
-    prefetch: Optional[int],
-    activations: Optional[ActivationsPolicy],
-    overlap_optimizer: Union[bool, str],
-    block_policy: Optional[BlockPolicy],
-    link: Any,
-    offload_device: str = "cpu",
-    offload_path: Optional[Union[str, os.PathLike[str]]] = None,
-    host_buffer_bytes: Optional[int] = None,
-    shard_optimizer: Union[bool, str] = False,
     trainer: Any = None,
     optimizers: tuple[Optimizer, ...] = (),
     resume: Optional[Path] = None,
@@ -102,74 +85,151 @@ def start_streaming(
     local_ranks: int = 1,
     node: Optional[NodeShare] = None,
 ) -> StreamingSession:
-    """Finds the blocks, checks the knobs, builds the homes and the engine, and hooks the blocks.
+    """Finds the blocks, checks what of the knobs needs the model and the run, builds the homes and the engine, and
+    hooks the blocks.
 
     Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
-    ``ranks`` above one, the engine averages the gradients across them (with ``shard_optimizer``, each block's to
-    its owner rank only; with ``node``, ``shard_optimizer="node"``, the homes shared by the node's ranks); the disk
-    tier of global rank ``rank`` keeps its files in a folder of its own, beside those of the node's ``local_ranks``.
+    ``ranks`` above one, the engine averages the gradients across them (with ``options.shard_optimizer``, resolved
+    from ``"auto"`` by the strategy, each block's to its owner rank only; with ``node``, ``"node"``, the homes shared
+    by the node's ranks); the disk tier of global rank ``rank`` keeps its files in a folder of its own, beside those
+    of the node's ``local_ranks``.
 
     Raises:
-        MisconfigurationException: A knob the user gave is wrong (the message quotes it); nothing was allocated.
+        MisconfigurationException: A knob the user gave does not suit the model or the run (the message quotes it);
+            nothing was allocated.
+    """
+    blocks = find_blocks(model, options.blocks)
+    check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
+    stacks = describe_stacks(model, blocks)
+    block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
+    planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
+                                                        fitting)
+    disk = options.offload_device == "disk"
+    optimizer = optimizers[0] if disk and fitting else None
+    check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
+                    ahead + 1)
+    tier = None
+    if disk:
+        tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
+                          ranks=ranks, rank=rank, local_ranks=local_ranks)
+    move_the_rest(model, device, deferred, tier)
+    if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
+        ready_on_every_rank("start streaming")
+    homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype, node=node)
+    engine = StreamingEngine(
+        block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes, link=options.link,
+        activations=modes,
+    )
+    if ranks > 1:
+        engine.gradients.averager = averager_for(block_params, trunk_params, device, options, ranks, node)
+    hooks = attach_hooks(engine, model, blocks)
+    if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
+        hooks.append(BlockValuesHook(tier, model))
+        hooks[-1].attach()
+        if optimizer is not None:
+            tier.manual_optimization = not trainer.lightning_module.automatic_optimization
+    return StreamingSession(engine, hooks, planner, stacks, options.overlap_optimizer)
+
+
+def check_for_run(
+    options: SuperpipeOptions, num_blocks: int, *, fitting: bool, trainer: Any, optimizers: Sequence[Optimizer],
+    ranks: int,
+) -> None:
+    """What of the knobs the constructor could not check: against the model's ``num_blocks``, the folder of the disk
+    tier, sharding on several ``ranks`` with it, and what the tier cannot train.
+
+    Raises:
+        MisconfigurationException: With the user's call.
     """
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    blocks = find_blocks(model, block_policy)
-    disk = offload_device == "disk"
-    call = offload_call(offload_device, offload_path, host_buffer_bytes)
-    # Checked here rather than in the strategy's __init__: LightningCLI reports a constructor's error as a type
-    # mismatch.
+    call = options.offload_call
+    disk, shard_optimizer = options.offload_device == "disk", options.shard_optimizer
     try:
-        if shard_optimizer not in (True, False, "node"):
-            raise ValueError(f"SuperpipeStrategy(shard_optimizer={shard_optimizer!r}) must be True, False or 'node'.")
         if disk and ranks > 1 and shard_optimizer:
             raise ValueError(
                 f"{call} keeps each rank's copy of the training state in files of its own, so"
                 f" shard_optimizer={shard_optimizer!r} does not apply: leave it False, or use offload_device='cpu'"
                 " to shard the optimizer state across ranks."
             )
-        check_knobs(overlap_optimizer, resident_blocks, prefetch, activations, link, len(blocks))
-        check_offload(offload_device, offload_path, host_buffer_bytes)
+        options.check_for_model(num_blocks)
+        options.check_offload_path()
         if disk and fitting:
             check_training(trainer, optimizers, call)
-
     except ValueError as error:
         raise MisconfigurationException(str(error)) from error
-    stacks = describe_stacks(model, blocks)
-    block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
-    knobs = (resident_blocks, prefetch, activations)
-    placement = (_or(resident_blocks, 1), _or(prefetch, 1), _or(activations, "recompute"))
-    planner = None
-    if memory_budget is not None:  # the plan starts from the placement that needs least memory
-        planner = BudgetPlanner(memory_budget, device, *knobs)
-        static = static_costs(block_params, trunk_params, transfer_dtype, fitting)
-        placement = planner.first_placement(static, fitting)
-    resident, ahead, modes = placement
-    optimizer = optimizers[0] if disk and fitting else None
-    if disk:
+
+
+def first_placement(
+    options: SuperpipeOptions, device: torch.device, block_params: list[list[nn.Parameter]],
+    trunk_params: list[nn.Parameter], transfer_dtype: Optional[torch.dtype], fitting: bool,
+) -> tuple[Optional[BudgetPlanner], tuple[Any, Any, Any]]:
+    """The planner (with ``memory_budget``) and the placement to start from: the knobs as given, with their defaults,
+    or, with a budget, the placement that needs least memory."""
+    knobs = (options.resident_blocks, options.prefetch, options.activations)
+    placement = (_or(knobs[0], 1), _or(knobs[1], 1), _or(knobs[2], "recompute"))
+    if options.memory_budget is None:
+        return None, placement
+    planner = BudgetPlanner(options.memory_budget, device, *knobs)
+    static = static_costs(block_params, trunk_params, transfer_dtype, fitting)
+    return planner, planner.first_placement(static, fitting)
+
+
+def check_host_room(
+    options: SuperpipeOptions, what: str, block_params: list[list[nn.Parameter]], trunk_params: list[nn.Parameter],
+    device: torch.device, transfer_dtype: Optional[torch.dtype], fitting: bool, optimizer: Optional[Optimizer],
+    slots: int,
+) -> None:
+    """Refuses, before anything is allocated, a run whose host memory is too small: for the homes of the blocks
+    (``what``), gradients and optimizer state, or, with the disk tier, its buffers for ``slots`` device slots.
+
+    Raises:
+        HostMemoryError: With the bytes needed and available.
+    """
+    if options.offload_device == "disk":
         trunk_numel = sum(p.numel() for p in trunk_params if p.requires_grad) if fitting else 0
-        needed = disk_host_bytes(block_params, optimizer, ahead + 1, host_buffer_bytes) + 12 * trunk_numel
+        needed = disk_host_bytes(block_params, optimizer, slots, options.host_buffer_bytes) + 12 * trunk_numel
         check_host_memory(needed, "the disk tier's buffers, the trunk's gradients and optimizer state")
     else:
         check_host_memory(
             host_bytes_to_come(block_params, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda"),
-            f"homes for {describe(blocks)}, gradients and optimizer state",
+            f"homes for {what}, gradients and optimizer state",
         )
-    tier = None
-    if disk:
-        assert offload_path is not None
-        names = {p: name for name, p in model.named_parameters()}
-        streamed = {p for params in block_params for p in params}
-        state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
-        try:
-            folder = Path(offload_path)
-            if ranks > 1:  # every rank checks the node's space before any of them writes
-                folder = rank_folder(offload_path, rank, local_ranks, block_params, optimizer, resume is None)
-                ready_on_every_rank("check the disk tier's folders")
-            tier = DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
-                                  host_buffer_bytes, ahead + 1, resume, deferred)
-        except DiskTierError as error:
-            raise MisconfigurationException(f"{call}: {error}") from error
+
+
+def build_tier(
+    options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]],
+    optimizer: Optional[Optimizer], transfer_dtype: Optional[torch.dtype], slots: int, resume: Optional[Path],
+    deferred: Optional[DeferredInit], *, ranks: int, rank: int, local_ranks: int,
+) -> DiskTier:
+    """The disk tier's store under ``offload_path`` (on several ranks, this rank's folder in it, once every rank
+    checked the node's space), written from the model or restored from ``resume``.
+
+    Raises:
+        MisconfigurationException: The folder cannot hold it (the message quotes the user's call).
+    """
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    assert options.offload_path is not None
+    names = {p: name for name, p in model.named_parameters()}
+    streamed = {p for params in block_params for p in params}
+    state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
+    try:
+        folder = Path(options.offload_path)
+        if ranks > 1:  # every rank checks the node's space before any of them writes
+            folder = rank_folder(options.offload_path, rank, local_ranks, block_params, optimizer, resume is None)
+            ready_on_every_rank("check the disk tier's folders")
+        return DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
+                              options.host_buffer_bytes, slots, resume, deferred)
+    except DiskTierError as error:
+        raise MisconfigurationException(f"{options.offload_call}: {error}") from error
+
+
+def move_the_rest(model: nn.Module, device: torch.device, deferred: Optional[DeferredInit],
+                  tier: Optional[DiskTier]) -> None:
+    """Everything of ``model`` but its parameters (and their gradients) to ``device``: buffers, torchmetrics states.
+    With the init calls ``deferred``, the rest of what ``configure_model`` built is made first, in place; a failure
+    closes the ``tier``."""
     if deferred is not None:  # the blocks are in their files: the rest of what configure_model built, in place
         deferred.materialize(model)
     try:
@@ -179,26 +239,19 @@ def start_streaming(
         if tier is not None:
             tier.close()
         raise
-    if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
-        ready_on_every_rank("start streaming")
-    homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype, node=node)
-    engine = StreamingEngine(
-        block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes, link=link,
-        activations=modes,
-    )
-    if ranks > 1:
-        parts = [(params, sum(p.numel() * p.element_size() for p in params)) for params in block_params if params]
-        parts += [([param], param.numel() * param.element_size()) for param in trunk_params]
-        # Owners among the node's ranks (the same on every node) when they share the homes, else among all.
-        owners = assign_owners(parts, node.local_size if node is not None else ranks) if shard_optimizer else None
-        engine.gradients.averager = GradientAverager(device, owners, node=node)
-    hooks = attach_hooks(engine, model, blocks)
-    if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
-        hooks.append(BlockValuesHook(tier, model))
-        hooks[-1].attach()
-        if optimizer is not None:
-            tier.manual_optimization = not trainer.lightning_module.automatic_optimization
-    return StreamingSession(engine, hooks, planner, stacks, overlap_optimizer)
+
+
+def averager_for(
+    block_params: list[list[nn.Parameter]], trunk_params: list[nn.Parameter], device: torch.device,
+    options: SuperpipeOptions, ranks: int, node: Optional[NodeShare],
+) -> GradientAverager:
+    """What averages the gradients across ``ranks``; with ``shard_optimizer``, each block's and each trunk
+    parameter's to its owner (balanced by bytes)."""
+    parts = [(params, sum(p.numel() * p.element_size() for p in params)) for params in block_params if params]
+    parts += [([param], param.numel() * param.element_size()) for param in trunk_params]
+    # Owners among the node's ranks (the same on every node) when they share the homes, else among all.
+    owners = assign_owners(parts, node.local_size if node is not None else ranks) if options.shard_optimizer else None
+    return GradientAverager(device, owners, node=node)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -211,34 +264,35 @@ def as_devices(devices: Sequence[Union[int, str, torch.device]]) -> list[torch.d
 
 
 def join_ranks(
-    model: nn.Module, strategy: Any, trainer: Any, knobs: dict[str, Any], deferred: Optional[DeferredInit] = None
+    model: nn.Module, strategy: Any, trainer: Any, options: SuperpipeOptions, deferred: Optional[DeferredInit] = None
 ) -> None:
-    """Before a run on several ranks streams: the same model and knobs everywhere (else one error on every rank),
-    what is not supported there yet refused, and rank 0's parameters and buffers given to every rank (those whose
-    init calls are ``deferred`` are given rank 0's random draws instead, and stay uninitialized until the disk tier
-    writes their blocks).
+    """Before a run on several ranks streams: the same model and knobs (``options``, with ``shard_optimizer``
+    resolved) everywhere (else one error on every rank), what is not supported there yet refused, and rank 0's
+    parameters and buffers given to every rank (those whose init calls are ``deferred`` are given rank 0's random
+    draws instead, and stay uninitialized until the disk tier writes their blocks).
 
     Raises:
         RanksDisagreeError: The ranks differ (the message names what and where).
-        MisconfigurationException: ``sync_batchnorm``, which converts no layers here.
+        MisconfigurationException: ``sync_batchnorm``, which converts no layers here; a sharding the run refuses.
     """
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     call = (f"`Trainer(strategy=SuperpipeStrategy(...), devices={len(strategy.parallel_devices)},"
             f" num_nodes={strategy.num_nodes})`")
-    check_same_setup(fingerprint(model, knobs, str(strategy.precision_plugin.precision)), call)
+    check_same_setup(fingerprint(model, options.knobs(), str(strategy.precision_plugin.precision)), call)
     if strategy._layer_sync is not None and trainer.state.fn == "fit":
         raise MisconfigurationException(
             "`Trainer(strategy='superpipe', sync_batchnorm=True)` is not supported yet: each rank keeps its own"
             " BatchNorm statistics. Leave `sync_batchnorm` off."
         )
-    if knobs.get("shard_optimizer") and str(strategy.precision_plugin.precision) == "16-mixed":
+    shard_optimizer = options.shard_optimizer
+    if shard_optimizer and str(strategy.precision_plugin.precision) == "16-mixed":
         raise MisconfigurationException(
-            f"`SuperpipeStrategy(shard_optimizer={knobs['shard_optimizer']!r})` does not support"
+            f"`SuperpipeStrategy(shard_optimizer={shard_optimizer!r})` does not support"
             " `precision='16-mixed'` yet (its gradient scaler checks every gradient, and each rank keeps only its"
             " share); use 'bf16-mixed' or fp32."
         )
-    averaging = weight_averaging_callbacks(trainer) if knobs.get("shard_optimizer") == "node" else []
+    averaging = weight_averaging_callbacks(trainer) if shard_optimizer == "node" else []
     if averaging and trainer.state.fn == "fit":
         raise MisconfigurationException(
             f"`SuperpipeStrategy(shard_optimizer='node')` does not support the callback {type(averaging[0]).__name__}:"
@@ -248,7 +302,6 @@ def join_ranks(
     if deferred is not None:
         deferred.adopt_rank_zero_draws()
     broadcast_from_rank_zero(model, strategy.root_device, skip=deferred.determines if deferred is not None else None)
-
 
 
 def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:

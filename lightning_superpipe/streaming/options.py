@@ -1,0 +1,209 @@
+"""The strategy's knobs, declared once: :class:`SuperpipeOptions`, checked when it is made.
+
+``SuperpipeStrategy(...)`` builds one, so a bad value fails in the strategy's constructor with a message that quotes
+the user's call. What needs the model (one activation mode per block), the trainer (the disk tier's callbacks and
+optimizer; the number of ranks) or the machine (``offload_path``'s folder) is checked when streaming starts
+(:func:`~lightning_superpipe.streaming.setup.start_streaming`). On several ranks ``shard_optimizer="auto"`` is
+resolved there too (:func:`default_sharding`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lightning_superpipe.memory.disk import DiskSpaceError, DiskTierError, preflight
+from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
+from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
+from lightning_superpipe.streaming.blocks import BlockPolicy, _as_predicate
+from lightning_superpipe.streaming.emulated import EmulatedLink
+from lightning_superpipe.units import format_bytes
+
+#: Where the blocks' training state lives: host memory, or files under ``offload_path``.
+OFFLOAD_DEVICES = ("cpu", "disk")
+#: ``shard_optimizer``'s values: ``"auto"`` is ``"node"`` on several ranks where that works (:func:`default_sharding`).
+SHARD_MODES = (True, False, "node", "auto")
+
+
+class KnobError(ValueError, MisconfigurationException):
+    """A strategy knob the user gave is wrong. A ``ValueError``, and Lightning's ``MisconfigurationException``,
+    which is what the strategy raised for a bad knob when it checked them only as streaming started."""
+
+
+@dataclass(frozen=True)
+class SuperpipeOptions:
+    """Every knob of :class:`~lightning_superpipe.SuperpipeStrategy`, as the user wrote it (``None``: the default, or
+    the plan's). The README's table says what each costs and buys.
+
+    Attributes:
+        memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a share of free device memory such as ``"90%"``,
+            ``"auto"``).
+        resident_blocks: Blocks kept on the device for the whole run.
+        prefetch: Blocks copied in ahead of the one computing.
+        activations: ``"recompute"``, ``"keep"``, ``"offload"``, or one of them per block.
+        overlap_optimizer: Step each block during backward where that is exact: ``True``, ``False`` or ``"auto"``.
+        blocks: Which modules stream: module classes or a predicate; ``None``: every outermost stack.
+        link: An :class:`~lightning_superpipe.EmulatedLink`, or ``None``.
+        offload_device: ``"cpu"`` (host memory) or ``"disk"`` (files under ``offload_path``).
+        offload_path: The disk tier's folder.
+        host_buffer_bytes: Bound on the disk tier's pool of host buffers; ``None``: a few of the largest block's.
+        shard_optimizer: On several ranks: ``False`` (every rank holds everything), ``True`` (gradients and optimizer
+            state split across ranks), ``"node"`` (that, and one copy of the blocks per node) or ``"auto"``.
+
+    Raises:
+        KnobError: A value no model or run could accept (the message quotes the user's call).
+    """
+
+    memory_budget: Optional[MemoryBudget] = None
+    resident_blocks: Optional[int] = None
+    prefetch: Optional[int] = None
+    activations: Optional[ActivationsPolicy] = None
+    overlap_optimizer: Union[bool, str] = "auto"
+    blocks: Optional[BlockPolicy] = None
+    link: Optional[EmulatedLink] = None
+    offload_device: str = "cpu"
+    offload_path: Optional[Union[str, os.PathLike[str]]] = None
+    host_buffer_bytes: Optional[int] = None
+    shard_optimizer: Union[bool, str] = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every knob on its own and the disk tier's together.
+
+        Raises:
+            KnobError: With the user's call and what would be accepted.
+        """
+        try:
+            self._check_streaming()
+            self._check_offload()
+            if self.shard_optimizer not in SHARD_MODES:
+                raise ValueError(
+                    f"SuperpipeStrategy(shard_optimizer={self.shard_optimizer!r}) must be True, False or 'node' (or"
+                    " 'auto', the default)."
+                )
+        except ValueError as error:
+            raise KnobError(str(error)) from None
+
+    def _check_streaming(self) -> None:
+        if self.memory_budget is not None:  # a share of free memory is read from the device when the run starts
+            parse_budget(self.memory_budget, f"SuperpipeStrategy(memory_budget={self.memory_budget!r})")
+        if self.overlap_optimizer not in (True, False, "auto"):
+            raise ValueError(
+                f"SuperpipeStrategy(overlap_optimizer={self.overlap_optimizer!r}) must be True, False or 'auto'."
+            )
+        for name in ("resident_blocks", "prefetch"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"SuperpipeStrategy({name}={value!r}) must be a whole number, zero or more.")
+        if self.activations is not None:  # each mode now; one per block once the blocks are known
+            policy = self.activations
+            per_block_modes(policy, len(policy) if isinstance(policy, Sequence) and not isinstance(policy, str) else 1)
+        if self.blocks is not None:
+            try:
+                _as_predicate(self.blocks)
+            except TypeError as error:
+                raise ValueError(f"SuperpipeStrategy(blocks={self.blocks!r}): {error}") from None
+        if self.link is not None and not isinstance(self.link, EmulatedLink):
+            raise ValueError(f"SuperpipeStrategy(link={self.link!r}) must be an `EmulatedLink` or None.")
+
+    def _check_offload(self) -> None:
+        call = self.offload_call
+        if self.offload_device not in OFFLOAD_DEVICES:
+            raise ValueError(
+                f"{call}: offload_device must be 'cpu' (the default: masters, gradients and optimizer state in host"
+                " memory) or 'disk' (block masters and optimizer state in files under offload_path)."
+            )
+        if self.offload_device == "cpu":
+            for name in ("offload_path", "host_buffer_bytes"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{call}: {name} is used only by the disk tier. Pass offload_device='disk' to keep the"
+                        f" training state in files, or leave {name} out."
+                    )
+            return
+        if self.offload_path is None:
+            raise ValueError(f"{call}: offload_device='disk' needs offload_path, a folder on a fast local disk.")
+        size = self.host_buffer_bytes
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
+            raise ValueError(f"{call}: host_buffer_bytes must be a positive number of bytes, or None for the default.")
+
+    @property
+    def offload_call(self) -> str:
+        """The user's call of the disk tier's knobs, as quoted in error messages."""
+        path = None if self.offload_path is None else os.fspath(self.offload_path)
+        return (
+            f"SuperpipeStrategy(offload_device={self.offload_device!r}, offload_path={path!r},"
+            f" host_buffer_bytes={self.host_buffer_bytes!r})"
+        )
+
+    def knobs(self) -> dict[str, Any]:
+        """Every knob by name (not copied, unlike ``dataclasses.asdict``: a link or a predicate stays itself)."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+    def check_for_model(self, num_blocks: int) -> None:
+        """What needs the model: one activation mode per block of the ``num_blocks``.
+
+        Raises:
+            ValueError: With the user's call.
+        """
+        if self.activations is not None:
+            per_block_modes(self.activations, num_blocks)
+
+    def check_offload_path(self) -> None:
+        """That the disk tier's folder exists and is writable now (its free space is checked once the bytes needed
+        are known); nothing with ``offload_device="cpu"``.
+
+        Raises:
+            ValueError: With the user's call.
+        """
+        if self.offload_device != "disk":
+            return
+        assert self.offload_path is not None
+        try:
+            preflight(self.offload_path, 0)
+        except DiskSpaceError:
+            pass  # the space is checked against the bytes the tier needs once the blocks and optimizer are known
+        except DiskTierError as error:
+            raise ValueError(f"{self.offload_call}: {error}") from error
+
+
+def default_sharding(
+    options: SuperpipeOptions, *, precision: str, averaging: Sequence[Any], shared_free: Optional[int],
+    shared_needed: int,
+) -> tuple[Union[bool, str], Optional[str]]:
+    """What ``shard_optimizer="auto"`` is on several ranks: ``"node"`` where it works, else the most sharing the run
+    allows, with why.
+
+    Args:
+        options: The strategy's knobs.
+        precision: The run's precision (``"16-mixed"``: no sharding).
+        averaging: The weight-averaging callbacks of a ``fit`` (they swap weights into every rank's parameters).
+        shared_free: Free bytes in ``/dev/shm`` (``None``: there is none).
+        shared_needed: About the bytes the node's shared copy of the blocks takes there (an upper bound).
+
+    Returns:
+        The value, and ``None`` or the reason it is not ``"node"``.
+    """
+    if options.offload_device == "disk":
+        return False, "the disk tier keeps each rank's copy of the training state in files of its own"
+    if precision == "16-mixed":
+        return False, "the gradient scaler of precision='16-mixed' checks every gradient, which a sharded rank lacks"
+    if averaging:
+        return True, (
+            f"the callback {type(averaging[0]).__name__} writes the averaged weights into the parameters on every"
+            " rank, which would share one copy of the blocks"
+        )
+    if shared_free is None:
+        return True, "this machine has no /dev/shm for the node's shared copy of the blocks"
+    if shared_needed > shared_free:
+        return True, (
+            f"/dev/shm has {format_bytes(shared_free)} free, less than the node's shared copy of the blocks may take"
+            f" ({format_bytes(shared_needed)}); enlarge it for 'node'"
+        )
+    return "node", None
