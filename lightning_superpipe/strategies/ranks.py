@@ -13,17 +13,22 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.streaming.disk_tier import weight_averaging_callbacks
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,
@@ -32,7 +37,7 @@ from lightning_superpipe.streaming.distributed import (
     on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions
+from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
 from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
 _RNG_KEY = "superpipe_rng_states"
@@ -45,6 +50,33 @@ class RanksStrategy(DDPStrategy):
     _engine: Optional[StreamingEngine]
     #: The node's ranks, which share the blocks' host homes (``shard_optimizer="node"`` on several ranks).
     node: Optional[NodeShare] = None
+    #: Why ``shard_optimizer="auto"`` was not ``"node"``, each said once.
+    _sharding_said: frozenset[str] = frozenset()
+
+    def resolve_sharding(self, options: SuperpipeOptions, trainer: Trainer) -> SuperpipeOptions:
+        """``options`` for the run: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on
+        several :func:`~lightning_superpipe.streaming.options.default_sharding`'s choice, the same on every rank (any
+        rank's reason against ``"node"`` holds for all), said once per reason."""
+        if options.shard_optimizer != "auto":
+            return options
+        if not self.several_ranks:
+            return replace(options, shard_optimizer=False)
+        assert self.model is not None
+        precision = str(self.precision_plugin.precision)
+        # The shared homes hold the blocks' masters and, under mixed precision, copies in the compute dtype: at most
+        # this, which counts the trunk too.
+        copy = 2 if precision in ("bf16-mixed", "16-mixed") else 0
+        needed = sum(p.numel() * (p.element_size() + copy) for p in self.model.parameters())
+        averaging = weight_averaging_callbacks(trainer) if trainer.state.fn == TrainerFn.FITTING else []
+        choice = default_sharding(options, precision=precision, averaging=averaging, shared_free=shared_space(),
+                                  shared_needed=needed)
+        everyone: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, choice)
+        value, reason = next((theirs for theirs in everyone if theirs[1] is not None), choice)
+        if reason is not None and reason not in self._sharding_said:
+            self._sharding_said = self._sharding_said | {reason}
+            rank_zero_info(f"SuperpipeStrategy(shard_optimizer='auto') is {value!r} here, not 'node': {reason}.")
+        return replace(options, shard_optimizer=value)
 
     @property
     @override

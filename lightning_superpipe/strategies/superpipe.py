@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -27,13 +26,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
@@ -48,10 +45,9 @@ from lightning_superpipe.streaming.checkpoints import (
     tier_files_beside,
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.disk_tier import weight_averaging_callbacks
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
+from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.session import StreamingSession
 from lightning_superpipe.streaming.setup import (
     EmptyInit,
@@ -62,6 +58,11 @@ from lightning_superpipe.streaming.setup import (
 )
 
 _MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _knob(name: str) -> property:
+    """A read-only attribute of the strategy that gives the knob ``name`` as the user wrote it (its options')."""
+    return property(lambda self: getattr(self.options, name), doc=f"``SuperpipeOptions.{name}``, as written.")
 
 
 class SuperpipeStrategy(RanksStrategy):
@@ -140,7 +141,6 @@ class SuperpipeStrategy(RanksStrategy):
             process_group_backend=process_group_backend, timeout=timeout,
         )
         self._run_options: Optional[SuperpipeOptions] = None  # the knobs of the last run: shard_optimizer resolved
-        self._sharding_said: set[str] = set()  # why "auto" was not "node", said once each
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
         self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` under the disk tier
         self._streaming: Optional[StreamingSession] = None
@@ -148,52 +148,20 @@ class SuperpipeStrategy(RanksStrategy):
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
 
-    # ------------------------------------------------------------------ the knobs, as written
+    # ------------------------------------------------------------------ the knobs, as written (read-only)
 
-    @property
-    def memory_budget(self) -> Optional[MemoryBudget]:
-        return self.options.memory_budget
-
-    @property
-    def resident_blocks(self) -> Optional[int]:
-        return self.options.resident_blocks
-
-    @property
-    def prefetch(self) -> Optional[int]:
-        return self.options.prefetch
-
-    @property
-    def activations(self) -> Optional[ActivationsPolicy]:
-        return self.options.activations
-
-    @property
-    def overlap_optimizer(self) -> Union[bool, str]:
-        return self.options.overlap_optimizer
-
-    @property
-    def block_policy(self) -> Optional[BlockPolicy]:
-        return self.options.blocks
-
-    @property
-    def link(self) -> Optional[EmulatedLink]:
-        return self.options.link
-
-    @property
-    def offload_device(self) -> str:
-        return self.options.offload_device
-
-    @property
-    def offload_path(self) -> Optional[Union[str, os.PathLike[str]]]:
-        return self.options.offload_path
-
-    @property
-    def host_buffer_bytes(self) -> Optional[int]:
-        return self.options.host_buffer_bytes
-
-    @property
-    def shard_optimizer(self) -> Union[bool, str]:
-        """As written (``"auto"`` by default); the run's resolved value is in :attr:`run_options`."""
-        return self.options.shard_optimizer
+    memory_budget = _knob("memory_budget")
+    resident_blocks = _knob("resident_blocks")
+    prefetch = _knob("prefetch")
+    activations = _knob("activations")
+    overlap_optimizer = _knob("overlap_optimizer")
+    block_policy = _knob("blocks")
+    link = _knob("link")
+    offload_device = _knob("offload_device")
+    offload_path = _knob("offload_path")
+    host_buffer_bytes = _knob("host_buffer_bytes")
+    #: As written (``"auto"`` by default); the run's resolved value is in :attr:`run_options`.
+    shard_optimizer = _knob("shard_optimizer")
 
     @property
     def run_options(self) -> SuperpipeOptions:
@@ -211,7 +179,7 @@ class SuperpipeStrategy(RanksStrategy):
             self._deferred.materialize(self.model)  # it reads every value
         self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
-        self._run_options = self._resolve_options(trainer)
+        self._run_options = self.resolve_sharding(self.options, trainer)
         # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
         self.join_ranks(trainer, self._run_options, self._deferred,
                         by_default=self.options.shard_optimizer != self._run_options.shard_optimizer)
@@ -246,32 +214,6 @@ class SuperpipeStrategy(RanksStrategy):
         self._planner = self._streaming.planner
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
-
-    def _resolve_options(self, trainer: Trainer) -> SuperpipeOptions:
-        """The run's knobs: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on several
-        :func:`~lightning_superpipe.streaming.options.default_sharding`'s choice, the same on every rank (any rank's
-        reason against ``"node"`` holds for all), said once per reason."""
-        options = self.options
-        if options.shard_optimizer != "auto":
-            return options
-        if not self.several_ranks:
-            return replace(options, shard_optimizer=False)
-        assert self.model is not None
-        precision = str(self.precision_plugin.precision)
-        # The shared homes hold the blocks' masters and, under mixed precision, copies in the compute dtype: at most
-        # this, which counts the trunk too.
-        copy = 2 if precision in _MIXED_PRECISION_DTYPES else 0
-        needed = sum(p.numel() * (p.element_size() + copy) for p in self.model.parameters())
-        averaging = weight_averaging_callbacks(trainer) if trainer.state.fn == TrainerFn.FITTING else []
-        choice = default_sharding(options, precision=precision, averaging=averaging, shared_free=shared_space(),
-                                  shared_needed=needed)
-        everyone: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, choice)
-        value, reason = next((theirs for theirs in everyone if theirs[1] is not None), choice)
-        if reason is not None and reason not in self._sharding_said:
-            self._sharding_said.add(reason)
-            rank_zero_info(f"SuperpipeStrategy(shard_optimizer='auto') is {value!r} here, not 'node': {reason}.")
-        return replace(options, shard_optimizer=value)
 
     @override
     def teardown(self) -> None:
