@@ -35,7 +35,7 @@ from lightning_superpipe import EmulatedLink, SuperpipeStrategy  # noqa: E402
 from lightning_superpipe.planning.cost import predict  # noqa: E402
 from lightning_superpipe.planning.planner import BudgetPlanner  # noqa: E402
 from lightning_superpipe.planning.solver import minimum_plan  # noqa: E402
-from lightning_superpipe.streaming.engine import choose_resident  # noqa: E402
+from lightning_superpipe.streaming.placement import choose_resident  # noqa: E402
 from lightning_superpipe.units import format_bytes  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -29,7 +29,6 @@ slots.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -43,8 +42,9 @@ from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
-from lightning_superpipe.streaming.ledger import DeviceLedger
+from lightning_superpipe.streaming.ledger import DeviceLedger, engine_report
 from lightning_superpipe.streaming.overlap import OverlappedStep
+from lightning_superpipe.streaming.placement import choose_resident, clamp
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.emulated import EmulatedLink
@@ -99,7 +99,7 @@ class StreamingEngine:
         try:
             self.ledger = DeviceLedger()
             resident = choose_resident(resident_blocks, len(block_params))
-            self.prefetch = _clamp(
+            self.prefetch = clamp(
                 "prefetch", prefetch, len(block_params) - len(resident), "the number of streamed blocks"
             )
             self.arena = HostArena(pin=self.copier.pin_memory)
@@ -230,7 +230,7 @@ class StreamingEngine:
             self.ledger.remove("block_weights", slot.flat.numel() * slot.flat.element_size())
         self._resident, self._resident_ready, self._slots = {}, {}, []
         self.activation_modes = modes
-        self.prefetch = _clamp("prefetch", prefetch, len(self.homes) - len(resident), "the number of streamed blocks")
+        self.prefetch = clamp("prefetch", prefetch, len(self.homes) - len(resident), "the number of streamed blocks")
         self._allocate_blocks(resident)
         self._fill_blocks(self.copier.mark_compute())  # fresh memory that compute may have read until now
         self._prepare(training=True)
@@ -301,7 +301,7 @@ class StreamingEngine:
         self._prepare(training=True)
 
     def sync_with_masters(self) -> None:
-        """Makes the device copies of every master that changed since they were made again.
+        r"""Makes the device copies of every master that changed since they were made again.
 
         A change is a new version counter (any in-place edit: optimizer steps, ``load_state_dict``,
         ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\s) or a new storage (``p.data = x``).
@@ -596,44 +596,8 @@ class StreamingEngine:
         return self.arena.pinned_bytes
 
     def memory_report(self) -> dict[str, Any]:
-        """The engine's part of the strategy's memory report, from its ledger and its arena.
-
-        Returns:
-            ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
-            blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held now),
-            ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
-            once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
-            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
-            the host: homes, transfer copies, staging), ``shared_host_bytes`` (the part of it every rank of the node
-            maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
-            of it),
-            ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
-            ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
-            ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
-            backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
-            the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the disk tier's:
-            bytes on disk, the pool's host bytes, bytes read and written).
-        """
-        return {
-            "peak_device_bytes": self.ledger.peak_bytes,
-            "device_bytes": self.ledger.total_bytes,
-            "peak_block_gradient_bytes": self.ledger.peaks["block_gradients"],
-            "peak_trunk_gradient_bytes": self.ledger.peaks["trunk_gradients"],
-            "largest_block_bytes": self.largest_block_bytes(),
-            "num_blocks": len(self.homes),
-            "resident_blocks": len(self.resident_indices),
-            "prefetch": self.prefetch,
-            "trunk_device_bytes": self.trunk_device_bytes(),
-            "host_bytes": self.host_bytes(),
-            "shared_host_bytes": self.arena.shared_bytes,
-            "pinned_host_bytes": self.pinned_bytes(),
-            "peak_activation_bytes": self.ledger.peaks["activations"],
-            "host_activation_bytes": self.activations.peak_host_bytes,
-            "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
-            "overlapped_block_steps": self.overlap.blocks_stepped,
-            "overlapped_trunk_steps": self.overlap.trunk_params_stepped,
-            **self.home_kind.memory_report(),
-        }
+        """The engine's part of the strategy's memory report (:func:`.ledger.engine_report`: its keys)."""
+        return engine_report(self)
 
     def is_persistent(self, address: int) -> bool:
         """Whether a storage at ``address`` is one of the trunk's resident copies (model memory, not activations)."""
@@ -648,26 +612,3 @@ class StreamingEngine:
             (self._streamed_numel(i) * home.transfer_dtype.itemsize for i, home in enumerate(self.homes) if home),
             default=0,
         )
-
-
-def _clamp(name: str, value: int, limit: int, what: str) -> int:
-    if value > limit:
-        warnings.warn(f"SuperpipeStrategy({name}={value}) is more than {what} ({limit}); using {limit}.", stacklevel=3)
-        return limit
-    return value
-
-
-def choose_resident(resident: Union[int, Sequence[int]], num_blocks: int) -> list[int]:
-    """The resident blocks' indices from a count (evenly spaced, clamped to the number of blocks) or a list."""
-    if isinstance(resident, int):
-        return _evenly_spaced(num_blocks, _clamp("resident_blocks", resident, num_blocks, "the number of blocks"))
-    indices = sorted(set(resident))
-    if any(not 0 <= index < num_blocks for index in indices):
-        raise ValueError(f"Resident block indices {indices} are not all among the {num_blocks} blocks.")
-    return indices
-
-
-def _evenly_spaced(count: int, chosen: int) -> list[int]:
-    if chosen <= 0:
-        return []
-    return sorted({min(count - 1, int((k + 0.5) * count / chosen)) for k in range(chosen)})
