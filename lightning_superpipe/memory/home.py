@@ -11,7 +11,7 @@ Kinds of home:
 
 * :class:`~lightning_superpipe.memory.host.HostHomes`: one flat host buffer per block (page-locked on CUDA), or one
   region the node's ranks share (``shard_optimizer="node"``); gradients accumulate in the host ``.grad``.
-* :class:`~lightning_superpipe.memory.disk_home.DiskHomes` (``offload_device="disk"``): the masters and optimizer
+* :class:`~lightning_superpipe.memory.disk_homes.DiskTier` (``offload_device="disk"``): the masters and optimizer
   state in files, read through a bounded pool; gradients are stepped through the store or spilled to disk.
 
 A new kind of home (4-bit frozen weights, say) is a :class:`Home` per block and a :class:`Homes` subclass that
