@@ -136,7 +136,10 @@ def main() -> None:
                 f" {exposed * 1e3:.0f} ms -> {100 * row['hidden_fraction']:.0f}% hidden"
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    table = ["| prefetch | block copy / block forward | copy time per step | exposed | hidden |", "|---|---|---|---|---|"]
+    table = [
+        "| prefetch | block copy / block forward | copy time per step | exposed | hidden |",
+        "|---|---|---|---|---|",
+    ]
     table += [
         f"| {r['prefetch']} | {r['ratio']:.2f} | {r['copy_s'] * 1e3:.0f} ms | {r['exposed_s'] * 1e3:.0f} ms |"
         f" {100 * r['hidden_fraction']:.0f}% |"
@@ -147,7 +150,9 @@ def main() -> None:
         f" {args.tokens} tokens, resident_blocks=0, {args.threads} torch thread(s).\n\n"
     )
     (args.out / "copy_hiding.md").write_text(header + "\n".join(table) + "\n")
-    (args.out / "copy_hiding.json").write_text(json.dumps(dict(block_forward_s=forward, block_bytes=block_bytes, rows=rows), indent=1))
+    (args.out / "copy_hiding.json").write_text(
+        json.dumps(dict(block_forward_s=forward, block_bytes=block_bytes, rows=rows), indent=1)
+    )
     print(header + "\n".join(table))
 
 

@@ -197,8 +197,12 @@ def main() -> None:
     print(f"step time: ddp {result['ddp']['step_s']:.3f} s; superpipe devices=1 {single['step_s']:.3f} s")
     for name in order:
         run = result[name]
-        rss = (f"resident set growth {run['node_rss_growth_bytes'] / mib:.1f} MiB"
-               f" ({run['rss_growth_bytes_ratio_vs_single']:.2f}x)" if name == args.first else "resident set not measured")
+        rss = (
+            f"resident set growth {run['node_rss_growth_bytes'] / mib:.1f} MiB"
+            f" ({run['rss_growth_bytes_ratio_vs_single']:.2f}x)"
+            if name == args.first
+            else "resident set not measured"
+        )
         print(
             f"{name}: step {run['step_s']:.3f} s ({run['step_ratio_vs_ddp']:.2f}x ddp); per node: training state"
             f" {run['node_state_bytes'] / mib:.1f} MiB ({run['state_bytes_ratio_vs_single']:.2f}x one process's"

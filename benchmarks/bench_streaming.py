@@ -37,7 +37,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~260 MB of fp32 weights: a CPU step takes seconds on 2 cores.
     "cpu": dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=12, num_attention_heads=10, vocab_size=4096),
     # ~1.5 GB of fp32 weights in 24 blocks.
-    "cuda": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000),
+    "cuda": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000
+    ),
 }
 
 
@@ -270,7 +272,10 @@ def main() -> None:
                 f" ({exposed / serial_s:.0%} exposed); {row['overlapped_block_steps']} block steps during backward"
             )
     if "h2d_gbps_one_bf16_block" in extras:
-        lines.append(f"Host-to-device, one pinned bf16 block: {extras['h2d_gbps_one_bf16_block']:.1f} GB/s ({extras['device_name']})")
+        lines.append(
+            f"Host-to-device, one pinned bf16 block: {extras['h2d_gbps_one_bf16_block']:.1f} GB/s"
+            f" ({extras['device_name']})"
+        )
     report = "\n".join(lines)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -55,11 +55,17 @@ def main() -> None:
         requested = sum(requests)
         caching = sum(caching_allocator_bytes(n) for n in requests)
         arena = sum(page_rounded(n) for n in requests)
-        rows.append(dict(model=name, buffers=len(requests), requested=requested, caching_allocator=caching, arena=arena))
-    lines = ["| model | pinned buffers | requested | caching host allocator | arena |", "|---|---|---|---|---|"]
+        rows.append(
+            dict(model=name, buffers=len(requests), requested=requested, caching_allocator=caching, arena=arena)
+        )
+    lines = [
+        "| model | pinned buffers | requested | caching host allocator | arena |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['buffers']} | {r['requested'] / 2**30:.2f} GiB | {r['caching_allocator'] / 2**30:.2f} GiB"
+            f"| {r['model']} | {r['buffers']} | {r['requested'] / 2**30:.2f} GiB"
+            f" | {r['caching_allocator'] / 2**30:.2f} GiB"
             f" (+{100 * (r['caching_allocator'] / r['requested'] - 1):.1f}%) | {r['arena'] / 2**30:.2f} GiB"
             f" (+{100 * (r['arena'] / r['requested'] - 1):.3f}%) |"
         )

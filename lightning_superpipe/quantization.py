@@ -158,15 +158,16 @@ def quantize_pageable(
 
     The 8-bit grid is :func:`quantize_groupwise`'s (min-max). Without ``hessian`` the codes and the
     metadata of every width are exactly its own (rounding to the nearest 8-bit code also puts each
-    weight in the nearest bucket of every width, rebuilt at the bucket middle). With it, GPTQ runs at every width at once: each width keeps its own copy of the
-    weights into which its rounding errors are fed back (column by column, through the inverse
-    Hessian's Cholesky factor), and each column's 8-bit code is the one whose prefixes are closest to
-    all those copies (weighted by ``width_weights``); a prefix is a width's code, so the codes nest
-    by construction. Then, for every width below 8, the scale and minimum of each group are refitted
-    to that width's codes: the least-squares fit of ``minimum + scale * code`` to the weights,
-    weighted by ``hessian`` (jointly over a row's groups), shrunk towards the bucket middle where the
-    fit is undetermined. (Without a Hessian such a fit lowers the plain weight error but, pulling
-    the outer buckets of peaked groups inwards, doubled the benchmark's KL: it is not done.)
+    weight in the nearest bucket of every width, rebuilt at the bucket middle). With it, GPTQ runs
+    at every width at once: each width keeps its own copy of the weights into which its rounding
+    errors are fed back (column by column, through the inverse Hessian's Cholesky factor), and each
+    column's 8-bit code is the one whose prefixes are closest to all those copies (weighted by
+    ``width_weights``); a prefix is a width's code, so the codes nest by construction. Then, for
+    every width below 8, the scale and minimum of each group are refitted to that width's codes: the
+    least-squares fit of ``minimum + scale * code`` to the weights, weighted by ``hessian`` (jointly
+    over a row's groups), shrunk towards the bucket middle where the fit is undetermined. (Without a
+    Hessian such a fit lowers the plain weight error but, pulling the outer buckets of peaked groups
+    inwards, doubled the benchmark's KL: it is not done.)
 
     Args:
         weight: ``[*leading, rows, cols]`` weights; groups run along the last dimension.

@@ -326,7 +326,9 @@ def disagree(out: Path) -> None:
     }
     available, shared_space, free_bytes = host_memory.available_host_bytes, pinned.shared_space, space.free_bytes
     for name, strategy in attempts.items():
-        host_memory.available_host_bytes = (lambda: 1024) if name in ("host", "node_host") and rank() == 1 else available
+        host_memory.available_host_bytes = (
+            (lambda: 1024) if name in ("host", "node_host") and rank() == 1 else available
+        )
         pinned.shared_space = (lambda: 4096) if name == "shm" and rank() == 0 else shared_space
         # Rank 1's disk has the margin the tier keeps free and one page: not the node's two copies of the tier.
         space.free_bytes = (lambda path: (16 << 20) + 4096) if name == "disk_space" and rank() == 1 else free_bytes

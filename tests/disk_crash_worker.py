@@ -47,8 +47,9 @@ def _die() -> None:
 
 
 def install_kill(point: str, step: int, tier: Path, mutate: str | None) -> None:
-    """Wraps the disk tier's file functions (:mod:`lightning_superpipe.memory.disk.folder`, ``.file_io``) so that the process kills itself at ``point``
-    of step ``step``; with ``mutate="shared-inode"``, also seeds the shared-inode bug."""
+    """Wraps the disk tier's file functions (:mod:`lightning_superpipe.memory.disk.folder`, ``.file_io``) so that
+    the process kills itself at ``point`` of step ``step``; with ``mutate="shared-inode"``, also seeds the
+    shared-inode bug."""
     from lightning_superpipe.memory.disk import file_io
     from lightning_superpipe.memory.disk import folder as disk_folder
 

@@ -308,14 +308,20 @@ def test_parameters_hold_no_memory_and_masters_stream(tmp_path: Path) -> None:
         store.close()
 
 
+def _slowed(original: Any, seconds: float) -> Any:
+    """``original``, taking ``seconds`` longer."""
+
+    def slowed(*args: Any) -> None:
+        time.sleep(seconds)
+        original(*args)
+
+    return slowed
+
+
 def _slowed_io(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every read and write request of the tier takes ``seconds`` longer (a slow disk)."""
     for chunk in ("_read_chunk", "_write_chunk"):
-        def slowed(*args: Any, original: Any = getattr(file_io, chunk)) -> None:
-            time.sleep(seconds)
-            original(*args)
-
-        monkeypatch.setattr(file_io, chunk, slowed)
+        monkeypatch.setattr(file_io, chunk, _slowed(getattr(file_io, chunk), seconds))
 
 
 def _timed_step(store: DiskStore, model: Model, optimizer: torch.optim.Optimizer) -> float:

@@ -40,7 +40,9 @@ def test_the_report_counts_every_host_byte_the_engine_allocated() -> None:
     task = tasks.build_task("llama")
     tasks.trainer(strategy, max_steps=1).fit(task, batches.data("lm"))
     report = strategy.memory_report()
-    homes = sum(page_rounded(sum(-(-p.numel() // 64) * 64 for p in layer.parameters()) * 4) for layer in task.model.model.layers)
+    homes = sum(
+        page_rounded(sum(-(-p.numel() // 64) * 64 for p in layer.parameters()) * 4) for layer in task.model.model.layers
+    )
     assert report["host_bytes"] == homes  # fp32 on a CPU device: no transfer copies, no staging
     assert report["pinned_host_bytes"] == 0
 
@@ -52,7 +54,9 @@ def test_on_cuda_homes_trunk_and_staging_are_page_locked_and_released() -> None:
     seen: dict[str, object] = {}
 
     class Inspect(tasks.pl.Callback):
-        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
+        def on_train_batch_end(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object
+        ) -> None:
             seen["pinned"] = all(p.is_pinned() for p in pl_module.parameters())
             seen["report"] = strategy.memory_report()
 

@@ -94,7 +94,7 @@ def test_hot_experts_keep_more_bits(trained):
         order = shares.argsort()
         cold, hot = order[:3].tolist(), order[-3:].tolist()
 
-        def mean_bits(experts):
+        def mean_bits(experts, layer=layer):
             chosen = [b for key, b in bits.items() if key.layer == layer and key.expert in experts]
             return sum(chosen) / len(chosen)
 

@@ -29,12 +29,21 @@ def _bitwise_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 @pytest.mark.parametrize(
     ("family", "optimizer", "activations"),
-    [("llama", "adamw", "recompute"), ("gpt2", "adamw-fused", "keep"), ("sequential", "sgd", "offload"), ("vit", "adamw", "recompute")],
+    [
+        ("llama", "adamw", "recompute"),
+        ("gpt2", "adamw-fused", "keep"),
+        ("sequential", "sgd", "offload"),
+        ("vit", "adamw", "recompute"),
+    ],
 )
-def test_stepping_blocks_during_backward_is_bitwise_the_step_after_backward(family: str, optimizer: str, activations: str) -> None:
+def test_stepping_blocks_during_backward_is_bitwise_the_step_after_backward(
+    family: str, optimizer: str, activations: str
+) -> None:
     """AdamW (loop and fused) and SGD with momentum, an LR warm-up, two parameter groups, accumulation over two
     micro-batches (only the last backward of each step overlaps)."""
-    serial = tasks.fit(family, SuperpipeStrategy(activations=activations, overlap_optimizer=False), optimizer=optimizer, **NO_CLIPPING)
+    serial = tasks.fit(
+        family, SuperpipeStrategy(activations=activations, overlap_optimizer=False), optimizer=optimizer, **NO_CLIPPING
+    )
     strategy = SuperpipeStrategy(activations=activations)
     overlapped = tasks.fit(family, strategy, optimizer=optimizer, **NO_CLIPPING)
     assert overlapped.losses == serial.losses
@@ -53,7 +62,9 @@ def test_a_family_of_each_kind_trains_as_plain_with_the_overlap_on() -> None:
 
 
 class _ReadsGradients(tasks.pl.Callback):
-    def on_before_optimizer_step(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, optimizer: Any
+    ) -> None:
         self.norm = sum(p.grad.norm() for p in pl_module.parameters() if p.grad is not None)
 
 

@@ -23,7 +23,13 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize(
     ("written", "expected"),
-    [(123_456_789, 123_456_789), ("12GiB", 12 * 2**30), ("800MiB", 800 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096)],
+    [
+        (123_456_789, 123_456_789),
+        ("12GiB", 12 * 2**30),
+        ("800MiB", 800 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+    ],
 )
 def test_budgets_in_bytes_are_read_in_every_accepted_form(written: Any, expected: int) -> None:
     assert resolve_budget(written, CPU) == expected
@@ -49,7 +55,9 @@ def test_budgets_that_mean_nothing_here_are_refused_with_the_users_call(written:
 def test_a_budget_below_what_any_placement_needs_is_refused_before_anything_is_allocated() -> None:
     task = tasks.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
-    with pytest.raises(MisconfigurationException, match=r"memory_budget=4096\) is 4 KiB, and any placement .* needs more"):
+    with pytest.raises(
+        MisconfigurationException, match=r"memory_budget=4096\) is 4 KiB, and any placement .* needs more"
+    ):
         tasks.trainer(SuperpipeStrategy(memory_budget=4096)).fit(task, batches.data("lm"))
     # Nothing was lost: the parameters are the user's, unchanged, and still plain tensors.
     for name, param in task.named_parameters():

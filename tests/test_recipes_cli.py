@@ -84,7 +84,9 @@ def test_lora_recipe_fine_tunes_with_the_superpipe_strategy_and_reports_memory(l
     assert report["strategy"].startswith("SuperpipeStrategy (num_blocks=6, resident_blocks=")
     plan = report["strategy_report"]["plan"]
     assert plan["budget_bytes"] == 48 * 2**20 and plan["predicted_peak_bytes"] <= plan["budget_bytes"]
-    assert report["strategy_report"]["streamed_stacks"] == ["model.base_model.model.model.layers: 6 x LlamaDecoderLayer"]
+    assert report["strategy_report"]["streamed_stacks"] == [
+        "model.base_model.model.model.layers: 6 x LlamaDecoderLayer"
+    ]
     module = module_of(LORA)
     assert report["param_bytes"] == param_bytes(module)
     assert report["gradient_bytes"] == param_bytes(module, trainable_only=True) < report["param_bytes"] / 10
@@ -95,7 +97,11 @@ def test_lora_recipe_fine_tunes_with_the_superpipe_strategy_and_reports_memory(l
     strategy = report["strategy_report"]
     assert report["superpipe_peak_device_bytes"] == strategy["peak_device_bytes"] >= strategy["largest_block_bytes"]
     # The ledger counts everything the strategy put on the device, the weights outside the blocks included.
-    assert report["peak_bytes"] == strategy["peak_device_bytes"] >= strategy["trunk_device_bytes"] + strategy["largest_block_bytes"]
+    assert (
+        report["peak_bytes"]
+        == strategy["peak_device_bytes"]
+        >= strategy["trunk_device_bytes"] + strategy["largest_block_bytes"]
+    )
     # What the strategy held stayed within the budget, profiled steps included.
     assert report["peak_bytes"] <= plan["budget_bytes"]
     assert [sample["batch"] for sample in report["samples"]] == [1, 2, 3]

@@ -114,7 +114,11 @@ def test_the_ledger_counts_what_recomputation_holds_and_frees_it() -> None:
         assert recomputed >= kept > 0
     # At the worst moment one block is recomputed while the inputs of the blocks before it wait: more than one
     # block's share, less than keeping them all.
-    assert max(recompute["peak_activation_bytes_per_block"]) < recompute["peak_activation_bytes"] < keep["peak_activation_bytes"]
+    assert (
+        max(recompute["peak_activation_bytes_per_block"])
+        < recompute["peak_activation_bytes"]
+        < keep["peak_activation_bytes"]
+    )
     assert held_after_step and set(held_after_step) == {0}  # nothing is counted after backward freed it
 
 
@@ -130,7 +134,9 @@ def test_offloading_keeps_fewer_activation_bytes_on_the_device_than_keeping() ->
 
 def test_bad_placements_are_refused_with_the_users_call() -> None:
     with pytest.raises(MisconfigurationException, match=r"activations='stash'\): 'stash' is not one of"):
-        tasks.trainer(SuperpipeStrategy(activations="stash")).fit(tasks.build_task("sequential"), batches.data("vector"))
+        tasks.trainer(SuperpipeStrategy(activations="stash")).fit(
+            tasks.build_task("sequential"), batches.data("vector")
+        )
     with pytest.raises(MisconfigurationException, match=r"has 2 entries, but the model streams 4 blocks"):
         tasks.trainer(SuperpipeStrategy(activations=["keep", "offload"])).fit(
             tasks.build_task("sequential"), batches.data("vector")

@@ -36,7 +36,9 @@ def test_cuda_training_matches_plain_and_homes_are_pinned() -> None:
     seen: dict[str, bool] = {}
 
     class Inspect(tasks.pl.Callback):
-        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
+        def on_train_batch_end(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object
+        ) -> None:
             engine = trainer.strategy.engine
             seen["homes_pinned"] = all(h.master.is_pinned() for h in engine.homes if h is not None)
             seen["params_on_host"] = all(p.device.type == "cpu" for p in pl_module.parameters())
@@ -79,7 +81,9 @@ def test_cuda_device_memory_stays_within_the_ledger() -> None:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         task = tasks.Task(_deep_stack, "vector")
-        tasks.trainer(strategy, max_steps=2, accumulate_grad_batches=1, **CUDA).fit(task, batches.data("vector", batches=4))
+        tasks.trainer(strategy, max_steps=2, accumulate_grad_batches=1, **CUDA).fit(
+            task, batches.data("vector", batches=4)
+        )
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before, task.losses
 

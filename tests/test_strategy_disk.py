@@ -88,7 +88,9 @@ def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: s
     versions), and LoRA (frozen block weights: masters on disk, no state, no gradient)."""
     if variant != "lora":
         options: dict[str, Any] = dict(optimizer=variant, accumulate_grad_batches=1, gradient_clip_val=None)
-        _assert_same(tasks.fit("llama", _disk(tmp_path / "tier"), **options), tasks.fit("llama", "superpipe", **options))
+        _assert_same(
+            tasks.fit("llama", _disk(tmp_path / "tier"), **options), tasks.fit("llama", "superpipe", **options)
+        )
         return
     peft = pytest.importorskip("peft")
 
@@ -107,7 +109,9 @@ def test_sgd_fused_adamw_and_lora_equal_the_host_tier(tmp_path: Path, variant: s
 
 
 @pytest.mark.parametrize("name", [c.__name__ for c in PER_PARAMETER_OPTIMIZERS[3:]] + ["transformers-adafactor"])
-def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_lightning(tmp_path: Path, name: str) -> None:
+def test_every_per_parameter_torch_optimizer_equals_the_host_tier_and_plain_lightning(
+    tmp_path: Path, name: str
+) -> None:
     """Each other optimizer of ``torch.optim`` that updates a parameter from its own gradient and state, with two
     groups and a warm-up (and ``transformers``' Adafactor with its defaults: relative step sizes): stepped from disk
     after backward (clipping, accumulation 2: spilled gradients) and through the store during backward (no clipping),
@@ -134,7 +138,10 @@ def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
 
     monkeypatch.setattr(overlap, "REGISTERED_PER_PARAMETER", [])
     during: dict[str, Any] = dict(optimizer="lion", gradient_clip_val=None)
-    with pytest.raises(MisconfigurationException, match=r"Lion is not known .* lightning_superpipe\.register_per_parameter_optimizer\(Lion\)"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"Lion is not known .* lightning_superpipe\.register_per_parameter_optimizer\(Lion\)",
+    ):
         tasks.fit("llama", _disk(tmp_path / "refused"), **during)
     unregistered = tasks.fit("llama", SuperpipeStrategy(overlap_optimizer=True), **during)
     assert unregistered.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
@@ -338,8 +345,8 @@ def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
     options = dict(limit_val_batches=2, val_check_interval=4)
     strategies = {"host": SuperpipeStrategy(), "disk": _disk(tmp_path / "tier")}
     trained = {}
+    build, kind = tasks.EXAMPLES["llama"]
     for name, strategy in strategies.items():
-        build, kind = tasks.EXAMPLES["llama"]
         trained[name] = tasks.fit_task(lambda: tasks.Task(build, kind), strategy, batches.data(kind),
                                        batches.data(kind, batches=2), **options)
     assert trained["disk"].val_losses == trained["host"].val_losses and len(trained["disk"].val_losses) > 0
@@ -357,7 +364,10 @@ def test_validation_and_predict_stream_from_the_tier(tmp_path: Path) -> None:
         (dict(offload_path="/tmp"), r"offload_device='cpu', offload_path='/tmp'.*used only by the disk tier"),
         (dict(offload_device="disk"), r"offload_path=None.*needs offload_path"),
         (dict(offload_device="disk", offload_path="/nonexistent/superpipe"), r"does not exist.*mkdir -p"),
-        (dict(offload_device="disk", offload_path="/tmp", host_buffer_bytes=-1), r"host_buffer_bytes must be a positive"),
+        (
+            dict(offload_device="disk", offload_path="/tmp", host_buffer_bytes=-1),
+            r"host_buffer_bytes must be a positive",
+        ),
     ],
 )
 def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[str, Any], message: str) -> None:
@@ -368,11 +378,16 @@ def test_bad_knobs_are_refused_with_the_users_call_and_lose_nothing(knobs: dict[
     assert all(torch.equal(p, before[name]) for name, p in task.named_parameters())
 
 
-def test_a_disk_too_small_or_unwritable_is_refused_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_disk_too_small_or_unwritable_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     task = tasks.build_task("llama")
     before = {name: p.detach().clone() for name, p in task.named_parameters()}
     monkeypatch.setattr(space, "free_bytes", lambda path: 1 << 20)
-    with pytest.raises(MisconfigurationException, match=r"offload_device='disk'.*The disk tier needs .* bytes: two slots.*only 1 MiB \(1048576 bytes\) are free"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"offload_device='disk'.*The disk tier needs .* bytes: two slots.*only 1 MiB \(1048576 bytes\) are free",
+    ):
         tasks.trainer(_disk(tmp_path / "tier")).fit(task, batches.data("lm"))
     monkeypatch.undo()
     assert not any((tmp_path / "tier").iterdir())  # nothing written
@@ -757,7 +772,8 @@ def _refusal_cases() -> list[Any]:
                      r" lightning_superpipe\.register_per_parameter_optimizer\(_OwnSGD\)\)", id="own-optimizer"),
         pytest.param(_StepHook, {}, call + "the optimizer has step hooks", id="step-hooks"),
         pytest.param(_Fused, dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
-                     call + r"AdamW unscales the gradients inside its step under a gradient scaler", id="16-mixed-fused"),
+                     call + r"AdamW unscales the gradients inside its step under a gradient scaler",
+                     id="16-mixed-fused"),
     ]
 
 
@@ -833,7 +849,11 @@ def test_init_module_empty_init_leaves_a_transformers_model_untouched_and_its_we
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             schema = func._schema
-            if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+            if (
+                schema.arguments
+                and schema.arguments[0].alias_info is not None
+                and schema.arguments[0].alias_info.is_write
+            ):
                 self.bytes += args[0].numel() * args[0].element_size()
             return func(*args, **(kwargs or {}))
 

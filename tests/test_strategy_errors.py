@@ -52,11 +52,15 @@ def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
         tasks.trainer(strategy, max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
     assert strategy.memory_report()["resident_blocks"] == 4
     assert strategy.memory_report()["prefetch"] == 0
-    with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero"):
+    with pytest.raises(
+        MisconfigurationException, match=r"SuperpipeStrategy\(prefetch=-1\) must be a whole number, zero"
+    ):
         tasks.trainer(SuperpipeStrategy(prefetch=-1)).fit(tasks.build_task("sequential"), batches.data("vector"))
     # A boolean is an int to Python, but `resident_blocks=True` is a mistake, not "one block".
     with pytest.raises(MisconfigurationException, match=r"SuperpipeStrategy\(resident_blocks=True\) must be a whole"):
-        tasks.trainer(SuperpipeStrategy(resident_blocks=True)).fit(tasks.build_task("sequential"), batches.data("vector"))
+        tasks.trainer(SuperpipeStrategy(resident_blocks=True)).fit(
+            tasks.build_task("sequential"), batches.data("vector")
+        )
 
 
 def test_a_host_too_small_is_refused_before_anything_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +146,9 @@ def test_default_discovery_streams_every_outermost_stack_in_execution_order() ->
 def test_blocks_of_different_dtypes_are_refused_before_training() -> None:
     task = tasks.build_task("sequential")
     task.model[1][2].half()  # one block in fp16, the others in fp32: they cannot share slots
-    with pytest.raises(TypeError, match=r"slots of one dtype, but the blocks' weights have \['torch.float16', 'torch.float32'\]"):
+    with pytest.raises(
+        TypeError, match=r"slots of one dtype, but the blocks' weights have \['torch.float16', 'torch.float32'\]"
+    ):
         tasks.trainer(SuperpipeStrategy(resident_blocks=0), max_steps=1).fit(task, batches.data("vector"))
 
 
@@ -158,12 +164,16 @@ def test_parameters_replaced_by_new_objects_mid_run_are_refused() -> None:
     """`load_state_dict(assign=True)` swaps the Parameter objects the strategy streams: refused, not ignored."""
 
     class Reassign(tasks.pl.Callback):
-        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object) -> None:
+        def on_train_batch_end(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: object
+        ) -> None:
             state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             pl_module.load_state_dict(state, assign=True)
 
     with pytest.raises(RuntimeError, match=r"was replaced by another\s+object during the run .*assign=True"):
-        tasks.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(tasks.build_task("sequential"), batches.data("vector"))
+        tasks.trainer("superpipe", max_steps=2, callbacks=[Reassign()]).fit(
+            tasks.build_task("sequential"), batches.data("vector")
+        )
 
 
 BAD_KNOBS = [

@@ -36,7 +36,9 @@ def test_losses_and_weights_match_plain_lightning(family: str) -> None:
 def test_knobs_do_not_change_results(resident_blocks: int, prefetch: int) -> None:
     plain = tasks.fit("sequential", "auto", gradient_clip_algorithm="value")
     streamed = tasks.fit(
-        "sequential", SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch), gradient_clip_algorithm="value"
+        "sequential",
+        SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch),
+        gradient_clip_algorithm="value",
     )
     assert _relative(streamed.losses, plain.losses) < 1e-5
     assert tasks.max_relative_difference(streamed, plain) < 1e-5

@@ -45,7 +45,10 @@ def test_validation_between_steps_matches_plain(name: str) -> None:
     ("name", "stacks"),
     [
         ("t5", ["model.encoder.block: 2 x T5Block", "model.decoder.block: 3 x T5Block"]),
-        ("bart", ["model.model.encoder.layers: 2 x BartEncoderLayer", "model.model.decoder.layers: 2 x BartDecoderLayer"]),
+        (
+            "bart",
+            ["model.model.encoder.layers: 2 x BartEncoderLayer", "model.model.decoder.layers: 2 x BartDecoderLayer"],
+        ),
         ("llama-1layer", ["model.model.layers: 1 x LlamaDecoderLayer"]),
         ("jamba", ["model.model.layers: 2 x JambaAttentionDecoderLayer/JambaMambaDecoderLayer"]),
         ("dropout-list", ["model.blocks: 3 x _Residual"]),
@@ -103,7 +106,9 @@ def test_a_filled_cache_in_training_is_refused_with_a_clear_message() -> None:
         def forward(self, batch: Any) -> torch.Tensor:
             with torch.no_grad():
                 prefix = self.model(input_ids=batch["input_ids"][:, :4], use_cache=True).past_key_values
-            return self.model(input_ids=batch["input_ids"][:, 4:], past_key_values=prefix, labels=batch["labels"][:, 4:]).loss
+            return self.model(
+                input_ids=batch["input_ids"][:, 4:], past_key_values=prefix, labels=batch["labels"][:, 4:]
+            ).loss
 
     tasks.pl.seed_everything(7, verbose=False)
     task = PrefixTask.of("llama")

@@ -78,7 +78,9 @@ def test_load_state_dict_by_hand_mid_run() -> None:
         def on_train_start(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
             self.initial = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
-        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
+        def on_train_batch_end(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any
+        ) -> None:
             if trainer.global_step == 3 and not hasattr(self, "done"):
                 self.done = True
                 pl_module.load_state_dict(self.initial)
@@ -155,14 +157,18 @@ def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
 
 def test_parameters_frozen_mid_run_stop_moving() -> None:
     class FreezeMlpAtStep2(tasks.pl.Callback):
-        def on_train_batch_start(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
+        def on_train_batch_start(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any
+        ) -> None:
             if trainer.global_step == 2:
                 for name, param in pl_module.named_parameters():
                     if ".mlp." in name:
                         param.requires_grad_(False)
                         param.grad = None
 
-        def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any) -> None:
+        def on_train_batch_end(
+            self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, *args: Any
+        ) -> None:
             if trainer.global_step == 2:
                 pl_module.frozen = {n: p.clone() for n, p in pl_module.named_parameters() if ".mlp." in n}
 
@@ -194,7 +200,9 @@ class _Branchy(nn.Module):
 
 
 def _branchy_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(12, 24), nn.Sequential(*[_Branchy() for _ in range(3)]), nn.Linear(24, 3), nn.Linear(3, 3))
+    return nn.Sequential(
+        nn.Linear(12, 24), nn.Sequential(*[_Branchy() for _ in range(3)]), nn.Linear(24, 3), nn.Linear(3, 3)
+    )
 
 
 class _SkipLastHead(nn.Module):

@@ -35,7 +35,9 @@ def test_validation_between_epochs_and_sanity_check_match_plain() -> None:
 def test_predict_and_test_match_plain() -> None:
     task = tasks.build_task("vit")
     plain = tasks.trainer("auto").predict(task, batches.data("image", batches=3))
-    streamed = tasks.trainer(SuperpipeStrategy(resident_blocks=1, prefetch=2)).predict(task, batches.data("image", batches=3))
+    streamed = tasks.trainer(SuperpipeStrategy(resident_blocks=1, prefetch=2)).predict(
+        task, batches.data("image", batches=3)
+    )
     torch.testing.assert_close(torch.stack(streamed), torch.stack(plain), rtol=1e-6, atol=0)
     # The model is usable as before afterwards: hooks are gone and parameters are at home.
     assert all("forward" not in block.__dict__ for block in task.model.vit.layers)
@@ -59,7 +61,9 @@ def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(tmp_path: Pa
         first, batches.data("lm")
     )
     resumed = tasks.build_task("llama", seed=123)  # different initial weights: all must come from the file
-    tasks.trainer("superpipe", max_epochs=2, **options).fit(resumed, batches.data("lm"), ckpt_path=tmp_path / "last.ckpt")
+    tasks.trainer("superpipe", max_epochs=2, **options).fit(
+        resumed, batches.data("lm"), ckpt_path=tmp_path / "last.ckpt"
+    )
 
     assert first.losses == uninterrupted.losses[:8]
     np.testing.assert_allclose(resumed.losses, uninterrupted.losses[8:], rtol=1e-6)

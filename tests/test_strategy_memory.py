@@ -22,7 +22,9 @@ class _Probe(tasks.pl.Callback):
         self.extra_references: list[int] = []
         self.largest_block_bytes = 0
 
-    def on_before_backward(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, loss: torch.Tensor) -> None:
+    def on_before_backward(
+        self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule, loss: torch.Tensor
+    ) -> None:
         # Forward is done, backward has not started: autograd must hold no view of any slot (every streamed block
         # is checkpointed), so each slot's storage is referenced by the slot's own flat tensor alone (and by the
         # temporary storage object asked for the count).

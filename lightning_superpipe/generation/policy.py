@@ -155,8 +155,8 @@ class ModelShape:
         config = model.config
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
-        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd")
-        heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head")
+        hidden = getattr(config, "hidden_size", None) or config.n_embd
+        heads = getattr(config, "num_attention_heads", None) or config.n_head
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden

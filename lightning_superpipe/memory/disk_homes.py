@@ -336,7 +336,8 @@ class DiskTier(Homes):
 
     def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
         """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
-        :class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`): what backward spilled of them is dropped, as ``.grad`` would be."""
+        :class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`): what backward spilled of them is dropped,
+        as ``.grad`` would be."""
         by_block: dict[int, set[int]] = {}
         for param in params:
             place = self._place.get(param)
@@ -366,9 +367,9 @@ class DiskTier(Homes):
     def _not_zeroed(self, param: nn.Parameter, what: str) -> str:
         return (
             f"SuperpipeStrategy(offload_device='disk'): {what}, but no zero_grad came since the last optimizer step"
-            f" consumed the gradient of {self._name(param)!r} (the tier keeps a block's gradients on disk only until the step"
-            " that reads them). Call optimizer.zero_grad() between optimizer.step() and the next backward, as"
-            " Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
+            f" consumed the gradient of {self._name(param)!r} (the tier keeps a block's gradients on disk only until"
+            " the step that reads them). Call optimizer.zero_grad() between optimizer.step() and the next"
+            " backward, as Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
         )
 
     def _step_block(self, optimizer: Optimizer, index: int, params: list[nn.Parameter]) -> None:

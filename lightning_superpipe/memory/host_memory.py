@@ -49,7 +49,8 @@ def check_host_memory(needed_bytes: int, what: str) -> None:
     if available is None or needed_bytes <= available:
         return
     raise HostMemoryError(
-        f"SuperpipeStrategy needs about {format_bytes(needed_bytes)} more host memory ({what}) but only {format_bytes(available)}"
+        f"SuperpipeStrategy needs about {format_bytes(needed_bytes)} more host memory ({what}) but only"
+        f" {format_bytes(available)}"
         " is available. Free host memory, train fewer parameters (e.g. LoRA), use `precision='bf16-true'`, or use"
         " a machine with more RAM."
     )

@@ -293,7 +293,9 @@ class ActivationCensus(torch.autograd.graph.saved_tensors_hooks):
         self.kept[storage.data_ptr()] = storage.nbytes()
         if tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
             # A layout that overlaps itself travels contiguous (as ``_offload`` sends it).
-            self.offloaded_bytes += tensor.numel() * tensor.element_size() if _overlaps_itself(tensor) else _span_bytes(tensor)
+            self.offloaded_bytes += (
+                tensor.numel() * tensor.element_size() if _overlaps_itself(tensor) else _span_bytes(tensor)
+            )
         else:
             self.small[storage.data_ptr()] = storage.nbytes()
 

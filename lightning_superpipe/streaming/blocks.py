@@ -9,7 +9,9 @@ from torch import nn
 
 #: How a user names the blocks: module classes (every outermost instance is a block) or a predicate, in the
 #: style of FSDP's ``activation_checkpointing_policy``. ``None`` finds them automatically.
-BlockPolicy = Union[set[type[nn.Module]], list[type[nn.Module]], tuple[type[nn.Module], ...], Callable[[nn.Module], bool]]
+BlockPolicy = Union[
+    set[type[nn.Module]], list[type[nn.Module]], tuple[type[nn.Module], ...], Callable[[nn.Module], bool]
+]
 
 
 class NoBlocksFoundError(ValueError):

@@ -449,7 +449,7 @@ def check_same_setup(mine: dict[str, Any], call: str) -> None:
         if theirs["parameters"] != reference["parameters"]:
             ours, other = reference["parameters"], theirs["parameters"]
             first = next((i for i, (a, b) in enumerate(zip(ours, other)) if a != b), min(len(ours), len(other)))
-            what = lambda entries: repr(entries[first]) if first < len(entries) else "nothing"  # noqa: E731
+            what = lambda entries, first=first: repr(entries[first]) if first < len(entries) else "nothing"  # noqa: E731
             raise RanksDisagreeError(
                 f"{call} needs the same model on every rank, but parameter {first} is {what(other)} on rank {rank}"
                 f" and {what(ours)} on rank 0 (name, shape, dtype, requires_grad); rank {rank} has {len(other)}"

@@ -59,7 +59,9 @@ def parse_bandwidth(value: Union[None, int, float, str]) -> Optional[float]:
         try:
             value = parse_bytes(value, per_second=True)
         except ValueError:
-            raise ValueError(f"EmulatedLink(bandwidth={value!r}): expected e.g. '8GB/s', '500MiB/s' or a number.") from None
+            raise ValueError(
+                f"EmulatedLink(bandwidth={value!r}): expected e.g. '8GB/s', '500MiB/s' or a number."
+            ) from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"EmulatedLink(bandwidth={value!r}) must be a positive number of bytes per second.")
     return float(value)

@@ -304,7 +304,7 @@ class StreamingEngine:
         r"""Makes the device copies of every master that changed since they were made again.
 
         A change is a new version counter (any in-place edit: optimizer steps, ``load_state_dict``,
-        ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\s) or a new storage (``p.data = x``).
+        ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\\s) or a new storage (``p.data = x``).
         Checking costs a look at each parameter, not at its data.
         """
         changed = [(index, home, home.changed()) for index, home in enumerate(self.homes) if home is not None]

@@ -50,7 +50,10 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, deliver: Callable[[Sequence[Optional[Tensor]]], None], device_tensors: tuple[Tensor, ...], *host_params: Tensor
+        ctx: Any,
+        deliver: Callable[[Sequence[Optional[Tensor]]], None],
+        device_tensors: tuple[Tensor, ...],
+        *host_params: Tensor,
     ) -> tuple[Tensor, ...]:
         ctx.deliver = deliver
         # A parameter that took no part in the loss must get no gradient, not a zero one (AdamW would move it).
@@ -206,7 +209,8 @@ class BlockStreamingHook:
         profiler.block_inputs(self.index, _tensors((args, kwargs)))
         # Cut from the real graph, but needing gradients where the inputs do: autograd then saves the same tensors.
         detach = partial(
-            tree_map, lambda value: value.detach().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
+            tree_map,
+            lambda value: value.detach().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value,
         )
         states = rng_states()
         profiler.enter("census")
