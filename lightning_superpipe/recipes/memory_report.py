@@ -199,7 +199,8 @@ class MemorySummary:
             rows.append(("most on device after a batch", format_bytes(self.sampled_max_bytes or 0)))
         if self.uncounted_activation_bytes:
             # Both sides of the ratio count the same activations: add those the count above leaves out.
-            what = "outside the blocks, not in its count" if self.superpipe_peak_device_bytes else "freed before it"
+            ledger = self.superpipe_peak_device_bytes is not None
+            what = "outside the blocks, not in its count" if ledger else "of the step, freed by then"
             rows.append((f"  activations {what}", format_bytes(self.uncounted_activation_bytes)))
             rows.append(("device peak, activations included", format_bytes(self.compared_peak_bytes or 0)))
         if self.host_bytes is not None:
@@ -239,18 +240,25 @@ class MemorySummary:
         rows.append(("  total", format_bytes(self.plain_peak_bytes)))
         return rows
 
-    def _ratio_rows(self) -> list[tuple[str, str]]:
-        """The headline ratio, saying what both sides count, and the blocks a plan keeps activations of."""
+    def headline(self) -> tuple[str, str] | None:
+        """The ratio row, ``(label, value)``, its label saying what both sides count; ``None`` without a peak."""
         ratio = self.peak_ratio
         if ratio is None:
-            return []
+            return None
         if self.plain_activation_bytes is not None:
             label = "device peak / plain peak (activations included)"
         elif self.stage == "fit":
             label = "device peak / plain peak (plain's activations not measured)"
         else:
             label = "device peak / plain peak"
-        rows = [(label, f"{100.0 * ratio:.1f} %")]
+        return label, f"{100.0 * ratio:.1f} %"
+
+    def _ratio_rows(self) -> list[tuple[str, str]]:
+        """The headline ratio and the blocks a plan keeps activations of."""
+        headline = self.headline()
+        if headline is None:
+            return []
+        rows = [headline]
         plan = (self.strategy_report or {}).get("plan")
         kept = [index for index, mode in enumerate(plan["activations"]) if mode == "keep"] if plan else []
         if kept:
@@ -519,7 +527,11 @@ def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:
     axes.set_ylabel(f"device memory ({unit_name})")
     axes.set_ylim(bottom=0)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_title(f"Device memory: {summary.stage} with {summary.strategy} on {summary.device}", fontsize=10)
+    title = f"Device memory: {summary.stage} with {summary.strategy} on {summary.device}"
+    headline = summary.headline()
+    if headline is not None:  # as the table words it
+        title += "\n" + ": ".join(headline)
+    axes.set_title(title, fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(loc="best", fontsize=8)
     figure.savefig(path, dpi=120)
