@@ -542,8 +542,10 @@ def _peak_label(summary: MemorySummary) -> str:
     """What the plot's peak line counts."""
     if summary.cuda_max_allocated_bytes is not None:
         return "peak so far: all CUDA allocations (activations included)"
+    if summary.superpipe_peak_device_bytes is None:
+        return "peak so far"
     counted = "peak so far: the strategy's weights, gradients and activations"
-    return counted + (" + activations outside the blocks" if summary.uncounted_activation_bytes else "")
+    return counted + (" (those outside the blocks added)" if summary.uncounted_activation_bytes else "")
 
 
 def _plain_label(summary: MemorySummary) -> str:
