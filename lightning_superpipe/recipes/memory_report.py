@@ -274,7 +274,9 @@ class MemorySummary:
         title = [f"Device memory: {self.stage} with {self.strategy} on {self.device}"]
         title += [f"streaming {stack}" for stack in (self.strategy_report or {}).get("streamed_stacks", [])]
         rule = "-" * (label_width + value_width + 3)
-        lines = [*title, rule, *(f"{label:<{label_width}}   {value:>{value_width}}" for label, value in rows), rule]
+        # Section titles have no value: no trailing blanks after them.
+        body = [f"{label:<{label_width}}   {value:>{value_width}}".rstrip() for label, value in rows]
+        lines = [*title, rule, *body, rule]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
