@@ -162,3 +162,30 @@ def test_a_plan_that_keeps_activations_says_so_next_to_the_ratio() -> None:
     labels = [label for label, _ in summary.rows()]
     ratio = labels.index("device peak / plain peak (activations included)")
     assert labels[ratio + 1] == "  the plan keeps the activations of blocks 1, 4-5 on the device"
+
+
+class RemembersItsLoader(pl.LightningDataModule):
+    """Like the recipes' data module: the loader it made last is where a checkpoint's position is loaded into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_loader: DataLoader | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        self.last_loader = loader()
+        return self.last_loader
+
+
+def test_taking_the_first_batch_leaves_the_data_module_as_it_was(tmp_path: Path) -> None:
+    data = RemembersItsLoader()
+    report = MemoryReport(plot=False, progress_bar=False)
+    seen: list[Any] = []
+
+    class Watch(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            seen.append(data.last_loader)  # after the report's setup, which asked for a loader
+
+    pl.seed_everything(3, verbose=False)
+    tasks.trainer("auto", max_steps=1, accumulate_grad_batches=1, callbacks=[report, Watch()],
+                  default_root_dir=tmp_path).fit(Squares(), datamodule=data)
+    assert seen == [None] and report.summary is not None and report.summary.plain_activation_bytes

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch import Tensor, nn
 
 from lightning_superpipe.rng import rng_states, set_rng_states
@@ -104,6 +104,27 @@ def untouched(module: LightningModule) -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
+@contextmanager
+def attributes_kept(owner: Any) -> Iterator[None]:
+    """Undoes what the body sets on ``owner`` (a data module or a module; nothing for a plain loader): attributes
+    it adds are deleted, attributes it rebinds get their objects back. Changes inside those objects stay."""
+    if not isinstance(owner, (LightningModule, LightningDataModule)):
+        yield
+        return
+    before = dict(vars(owner))
+    try:
+        yield
+    finally:
+        for name in [name for name in vars(owner) if name not in before]:
+            delattr(owner, name)
+        for name, value in before.items():
+            if vars(owner).get(name, _MISSING) is not value:
+                setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
 def _numpy_state() -> Any:
     try:
         import numpy
@@ -139,14 +160,17 @@ def first_training_batch(trainer: Trainer, module: LightningModule) -> Any:
     """The first batch of the run's training loader, on the module's device; ``None`` when it cannot be had.
 
     Asks the trainer's training data source (the data module's or the module's ``train_dataloader``, or the loader
-    given to ``fit``) once more, with the RNG states put back afterwards, so the run then draws the same first batch.
+    given to ``fit``) once more, with the RNG states put back afterwards, so the run then draws the same first batch,
+    and the attributes the call sets on the data module (or module) put back too: a data module that remembers its
+    loader, to load a checkpoint's position into, must not remember this one.
     """
     source = getattr(trainer.fit_loop, "_data_source", None)  # Lightning's own handle on whichever of the three
     if source is None or not source.is_defined():
         return None
     states, numpy_state = rng_states(), _numpy_state()
     try:
-        loader = source.dataloader()
+        with attributes_kept(source.instance):
+            loader = source.dataloader()
         if isinstance(loader, (Sequence, dict)):  # several loaders: a combined batch, not worth rebuilding here
             return None
         iterator = iter(loader)
