@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch import Tensor, nn
 
@@ -82,8 +83,7 @@ class _PlainPlacement:
 def untouched(module: LightningModule) -> Iterator[None]:
     """Puts back what a forward outside the run could change: the RNG states (torch, CUDA, Python, NumPy), the
     buffers (running statistics), every submodule's train/eval mode; and mutes ``log``/``log_dict``."""
-    states = rng_states()
-    numpy_state = _numpy_state()
+    states = _all_rng_states()
     buffers = [(buffer, buffer.detach().clone()) for buffer in module.buffers()]
     modes = [(submodule, submodule.training) for submodule in module.modules()]
     # Instance attributes shadow the methods: the measurement's loss must not reach the run's logged metrics.
@@ -97,11 +97,7 @@ def untouched(module: LightningModule) -> Iterator[None]:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-        set_rng_states(states)
-        if numpy_state is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_state)
+        _set_all_rng_states(states)
 
 
 @contextmanager
@@ -125,12 +121,21 @@ def attributes_kept(owner: Any) -> Iterator[None]:
 _MISSING = object()
 
 
-def _numpy_state() -> Any:
+def _all_rng_states() -> tuple[dict[str, Any], Any]:
+    """:func:`~lightning_superpipe.rng.rng_states` and NumPy's (a ``training_step`` or a sampler may draw from it)."""
     try:
         import numpy
     except ImportError:
-        return None
-    return numpy.random.get_state()
+        return rng_states(), None
+    return rng_states(), numpy.random.get_state()
+
+
+def _set_all_rng_states(states: tuple[dict[str, Any], Any]) -> None:
+    set_rng_states(states[0])
+    if states[1] is not None:
+        import numpy
+
+        numpy.random.set_state(states[1])
 
 
 def count_saved_activations(module: LightningModule, batch: Any, blocks: Sequence[nn.Module] = ()) -> ActivationCount:
@@ -144,7 +149,7 @@ def count_saved_activations(module: LightningModule, batch: Any, blocks: Sequenc
         blocks: The modules the strategy streams, to tell their activations from the rest.
     """
     placement = _PlainPlacement(module, blocks)
-    census = ActivationCensus(placement, 0)  # type: ignore[arg-type]
+    census = ActivationCensus(placement, 0)  # type: ignore[arg-type]  # a stand-in for the engine's placement
     try:
         with untouched(module):
             module.train()
@@ -167,7 +172,7 @@ def first_training_batch(trainer: Trainer, module: LightningModule) -> Any:
     source = getattr(trainer.fit_loop, "_data_source", None)  # Lightning's own handle on whichever of the three
     if source is None or not source.is_defined():
         return None
-    states, numpy_state = rng_states(), _numpy_state()
+    states = _all_rng_states()
     try:
         with attributes_kept(source.instance):
             loader = source.dataloader()
@@ -177,15 +182,8 @@ def first_training_batch(trainer: Trainer, module: LightningModule) -> Any:
         batch = next(iterator)
         del iterator  # stops its workers, if any
     finally:
-        set_rng_states(states)
-        if numpy_state is not None:
-            import numpy
-
-            numpy.random.set_state(numpy_state)
-    device = next(module.parameters()).device
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-
-    return move_data_to_device(batch, device)
+        _set_all_rng_states(states)
+    return move_data_to_device(batch, next(module.parameters()).device)
 
 
 def measure_plain_activations(
