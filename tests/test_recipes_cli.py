@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,14 @@ def test_lora_recipe_fine_tunes_with_the_superpipe_strategy_and_reports_memory(l
     assert 2 * report["gradient_bytes"] <= report["optimizer_state_bytes"] < 2.01 * report["gradient_bytes"]
     plain_parts = (report["param_bytes"], report["gradient_bytes"], report["optimizer_state_bytes"])
     assert report["plain_total_bytes"] == sum(plain_parts)
+    # Plain training's peak counts its activations, measured on the first batch: most of them are the blocks'.
+    activations = report["plain_activation_bytes"]
+    assert 0 < report["outside_blocks_activation_bytes"] < activations / 4
+    assert report["plain_peak_bytes"] == report["plain_total_bytes"] + activations
+    # Like for like, with the activations outside the blocks on the strategy's side too, the recipe's settings hold
+    # less on the device than plain training.
+    assert report["compared_peak_bytes"] == report["peak_bytes"] + report["outside_blocks_activation_bytes"]
+    assert report["peak_ratio"] == report["compared_peak_bytes"] / report["plain_peak_bytes"] < 1
     strategy = report["strategy_report"]
     assert report["superpipe_peak_device_bytes"] == strategy["peak_device_bytes"] >= strategy["largest_block_bytes"]
     # The ledger counts everything the strategy put on the device, the weights outside the blocks included.
@@ -178,10 +187,13 @@ def test_the_memory_table_degrades_gracefully_without_the_superpipe_strategy(
     report = json.loads((run_dir(tmp_path, "finetune_lora") / "memory_report.json").read_text())
     assert report["strategy"] == "SingleDeviceStrategy" and report["strategy_report"] is None
     assert report["superpipe_peak_device_bytes"] is None and report["cuda_max_allocated_bytes"] is None
-    # The plain strategy keeps everything on its device, so what it holds is exactly the plain estimate.
+    # The plain strategy keeps everything on its device, so what it holds after a batch is exactly the plain
+    # estimate, and with the activations its step held, plain training's peak.
     assert report["peak_bytes"] == report["sampled_max_bytes"] == report["plain_total_bytes"]
+    assert report["compared_peak_bytes"] == report["plain_peak_bytes"] and report["peak_ratio"] == 1
     out = capsys.readouterr().out
-    assert "Device memory: fit with SingleDeviceStrategy on cpu" in out and "device peak / plain total" in out
+    assert "Device memory: fit with SingleDeviceStrategy on cpu" in out
+    assert re.search(r"device peak / plain peak \(activations included\) +100\.0 %", out)
 
 
 def write_recipe(path: Path, recipe: str, edit: Any) -> str:

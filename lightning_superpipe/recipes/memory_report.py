@@ -1,9 +1,11 @@
 """Show what a run costs in device memory: a progress-bar figure, a table at the end and a plot over the batches.
 
-The table sets the peak device memory of the run against what the plain strategy would have kept on the device:
-every weight, a gradient for every trainable weight and the optimizer's state. With the superpipe strategy the
-figures come from its ``memory_report()``; with any other strategy the plain-strategy estimate is computed from the
-module and the optimizers, and the peak comes from CUDA when there is one. When a
+The table sets the peak device memory of the run against the plain strategy's peak for the same batch: every
+weight, a gradient for every trainable weight, the optimizer's state and, in ``fit``, the activations the step saves
+for backward, measured on the run's first batch before the strategy takes the module over
+(:mod:`~lightning_superpipe.recipes.plain_activations`). Both sides count activations, so the ratio compares like with
+like. With the superpipe strategy the run's figures come from its ``memory_report()``; with any other strategy the
+plain figures are computed from the module and the optimizers, and the peak comes from CUDA when there is one. When a
 :class:`~lightning_superpipe.moe.PagedMoECallback` pages the experts, its figures join the table.
 """
 
@@ -21,6 +23,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
+from lightning_superpipe.recipes.plain_activations import ActivationCount, measure_plain_activations
 from lightning_superpipe.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,12 @@ class MemorySummary:
     samples: list[MemorySample] = field(default_factory=list)
     #: The median wall time of the optimizer steps that ran in the plan (``memory_budget=``), for the plan's rows.
     planned_step_s: float | None = None
+    #: Plain training's saved activations on the run's first batch (``fit`` only); ``None`` when not measured.
+    plain_activation_bytes: int | None = None
+    #: The part of them outside the streamed blocks (embeddings, head, loss), which the superpipe ledger leaves out.
+    outside_blocks_activation_bytes: int | None = None
+    #: Why the activations were not measured, when they were not.
+    plain_activations_note: str = ""
 
     @property
     def sampled_max_bytes(self) -> int | None:
@@ -139,8 +148,39 @@ class MemorySummary:
             return self.superpipe_peak_device_bytes
         return self.sampled_max_bytes
 
+    @property
+    def plain_peak_bytes(self) -> int:
+        """Plain training's peak on the device: weights, gradients, optimizer state and its measured activations."""
+        return self.plain_total_bytes + (self.plain_activation_bytes or 0)
+
+    @property
+    def uncounted_activation_bytes(self) -> int:
+        """Activations the run held that :attr:`peak_bytes` leaves out: those outside the streamed blocks for the
+        superpipe ledger (it counts the blocks' own), all of them for samples taken after a batch; none for CUDA's
+        peak, which counts every allocation."""
+        if self.plain_activation_bytes is None or self.cuda_max_allocated_bytes is not None:
+            return 0
+        if self.superpipe_peak_device_bytes is not None:
+            return self.outside_blocks_activation_bytes or 0
+        return self.plain_activation_bytes if self.samples else 0
+
+    @property
+    def compared_peak_bytes(self) -> int | None:
+        """The run's device peak with its activations, what the ratio sets against :attr:`plain_peak_bytes`."""
+        return None if self.peak_bytes is None else self.peak_bytes + self.uncounted_activation_bytes
+
+    @property
+    def peak_ratio(self) -> float | None:
+        """:attr:`compared_peak_bytes` / :attr:`plain_peak_bytes`."""
+        peak, plain = self.compared_peak_bytes, self.plain_peak_bytes
+        return peak / plain if peak is not None and plain > 0 else None
+
     def rows(self) -> list[tuple[str, str]]:
         """``(label, value)`` rows of the table, in display order."""
+        return [*self._run_rows(), *self._plain_rows(), *self._ratio_rows()]
+
+    def _run_rows(self) -> list[tuple[str, str]]:
+        """What the run held: the strategy's count, CUDA's or the samples', and the plan's prediction."""
         rows: list[tuple[str, str]] = []
         if self.superpipe_peak_device_bytes is not None:
             rows.append(("peak on device, strategy's count", format_bytes(self.superpipe_peak_device_bytes)))
@@ -157,6 +197,12 @@ class MemorySummary:
             rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
         if self.cuda_max_allocated_bytes is None and self.superpipe_peak_device_bytes is None and self.samples:
             rows.append(("most on device after a batch", format_bytes(self.sampled_max_bytes or 0)))
+        if self.uncounted_activation_bytes:
+            # Both sides of the ratio count the same activations: add those the count above leaves out.
+            ledger = self.superpipe_peak_device_bytes is not None
+            what = "outside the blocks, not in its count" if ledger else "of the step, freed by then"
+            rows.append((f"  activations {what}", format_bytes(self.uncounted_activation_bytes)))
+            rows.append(("device peak, activations included", format_bytes(self.compared_peak_bytes or 0)))
         if self.host_bytes is not None:
             rows.append(("held in host memory", format_bytes(self.host_bytes)))
         paged = self.paged_moe
@@ -174,16 +220,50 @@ class MemorySummary:
             if self.planned_step_s is not None:
                 rows.append(("  step time predicted / measured",
                              f"{plan['predicted_step_s'] * 1e3:.0f} / {self.planned_step_s * 1e3:.0f} ms"))
-        # Plain training holds its activations too; they are not counted here, as the strategy's ledger counts only
-        # the ones it keeps or brings back (a plan may keep many when the budget has room for them).
-        rows.append(("plain strategy would keep on device, activations aside:", ""))
-        rows.append(("  weights", format_bytes(self.param_bytes)))
+        return rows
+
+    def _plain_rows(self) -> list[tuple[str, str]]:
+        """What the plain strategy holds at its peak, part by part."""
+        measured = self.plain_activation_bytes is not None
+        if measured:
+            title = "plain strategy's peak on device, same batch:"
+        elif self.stage == "fit":
+            title = f"plain strategy on device, activations not measured ({self.plain_activations_note or 'off'}):"
+        else:
+            title = "plain strategy on device (no activations are saved outside fit):"
+        rows = [(title, ""), ("  weights", format_bytes(self.param_bytes))]
         if self.stage == "fit":
             rows.append(("  gradients", format_bytes(self.gradient_bytes)))
             rows.append(("  optimizer state", format_bytes(self.optimizer_state_bytes)))
-        rows.append(("  total", format_bytes(self.plain_total_bytes)))
-        if self.peak_bytes is not None and self.plain_total_bytes > 0:
-            rows.append(("device peak / plain total", f"{100.0 * self.peak_bytes / self.plain_total_bytes:.1f} %"))
+        if measured:
+            rows.append(("  activations saved for backward (measured)", format_bytes(self.plain_activation_bytes or 0)))
+        rows.append(("  total", format_bytes(self.plain_peak_bytes)))
+        return rows
+
+    def headline(self) -> tuple[str, str] | None:
+        """The ratio row, ``(label, value)``, its label saying what both sides count; ``None`` without a peak."""
+        ratio = self.peak_ratio
+        if ratio is None:
+            return None
+        if self.plain_activation_bytes is not None:
+            label = "device peak / plain peak (activations included)"
+        elif self.stage == "fit":
+            label = "device peak / plain peak (plain's activations not measured)"
+        else:
+            label = "device peak / plain peak"
+        return label, f"{100.0 * ratio:.1f} %"
+
+    def _ratio_rows(self) -> list[tuple[str, str]]:
+        """The headline ratio and the blocks a plan keeps activations of."""
+        headline = self.headline()
+        if headline is None:
+            return []
+        rows = [headline]
+        plan = (self.strategy_report or {}).get("plan")
+        kept = [index for index, mode in enumerate(plan["activations"]) if mode == "keep"] if plan else []
+        if kept:
+            # A budget with room makes the plan keep activations (no recomputation): faster, and it shows in the peak.
+            rows.append((f"  the plan keeps the activations of {_block_ranges(kept)} on the device", ""))
         return rows
 
     def table(self) -> str:
@@ -194,12 +274,33 @@ class MemorySummary:
         title = [f"Device memory: {self.stage} with {self.strategy} on {self.device}"]
         title += [f"streaming {stack}" for stack in (self.strategy_report or {}).get("streamed_stacks", [])]
         rule = "-" * (label_width + value_width + 3)
-        lines = [*title, rule, *(f"{label:<{label_width}}   {value:>{value_width}}" for label, value in rows), rule]
+        # Section titles have no value: no trailing blanks after them.
+        body = [f"{label:<{label_width}}   {value:>{value_width}}".rstrip() for label, value in rows]
+        lines = [*title, rule, *body, rule]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready figures, with the measured peak and the per-batch samples."""
-        return {**asdict(self), "peak_bytes": self.peak_bytes, "sampled_max_bytes": self.sampled_max_bytes}
+        return {
+            **asdict(self),
+            "peak_bytes": self.peak_bytes,
+            "sampled_max_bytes": self.sampled_max_bytes,
+            "plain_peak_bytes": self.plain_peak_bytes,
+            "compared_peak_bytes": self.compared_peak_bytes,
+            "peak_ratio": self.peak_ratio,
+        }
+
+
+def _block_ranges(indices: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``blocks 1-3, 5``; one index as ``block 1``."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    text = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    return f"block {text}" if len(indices) == 1 else f"blocks {text}"
 
 
 class MemoryReport(Callback):
@@ -210,14 +311,24 @@ class MemoryReport(Callback):
     ``memory_report.json`` and, if matplotlib is installed (``pip install lightning-superpipe[plot]``), plots device
     memory over the batches into ``device_memory.png``, both in the trainer's log folder.
 
+    In ``fit`` the plain strategy's figure includes its activations: in ``setup``, before the strategy takes the module
+    over, one ``training_step`` of the module runs on the run's first batch (on the host copy when the module is
+    there) to count what it saves for backward, without a backward; the run's RNG, weights, buffers and logged
+    metrics are left as they were (:mod:`~lightning_superpipe.recipes.plain_activations`). It costs one forward.
+
     Args:
         plot: Write ``device_memory.png``.
         progress_bar: Show device memory on the progress bar during ``fit``.
+        plain_activations: Measure plain training's activations (``False`` skips the extra forward; the table then
+            says they were not measured).
     """
 
-    def __init__(self, plot: bool = True, progress_bar: bool = True) -> None:
+    def __init__(self, plot: bool = True, progress_bar: bool = True, plain_activations: bool = True) -> None:
         self.plot = plot
         self.progress_bar = progress_bar
+        self.plain_activations = plain_activations
+        self.activations: ActivationCount | None = None
+        self._activations_note = "off"
         self.samples: list[MemorySample] = []
         self.summary: MemorySummary | None = None
         self._unit_name = "MiB"
@@ -231,6 +342,10 @@ class MemoryReport(Callback):
         self._step_times = {}
         if weight_bytes(trainer, pl_module)[0] >= 2**30:
             self._unit_name, self._unit_bytes = "GiB", 2**30
+        if stage == "fit" and self.plain_activations:
+            self.activations, self._activations_note = measure_plain_activations(
+                trainer, pl_module, getattr(trainer.strategy, "block_policy", None)
+            )
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
@@ -314,6 +429,7 @@ class MemoryReport(Callback):
             report.get("optimizer_state_bytes", optimizer_state_bytes(trainer.optimizers)) if training else 0
         )
         device = trainer.strategy.root_device
+        activations = self.activations if training else None
         return MemorySummary(
             stage=stage,
             strategy=describe_strategy(trainer, report),
@@ -333,6 +449,9 @@ class MemoryReport(Callback):
             strategy_report=report or None,
             samples=list(self.samples),
             planned_step_s=self._planned_step_s(trainer),
+            plain_activation_bytes=activations.total_bytes if activations is not None else None,
+            outside_blocks_activation_bytes=activations.outside_blocks_bytes if activations is not None else None,
+            plain_activations_note=self._activations_note if training else "",
         )
 
     def _planned_step_s(self, trainer: Trainer) -> float | None:
@@ -391,29 +510,51 @@ def plot_device_memory(summary: MemorySummary, path: Path) -> Path | None:
     except ImportError:
         log.warning("matplotlib is not installed, so no %s: `pip install lightning-superpipe[plot]`.", path.name)
         return None
-    largest = max([summary.plain_total_bytes, *(s.device_bytes for s in summary.samples)])
+    extra = summary.uncounted_activation_bytes
+    peaks = [sample.peak_device_bytes for sample in summary.samples]
+    largest = max([summary.plain_peak_bytes, *(s.device_bytes for s in summary.samples),
+                   *(peak + extra for peak in peaks if peak is not None)])
     unit_name, unit_bytes = ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
     batches = [sample.batch for sample in summary.samples]
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     device_bytes = [sample.device_bytes / unit_bytes for sample in summary.samples]
-    axes.plot(batches, device_bytes, marker=".", label="on device after batch")
-    peaks = [sample.peak_device_bytes for sample in summary.samples]
+    axes.plot(batches, device_bytes, marker=".", label="on device after each batch (its activations freed)")
     if all(peak is not None for peak in peaks):
-        axes.step(batches, [peak / unit_bytes for peak in peaks if peak is not None], where="post", label="peak so far")
-    axes.axhline(
-        summary.plain_total_bytes / unit_bytes,
-        color="tab:red",
-        linestyle="--",
-        label="plain strategy: weights" + (" + gradients + optimizer state" if summary.stage == "fit" else ""),
-    )
+        values = [(peak + extra) / unit_bytes for peak in peaks if peak is not None]
+        axes.step(batches, values, where="post", label=_peak_label(summary))
+    axes.axhline(summary.plain_peak_bytes / unit_bytes, color="tab:red", linestyle="--", label=_plain_label(summary))
     axes.set_xlabel(f"{'training' if summary.stage == 'fit' else summary.stage} batch")
     axes.set_ylabel(f"device memory ({unit_name})")
     axes.set_ylim(bottom=0)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_title(f"Device memory: {summary.stage} with {summary.strategy} on {summary.device}", fontsize=10)
+    title = f"Device memory: {summary.stage} with {summary.strategy} on {summary.device}"
+    headline = summary.headline()
+    if headline is not None:  # as the table words it
+        title += "\n" + ": ".join(headline)
+    axes.set_title(title, fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend(loc="best", fontsize=8)
     figure.savefig(path, dpi=120)
     return path
+
+
+def _peak_label(summary: MemorySummary) -> str:
+    """What the plot's peak line counts."""
+    if summary.cuda_max_allocated_bytes is not None:
+        return "peak so far: all CUDA allocations (activations included)"
+    if summary.superpipe_peak_device_bytes is None:
+        return "peak so far"
+    counted = "peak so far: the strategy's weights, gradients and activations"
+    return counted + (" (those outside the blocks added)" if summary.uncounted_activation_bytes else "")
+
+
+def _plain_label(summary: MemorySummary) -> str:
+    """What the plot's plain-strategy line counts."""
+    if summary.stage != "fit":
+        return "plain strategy: weights"
+    parts = "weights + gradients + optimizer state"
+    if summary.plain_activation_bytes is None:
+        return f"plain strategy: {parts} (activations not measured)"
+    return f"plain strategy's peak: {parts} + activations (same batch)"

@@ -34,10 +34,16 @@ def preflight(path: PathLike, needed_bytes: int, what: str = "two slots of every
     """
     folder = Path(path)
     if not folder.is_dir():
-        problem = "is not a folder" if folder.exists() else "does not exist"
+        # Callers that check the folder before the tier's size is known pass 0 bytes: name what it will hold instead.
+        room = f"at least {format_bytes(needed_bytes)} free" if needed_bytes > 0 else f"room for {what}"
+        if folder.exists():
+            raise DiskTierError(
+                f"The disk tier's offload_path {str(folder)!r} is not a folder. Pass a folder on a fast local disk"
+                f" with {room} as offload_path."
+            )
         raise DiskTierError(
-            f"The disk tier's offload_path {str(folder)!r} {problem}. Create it (e.g. `mkdir -p {folder}`) on a fast"
-            f" local disk with at least {format_bytes(needed_bytes)} free, or pass another offload_path."
+            f"The disk tier's offload_path {str(folder)!r} does not exist: the folder is missing. Create it (e.g."
+            f" `mkdir -p {folder}`) on a fast local disk with {room}, or pass another offload_path."
         )
     probe = folder / f".superpipe-write-probe-{os.getpid()}"  # several ranks may probe one folder
     try:
