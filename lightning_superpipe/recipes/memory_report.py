@@ -319,11 +319,13 @@ class MemoryReport(Callback):
     Args:
         plot: Write ``device_memory.png``.
         progress_bar: Show device memory on the progress bar during ``fit``.
-        plain_activations: Measure plain training's activations (``False`` skips the extra forward; the table then
-            says they were not measured).
+        plain_activations: Measure plain training's activations with one forward on the host before the run:
+            ``None`` (default) where the run computes on the CPU, where that forward costs what one step does;
+            ``True`` also for a GPU run (a large model's forward on the host can take minutes); ``False`` never (the
+            table then says they were not measured).
     """
 
-    def __init__(self, plot: bool = True, progress_bar: bool = True, plain_activations: bool = True) -> None:
+    def __init__(self, plot: bool = True, progress_bar: bool = True, plain_activations: bool | None = None) -> None:
         self.plot = plot
         self.progress_bar = progress_bar
         self.plain_activations = plain_activations
@@ -342,10 +344,13 @@ class MemoryReport(Callback):
         self._step_times = {}
         if weight_bytes(trainer, pl_module)[0] >= 2**30:
             self._unit_name, self._unit_bytes = "GiB", 2**30
-        if stage == "fit" and self.plain_activations:
+        on_cpu = trainer.strategy.root_device.type == "cpu"
+        if stage == "fit" and (self.plain_activations or (self.plain_activations is None and on_cpu)):
             self.activations, self._activations_note = measure_plain_activations(
                 trainer, pl_module, getattr(trainer.strategy, "block_policy", None)
             )
+        elif stage == "fit" and self.plain_activations is None:
+            self._activations_note = "a forward on the host would be slow here; MemoryReport(plain_activations=True)"
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
 
