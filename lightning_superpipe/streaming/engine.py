@@ -29,7 +29,7 @@ slots.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -45,6 +45,7 @@ from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger, engine_report
 from lightning_superpipe.streaming.overlap import OverlappedStep
 from lightning_superpipe.streaming.placement import choose_resident, clamp
+from lightning_superpipe.streaming.schedule import BlockSchedule
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.emulated import EmulatedLink
@@ -123,12 +124,7 @@ class StreamingEngine:
             #: A planner's ``StepProfiler`` while it measures a step, told by the hooks what compute is doing.
             self.profiler: Any = None
             self._synced_in_backward: set[int] = set()  # blocks whose homes the overlapped step already synced
-            forward = list(range(len(block_params)))
-            self._training_order = forward + forward[::-1]
-            self._forward_order = forward
-            self._order: list[int] = []
-            self._cyclic = False
-            self._cursor = -1
+            self.schedule = BlockSchedule(len(block_params))
             self._start_copies()
         except BaseException:
             self.close()  # nothing half-built stays behind: threads, the emulated link's checker, parameter classes
@@ -186,6 +182,8 @@ class StreamingEngine:
                 self._resident[index] = buffer
                 self.ledger.add("block_weights", buffer.numel() * buffer.element_size())
         self.resident_indices = frozenset(self._resident)
+        # Blocks that never take a slot: the resident ones, and those with nothing to stream.
+        self._unslotted = self.resident_indices | {i for i, home in enumerate(self.homes) if home is None}
         streamed = [i for i, home in enumerate(self.homes) if home is not None and i not in self._resident]
         if not streamed:
             return
@@ -246,9 +244,7 @@ class StreamingEngine:
     def _prepare(self, training: bool) -> None:
         self._release_busy()
         self.sync_with_masters()
-        self._order = self._training_order if training else self._forward_order
-        self._cyclic = not training
-        self._cursor = -1
+        self.schedule.start(training)
         self._prefetch()
 
     def finish_pass(self) -> None:
@@ -378,7 +374,7 @@ class StreamingEngine:
                 " copies ordered at run time, which a captured graph would replay from stale buffers. Do not capture"
                 " the model (`torch.cuda.graph`, `torch.compile(mode='reduce-overhead')`) while it streams."
             )
-        self._advance(index)
+        self.schedule.advance(index)
         home = self.homes[index]
         assert home is not None, f"block {index} has no streamed parameters"
         if index in self._resident:
@@ -416,7 +412,7 @@ class StreamingEngine:
         """Block ``index``'s flat device buffer for backward: the one computing if it is this block, else fetched
         (prefetched ahead in the training order, as for a recomputation)."""
         held = self.held_flat(index)
-        if held is not None and 0 <= self._cursor < len(self._order) and self._order[self._cursor] == index:
+        if held is not None and self.schedule.is_current(index):
             return held  # the block computing now: no new acquisition, the prefetch cursor stays
         return self.acquire_flat(index)
 
@@ -435,39 +431,10 @@ class StreamingEngine:
     def is_trunk(self, param: nn.Parameter) -> bool:
         return param in self._trunk
 
-    def _positions_after_cursor(self) -> Iterator[int]:
-        """Positions in the expected order after the cursor, wrapping around in a forward-only pass."""
-        length = len(self._order)
-        for step in range(1, length + 1):
-            position = self._cursor + step
-            if self._cyclic:
-                position %= length
-            elif position >= length:
-                return
-            yield position
-
-    def _advance(self, index: int) -> None:
-        """Moves the prediction cursor to ``index``'s next expected position (re-synchronising if the model called
-        the blocks in an order the pass did not predict)."""
-        for position in self._positions_after_cursor():
-            if self._order[position] == index:
-                self._cursor = position
-                return
-        self._cursor = self._order.index(index) if index in self._order else -1
-
-    def _upcoming(self) -> Iterator[int]:
-        """Streamed blocks expected after the cursor, nearest first, without repeats."""
-        seen: set[int] = set()
-        for position in self._positions_after_cursor():
-            index = self._order[position]
-            if index in seen or index in self._resident or self.homes[index] is None:
-                continue
-            seen.add(index)
-            yield index
-
     def _prefetch(self) -> None:
         window: list[int] = []
-        for index in self._upcoming():
+        upcoming = self.schedule.upcoming
+        for index in upcoming(self._unslotted):
             if len(window) == self.prefetch:
                 break
             window.append(index)
@@ -478,7 +445,7 @@ class StreamingEngine:
             if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
                 break
         # Homes in slower storage start reading further ahead than the slots.
-        self.home_kind.read_ahead(i for i in self._upcoming() if self._slot_holding(i) is None)
+        self.home_kind.read_ahead(i for i in upcoming(self._unslotted) if self._slot_holding(i) is None)
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:
