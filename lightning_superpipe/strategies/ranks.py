@@ -40,6 +40,8 @@ from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
 from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
+#: The precisions whose blocks travel and compute in a narrower dtype than their fp32 masters, and that dtype.
+MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _RNG_KEY = "superpipe_rng_states"
 _RANKS_RNG_KEY = "superpipe_rng_states_per_rank"
 
@@ -65,7 +67,7 @@ class RanksStrategy(DDPStrategy):
         precision = str(self.precision_plugin.precision)
         # The shared homes hold the blocks' masters and, under mixed precision, copies in the compute dtype: at most
         # this, which counts the trunk too.
-        copy = 2 if precision in ("bf16-mixed", "16-mixed") else 0
+        copy = MIXED_PRECISION_DTYPES[precision].itemsize if precision in MIXED_PRECISION_DTYPES else 0
         needed = sum(p.numel() * (p.element_size() + copy) for p in self.model.parameters())
         averaging = weight_averaging_callbacks(trainer) if trainer.state.fn == TrainerFn.FITTING else []
         choice = default_sharding(options, precision=precision, averaging=averaging, shared_free=shared_space(),

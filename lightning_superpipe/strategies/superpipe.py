@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.strategies.ranks import RanksStrategy
+from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES, RanksStrategy
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
@@ -56,8 +56,6 @@ from lightning_superpipe.streaming.setup import (
     strategy_report,
     uninstall_clipping,
 )
-
-_MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def _knob(name: str) -> property:
@@ -206,7 +204,7 @@ class SuperpipeStrategy(RanksStrategy):
             self._streaming = start_streaming(
                 model, self.root_device, self.run_options, fitting=self._fitting, trainer=trainer,
                 optimizers=tuple(self.optimizers), resume=self._resume,
-                transfer_dtype=_MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
+                transfer_dtype=MIXED_PRECISION_DTYPES.get(str(self.precision_plugin.precision)),
                 ranks=self.world_size if self.several_ranks else 1, rank=self.global_rank,
                 local_ranks=len(self.parallel_devices), node=self.node, deferred=self._deferred,
             )
