@@ -12,8 +12,8 @@ from lightning_superpipe.planning import Plan
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
+from lightning_superpipe.streaming.optimizers import register_per_parameter_optimizer
 from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.overlap import register_per_parameter_optimizer
 
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 

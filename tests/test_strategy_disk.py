@@ -26,7 +26,7 @@ from lightning_superpipe.memory.disk import CLOCK_COUNTERS, space
 from lightning_superpipe.planning.solver import minimum_plan, predict
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
-from lightning_superpipe.streaming.overlap import PER_PARAMETER_OPTIMIZERS
+from lightning_superpipe.streaming.optimizers import PER_PARAMETER_OPTIMIZERS
 from tests import batches, tasks
 
 

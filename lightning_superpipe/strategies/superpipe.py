@@ -189,8 +189,10 @@ class SuperpipeStrategy(RanksStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
-        if self._fitting and self._streaming is not None:  # the disk tier must see `zero_grad` (on the new wrappers)
-            self._streaming.watch_zero_grad(self.model, [*self.optimizers, *self._lightning_optimizers])
+        if self._fitting and self._streaming is not None:  # `zero_grad` is watched on Lightning's new wrappers too
+            optimizers = [*self.optimizers, *self._lightning_optimizers]
+            self._streaming.watch_zero_grad(self.model, optimizers)
+            self._streaming.start_fit(trainer, self.model, optimizers)
         # Unlike the parent class, optimizer state is not moved to the device: it lives with the host masters.
 
     @override
@@ -278,6 +280,7 @@ class SuperpipeStrategy(RanksStrategy):
         # The parent's sequence, with the gradients brought home between autograd's backward and the precision
         # plugin's post-backward, which runs `on_after_backward`: user code there must see complete gradients.
         assert self.lightning_module is not None
+        self.streaming.settle()  # a pipelined step reads `.grad`, which backward adds to
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
@@ -326,6 +329,7 @@ class SuperpipeStrategy(RanksStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
+        self._settle()
         self.add_rng_states(checkpoint)
         # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
         with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
@@ -333,8 +337,19 @@ class SuperpipeStrategy(RanksStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._settle()
         with blocks_left_to_files(self._engine):
             return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self._settle()
+        return super().optimizer_state(optimizer)
+
+    def _settle(self) -> None:
+        """Waits for pending (pipelined) optimizer steps: what follows reads weights or optimizer state."""
+        if self._streaming is not None:
+            self._streaming.settle()
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -373,7 +388,10 @@ class SuperpipeStrategy(RanksStrategy):
             return dict(self._last_report)
         assert self.lightning_module is not None
         params, streaming = list(self.lightning_module.parameters()), self.streaming
-        return strategy_report(streaming.engine, params, self.optimizers, streaming.stacks, self.plan, self.root_device)
+        streaming.settle()  # the optimizer state it counts
+        engine, stacks = streaming.engine, streaming.stacks
+        report = strategy_report(engine, params, self.optimizers, stacks, self.plan, self.root_device)
+        return {**report, **streaming.steps_report()}
 
     @classmethod
     @override

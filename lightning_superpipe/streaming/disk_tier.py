@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_superpipe.memory.disk import DiskStore, DiskTierError, checkpoint_folder, preflight
 from lightning_superpipe.memory.disk_homes import READ_AHEAD, DiskHome, DiskTier, disk_host_bytes
-from lightning_superpipe.streaming.overlap import (
+from lightning_superpipe.streaming.optimizers import (
     REGISTER_HINT,
     has_step_hooks,
     per_parameter_optimizer_names,

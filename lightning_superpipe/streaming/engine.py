@@ -44,6 +44,7 @@ from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger, engine_report
 from lightning_superpipe.streaming.overlap import OverlappedStep
+from lightning_superpipe.streaming.pipelined import PipelinedStep
 from lightning_superpipe.streaming.placement import choose_resident, clamp
 from lightning_superpipe.streaming.schedule import BlockSchedule
 
@@ -156,6 +157,7 @@ class StreamingEngine:
             self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=kind.keeps_gradients
         )
         self.overlap = OverlappedStep(block_params)
+        self.pending = PipelinedStep(self.overlap.executor, self.homes)  # a pipelined step's, on the same thread
         self.gradients.on_block_complete = kind.block_done
         self.gradients.on_trunk_complete = self.overlap.trunk_done
         self.gradients.before_reduce = kind.before_reduce
@@ -267,7 +269,7 @@ class StreamingEngine:
             if hasattr(self, "gradients"):  # not when set-up failed before it
                 self.gradients.close()
             if hasattr(self, "overlap"):
-                self.overlap.close()
+                self.overlap.close()  # after the pending steps, which run on its thread
         finally:
             try:
                 self.copier.close()
@@ -279,13 +281,15 @@ class StreamingEngine:
         for param in self._trunk:
             untrack_edits(param)
 
-    def refresh(self, changed: Iterable[nn.Parameter] = ()) -> None:
+    def refresh(self, changed: Iterable[nn.Parameter] = (), prepare: bool = True) -> None:
         """Makes the device copies match the host masters after they changed (an optimizer step, a load) and
         starts bringing in the first block, with which whatever runs next (a training step, validation) starts.
 
         Args:
             changed: Parameters to count as changed whatever their version counters say: torch's fused CPU
                 optimizers (``AdamW(fused=True)``) write parameters without bumping the counter.
+            prepare: Start the first copies now; ``False`` after a pipelined step, whose blocks are not stepped yet
+                (the next pass starts them, waiting for each block's step).
         """
         synced = {self.homes[index] for index in self._synced_in_backward}
         for param in changed:
@@ -294,7 +298,8 @@ class StreamingEngine:
             elif param in self._home_of and self._home_of[param] not in synced:
                 self._home_of[param].mark_changed(param)
         # Not a new pass: the events keep the stream the last pass ran on, whose tail may still read the copies.
-        self._prepare(training=True)
+        if prepare:
+            self._prepare(training=True)
 
     def sync_with_masters(self) -> None:
         r"""Makes the device copies of every master that changed since they were made again.
@@ -303,7 +308,10 @@ class StreamingEngine:
         ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\\s) or a new storage (``p.data = x``).
         Checking costs a look at each parameter, not at its data.
         """
-        changed = [(index, home, home.changed()) for index, home in enumerate(self.homes) if home is not None]
+        self.pending.wait_trunk()  # a pipelined step writes the trunk's masters first
+        pending = self.pending.pending_blocks  # their homes are the optimizer thread's until their steps are done
+        changed = [(index, home, [] if index in pending else home.changed())
+                   for index, home in enumerate(self.homes) if home is not None]
         synced, self._synced_in_backward = self._synced_in_backward, set()
         changed = [(index, home, pieces) for index, home, pieces in changed if pieces or index in synced]
         trunk = [param for param in self._trunk if master_state(param) != self._trunk_seen[param]]
@@ -465,7 +473,9 @@ class StreamingEngine:
         return None
 
     def _copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
-        """Copies block ``index``'s weights from its home into the device buffer ``dst``."""
+        """Copies block ``index``'s weights from its home into the device buffer ``dst`` (once a pipelined step of
+        the block is done)."""
+        self.pending.wait_block(index)
         home = self.homes[index]
         assert home is not None
         return home.copy_in(dst, self.copier, after, what, self._layouts.get(index))
@@ -526,17 +536,6 @@ class StreamingEngine:
             if home is not None and any(piece.param in withheld for piece in home.slices)
         }
         self.replan(sorted(self.resident_indices), self.prefetch, self.activation_modes)
-
-    def arm_overlap(self, trainer: Any, optimizer: Any, only_where_it_pays: bool, overlap: bool = True) -> None:
-        """Before the backward inside the optimizer step (the last micro-batch of an accumulation): arms the
-        overlapped step, if ``overlap``, where it is exact (the homes may say it always pays: the disk tier's
-        alternative spills the gradients to disk and reads them back), and the homes learn the micro-batch is the
-        last."""
-        self.home_kind.last_micro_batch = True
-        if self.home_kind.overlap_always_pays:
-            only_where_it_pays = False
-        if overlap:
-            self.overlap.arm_if_exact(trainer, optimizer, only_where_it_pays)
 
     def disarm_overlap(self) -> None:
         """After the optimizer step: the groups are whole again; the next micro-batch is not the last yet."""

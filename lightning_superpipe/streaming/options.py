@@ -34,6 +34,10 @@ class KnobError(ValueError, MisconfigurationException):
     which is what the strategy raised for a bad knob when it checked them only as streaming started."""
 
 
+#: What ``overlap_optimizer`` accepts (:mod:`.step_modes` says what each does).
+OVERLAP_MODES = ("auto", True, False, "speculative", "pipelined")
+
+
 @dataclass(frozen=True)
 class SuperpipeOptions:
     """Every knob of :class:`~lightning_superpipe.SuperpipeStrategy`, as the user wrote it (``None``: the default, or
@@ -45,7 +49,9 @@ class SuperpipeOptions:
         resident_blocks: Blocks kept on the device for the whole run.
         prefetch: Blocks copied in ahead of the one computing.
         activations: ``"recompute"``, ``"keep"``, ``"offload"``, or one of them per block.
-        overlap_optimizer: Step each block during backward where that is exact: ``True``, ``False`` or ``"auto"``.
+        overlap_optimizer: How the host optimizer step hides: ``"auto"`` (where it pays, the best exact mode),
+            ``True`` (that, on a CPU compute device too), ``"speculative"``, ``"pipelined"`` or ``False`` (after
+            backward). See :mod:`~lightning_superpipe.streaming.step_modes`.
         blocks: Which modules stream: module classes or a predicate; ``None``: every outermost stack.
         link: An :class:`~lightning_superpipe.EmulatedLink`, or ``None``.
         offload_device: ``"cpu"`` (host memory) or ``"disk"`` (files under ``offload_path``).
@@ -93,9 +99,11 @@ class SuperpipeOptions:
     def _check_streaming(self) -> None:
         if self.memory_budget is not None:  # a share of free memory is read from the device when the run starts
             parse_budget(self.memory_budget, f"SuperpipeStrategy(memory_budget={self.memory_budget!r})")
-        if self.overlap_optimizer not in (True, False, "auto"):
+        knob = self.overlap_optimizer
+        if not (isinstance(knob, bool) or (isinstance(knob, str) and knob in OVERLAP_MODES)):
             raise ValueError(
-                f"SuperpipeStrategy(overlap_optimizer={self.overlap_optimizer!r}) must be True, False or 'auto'."
+                f"SuperpipeStrategy(overlap_optimizer={self.overlap_optimizer!r}) must be 'auto', True, False,"
+                " 'speculative' or 'pipelined'."
             )
         for name in ("resident_blocks", "prefetch"):
             value = getattr(self, name)

@@ -22,7 +22,8 @@ from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.overlap import overlap_refusal
+from lightning_superpipe.streaming.pipelined import SettleOnZeroGrad, settle_barrier
+from lightning_superpipe.streaming.step_modes import OptimizerSteps
 
 
 @dataclass
@@ -42,7 +43,10 @@ class StreamingSession:
     planner: Optional[BudgetPlanner]
     stacks: list[str]
     overlap_optimizer: Union[bool, str] = "auto"
+    steps: Optional[OptimizerSteps] = None
     _stopped: bool = field(default=False, repr=False)
+    _backward_end: float = field(default=0.0, repr=False)
+    _barrier: Any = field(default=None, repr=False)
 
     def watch_zero_grad(self, model: nn.Module, optimizers: Sequence[Any]) -> None:
         """Under the disk tier while fitting: hooks the user's ``zero_grad`` calls, which the tier must see
@@ -54,6 +58,28 @@ class StreamingSession:
         hook = ZeroGradHook(tier, model, optimizers)
         hook.attach()
         self.hooks.append(hook)
+
+    def start_fit(self, trainer: Any, model: nn.Module, optimizers: Sequence[Any]) -> None:
+        """As fitting starts: the optimizer steps get their modes, and whatever may read weights, gradients or
+        optimizer state before a pipelined step is done waits for it (``zero_grad``; the training loop's hooks of
+        callbacks that may read weights, through a callback that goes first)."""
+        self.steps = OptimizerSteps(self.engine, self.overlap_optimizer, trainer.precision_plugin)
+        if disk_tier_of(self.engine) is None and not self._sharded():  # those clip and unscale their own way
+            self.steps.install()
+        hook = SettleOnZeroGrad([*optimizers, model], self.settle)
+        hook.attach()
+        self.hooks.append(hook)
+        barrier = settle_barrier(trainer, self.settle)
+        trainer.callbacks.insert(0, barrier)
+        self._barrier = (trainer.callbacks, barrier)
+
+    def steps_report(self) -> dict[str, Any]:
+        """The optimizer steps' modes and counts (:meth:`.OptimizerSteps.report`), once fitting started."""
+        return self.steps.report() if self.steps is not None else {}
+
+    def settle(self) -> None:
+        """Waits for the pending (pipelined) optimizer steps."""
+        self.engine.pending.settle()
 
     def start_training_step(self) -> None:
         self.engine.start_pass(training=True)
@@ -70,6 +96,7 @@ class StreamingSession:
     def finish_autograd_backward(self) -> None:
         """Between autograd's backward and the precision plugin's post-backward (``on_after_backward``): the
         gradients are brought home, so that user code there sees them complete."""
+        self._backward_end = time.perf_counter()
         self.engine.finish_backward()
         if self.planner is not None:
             self.planner.end_backward(self.engine)
@@ -78,22 +105,22 @@ class StreamingSession:
         self, trainer: Any, optimizer: Optimizer, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
     ) -> Any:
         """Lightning's optimizer step, ``step(closure)`` (the precision plugin's, which runs the closure's forward
-        and backward), with around it: the overlapped step armed where it is exact, the disk tier's blocks stepped
-        or committed after it, the sharded optimizer's new weights exchanged, the device copies marked stale, and
-        the planner timing it. Returns what ``step`` returns."""
+        and backward), run in the mode :mod:`.step_modes` picks (during backward, speculative, pipelined, after
+        backward), with around it: the disk tier's blocks stepped or committed after it, the sharded optimizer's new
+        weights exchanged, the device copies marked stale, and the planner timing it. Returns what ``step`` returns."""
         engine, planner = self.engine, self.planner
+        self.settle()
         averager = engine.gradients.averager
-        sharded = averager is not None and averager.sharded
-        # Not while the planner times the step; not with shard_optimizer, where each rank steps its share after
-        # backward and the ranks then exchange the new weights.
-        overlap = bool(self.overlap_optimizer) and (planner is None or planner.plan is not None) and not sharded
-        engine.arm_overlap(trainer, optimizer, self.overlap_optimizer == "auto", overlap)
+        sharded = self._sharded()
+        if self.steps is None:  # a step outside `fit` (a user's loop calling the strategy)
+            self.steps = OptimizerSteps(engine, self.overlap_optimizer, trainer.precision_plugin)
+        # Serial while the planner times the step; with shard_optimizer, each rank steps its share after backward.
+        measuring = planner is not None and planner.plan is None
+        mode = self.steps.choose(trainer, optimizer, sharded, measuring=measuring)
         closure = engine.home_kind.checked(closure)  # the disk tier refuses a step over gradients already consumed
+        timed = planner.timed_closure(closure) if planner is not None else closure
         start = time.perf_counter()
-        try:
-            output = step(planner.timed_closure(closure) if planner is not None else closure)
-        finally:
-            engine.disarm_overlap()
+        output = self.steps.run(trainer, optimizer, lambda: step(timed), mode)
         engine.home_kind.finish_step(optimizer)  # the disk tier's blocks: committed, or stepped from spilled gradients
         params = {p for group in optimizer.param_groups for p in group["params"]}
         if sharded:  # every block's new masters (with "node": the trunk's) from its owner
@@ -103,18 +130,24 @@ class StreamingSession:
             else:
                 share_stepped(engine.homes, engine.trunk_parameters(), params, averager)
         stepped = time.perf_counter()
-        engine.refresh(changed=params)  # the next forward must stream the weights this step produced
+        # The next forward must stream the weights this step produced (a pipelined step's: once each is done).
+        engine.refresh(changed=params, prepare=mode.mode != "pipelined")
+        now = time.perf_counter()
+        self.steps.exposed_s += now - max(self._backward_end, start)
         if planner is not None:  # after the profiled steps, the engine takes the plan
-            overlap = bool(self.overlap_optimizer) and overlap_refusal(
-                trainer, optimizer, self.overlap_optimizer == "auto"
-            ) is None
-            planner.after_step(engine, stepped - start, time.perf_counter() - stepped,
-                               micro_batches=trainer.accumulate_grad_batches, overlap=overlap)
+            after = self.steps.choose(trainer, optimizer, sharded, measuring=False) if measuring else mode
+            planner.after_step(engine, stepped - start, now - stepped,
+                               micro_batches=trainer.accumulate_grad_batches, overlap=after.mode != "serial")
         return output
+
+    def _sharded(self) -> bool:
+        averager = self.engine.gradients.averager
+        return averager is not None and averager.sharded
 
     @contextmanager
     def forward_only(self) -> Iterator[None]:
         """Around a validation, test or predict step."""
+        self.settle()
         self.engine.start_pass(training=False)
         try:
             yield
@@ -126,6 +159,19 @@ class StreamingSession:
         if self._stopped:
             return
         self._stopped = True
+        try:
+            self.settle()
+        finally:
+            self._stop_hooks()
+
+    def _stop_hooks(self) -> None:
+        if self.steps is not None:
+            self.steps.uninstall()
+        if self._barrier is not None:
+            callbacks, barrier = self._barrier
+            if barrier in callbacks:
+                callbacks.remove(barrier)
+            self._barrier = None
         for hook in self.hooks:
             hook.detach()
         self.hooks = []

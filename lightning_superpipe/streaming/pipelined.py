@@ -1,0 +1,194 @@
+"""A pipelined optimizer step: launched after Lightning's pre-step work, finished while the next forward runs.
+
+Where a step cannot be taken during backward (a hook may rewrite gradients, clipping fires on most steps, too little
+host memory to keep the state a speculation needs), it need not hold up the loop either. :class:`PipelinedStep`
+launches it on the optimizer thread, a block at a time in the order the next forward needs them (the parameters
+outside the blocks first: their device copies are made as a pass starts), and returns. The engine makes each block's
+next copy to the device wait for that block's step (:meth:`PipelinedStep.wait_block`), so the steps of later blocks
+run while earlier ones compute.
+
+Each launched step uses the hyperparameters in force at launch (a scheduler stepping meanwhile changes the next
+step's; :func:`~.optimizers.shadow_of`). Whatever reads or writes weights, gradients or optimizer state before the
+next forward waits for every pending step first (:meth:`PipelinedStep.settle`): checkpoints, state dicts,
+validation, ``zero_grad`` (:class:`SettleOnZeroGrad`), callbacks that may read weights (:class:`SettleBarrier`), the
+end of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor, Future
+from typing import Any, Callable, Optional
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.home import Home
+from lightning_superpipe.streaming.optimizers import shadow_of
+
+#: Lightning callbacks that read no weights in the training loop's hooks (or read them through the strategy's
+#: checkpoint calls, which wait themselves), by class name, so that their presence keeps the step pipelined.
+WEIGHT_BLIND_CALLBACKS = (
+    "ModelCheckpoint", "LearningRateMonitor", "ProgressBar", "TQDMProgressBar", "RichProgressBar", "Timer",
+    "ModelSummary", "RichModelSummary", "EarlyStopping", "GradientAccumulationScheduler", "SettleBarrier",
+)
+
+#: A callback whose class sets this attribute to ``True`` declares that its training-loop hooks read no weights.
+READS_NO_WEIGHTS = "superpipe_reads_no_weights"
+
+#: The training loop's hooks that run between an optimizer step and the next forward.
+WINDOW_HOOKS = ("on_train_batch_end", "on_train_epoch_end", "on_train_epoch_start", "on_train_batch_start")
+
+
+class PipelinedStep:
+    """The optimizer steps launched on the optimizer thread and not yet waited for.
+
+    Args:
+        executor: The optimizer thread (one worker: steps run in the order launched).
+        homes: The blocks' homes; a block's transfer copy is brought up to date on the thread after its step.
+    """
+
+    def __init__(self, executor: Executor, homes: Sequence[Optional[Home]]) -> None:
+        self._executor = executor
+        self._homes = homes
+        self._blocks: dict[int, Future[None]] = {}
+        self._trunk: list[Future[None]] = []
+        #: Seconds the training loop waited for pending steps, over the run.
+        self.waited_s = 0.0
+        #: Steps launched, over the run.
+        self.launched = 0
+
+    @property
+    def pending_blocks(self) -> frozenset[int]:
+        """Blocks launched and not yet waited for (their homes are written by the optimizer thread)."""
+        return frozenset(self._blocks)
+
+    def launch(
+        self,
+        optimizer: Optimizer,
+        trunk: list[nn.Parameter],
+        blocks: list[tuple[int, list[nn.Parameter]]],
+        step_kwargs: dict[str, Any],
+    ) -> None:
+        """Launches ``trunk``'s step, then each block's, in that order, with the hyperparameters in force now.
+        ``step_kwargs`` (a scaler's ``grad_scale``/``found_inf`` for an optimizer that unscales in its step) are
+        copied: the scaler updates them after this call returns."""
+        kwargs = {key: value.clone() if isinstance(value, Tensor) else value for key, value in step_kwargs.items()}
+        self.launched += 1
+        if trunk:
+            self._trunk.append(self._executor.submit(self._step, shadow_of(optimizer, trunk), kwargs, None))
+        for index, params in blocks:
+            self._blocks[index] = self._executor.submit(self._step, shadow_of(optimizer, params), kwargs, index)
+
+    def wait_block(self, index: int) -> None:
+        """Waits for block ``index``'s pending step, if it has one (re-raising its error)."""
+        future = self._blocks.pop(index, None)
+        if future is not None:
+            self._wait(future)
+
+    def wait_trunk(self) -> None:
+        """Waits for the pending step of the parameters outside the blocks."""
+        futures, self._trunk = self._trunk, []
+        for future in futures:
+            self._wait(future)
+
+    def settle(self) -> None:
+        """Waits for every pending step."""
+        self.wait_trunk()
+        for index in sorted(self._blocks):
+            self.wait_block(index)
+
+    def _wait(self, future: Future[None]) -> None:
+        if not future.done():
+            start = time.perf_counter()
+            future.result()
+            self.waited_s += time.perf_counter() - start
+        future.result()
+
+    def _step(self, shadow: Optimizer, kwargs: dict[str, Any], index: Optional[int]) -> None:
+        type(shadow).step(shadow, **kwargs)
+        if index is not None:
+            home = self._homes[index]
+            assert home is not None
+            for group in shadow.param_groups:
+                for param in group["params"]:
+                    home.mark_changed(param)  # torch's fused CPU optimizers write without bumping the version
+            home.sync(home.changed())
+
+
+class SettleOnZeroGrad:
+    """Makes ``zero_grad`` (of the optimizers, Lightning's wrappers of them, the LightningModule) wait for the
+    pending steps first: they read ``.grad``, which ``zero_grad`` sets to ``None``."""
+
+    def __init__(self, owners: Sequence[Any], settle: Callable[[], None]) -> None:
+        self._owners = list(owners)
+        self._settle = settle
+        self._wrapped: list[tuple[Any, Callable[..., Any]]] = []
+
+    def attach(self) -> None:
+        if self._wrapped:
+            return
+        for owner in self._owners:
+            original = owner.zero_grad
+
+            def zero_grad(*args: Any, original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                self._settle()
+                return original(*args, **kwargs)
+
+            vars(owner)["zero_grad"] = zero_grad
+            self._wrapped.append((owner, zero_grad))
+
+    def detach(self) -> None:
+        for owner, wrapper in self._wrapped:
+            if vars(owner).get("zero_grad") is wrapper:
+                del vars(owner)["zero_grad"]
+        self._wrapped = []
+
+
+def weight_readers(trainer: Any, hook: str) -> list[str]:
+    """The callbacks (and the LightningModule) that override ``hook`` and are not known to read no weights."""
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    readers = []
+    module = trainer.lightning_module
+    if module is not None and is_overridden(hook, module, LightningModule):
+        readers.append(type(module).__name__)
+    for callback in trainer.callbacks:
+        if not is_overridden(hook, callback, Callback) or getattr(callback, READS_NO_WEIGHTS, False):
+            continue
+        owner = next(k for k in type(callback).__mro__ if hook in vars(k))
+        if owner.__name__ not in WEIGHT_BLIND_CALLBACKS:
+            readers.append(type(callback).__name__)
+    return readers
+
+
+def settle_barrier(trainer: Any, settle: Callable[[], None]) -> Any:
+    """A callback, to go first in ``trainer.callbacks``, that waits for the pending steps in the window hooks that a
+    callback or the LightningModule which may read weights overrides (``EMAWeightAveraging``, a user's callback).
+    Built here because Lightning is imported lazily."""
+    from lightning.pytorch import Callback
+
+    needed = {hook for hook in WINDOW_HOOKS if weight_readers(trainer, hook)}
+
+    class SettleBarrier(Callback):
+        """Waits for the pending optimizer steps before the hooks that may read weights."""
+
+        def _maybe(self, hook: str) -> None:
+            if hook in needed:
+                settle()
+
+        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+            self._maybe("on_train_batch_end")
+
+        def on_train_epoch_end(self, *args: Any, **kwargs: Any) -> None:
+            self._maybe("on_train_epoch_end")
+
+        def on_train_epoch_start(self, *args: Any, **kwargs: Any) -> None:
+            self._maybe("on_train_epoch_start")
+
+        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+            self._maybe("on_train_batch_start")
+
+    return SettleBarrier()

@@ -1,0 +1,191 @@
+"""A speculative optimizer step: stepped during backward, decided after it, bitwise the step after backward.
+
+Clipping by the global norm and the ``16-mixed`` gradient scaler's check for infinities need every gradient before
+any parameter may move, so the step after backward waits for both. A block is stepped during backward anyway, with
+its gradients as they are then (unscaled by the scale the loss was scaled with; clamped, if clipping is by value,
+which is elementwise), after its masters and optimizer state are kept (:class:`KeptState`). After backward what the
+decision needs is known (:class:`PreStepWatch`):
+
+* clipping by norm multiplies every gradient by ``min(max_norm / (norm + 1e-6), 1)``: where that is exactly 1 the
+  multiplication changes no bit and the speculative step was the step (commit: the kept copies go);
+* where it is below 1 the gradients changed: the kept state comes back and the block is stepped again (redo);
+* where the scaler found an infinity it skips the step: the kept state comes back (discard).
+
+Each outcome is what plain Lightning computes, bit for bit. The kept state costs, while backward runs, a copy of the
+masters and of the optimizer state of every parameter stepped (12 bytes a parameter with fp32 AdamW).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.param_groups import restricted
+
+
+class KeptState:
+    """The masters and optimizer state of the parameters stepped speculatively, as they were before the step.
+
+    Args:
+        optimizer: The optimizer whose ``state`` is kept.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self._kept: dict[nn.Parameter, tuple[Tensor, Optional[dict[str, Any]]]] = {}
+        #: The most bytes kept at once, over the run.
+        self.peak_bytes = 0
+        self._bytes = 0
+
+    def keep(self, params: list[nn.Parameter]) -> None:
+        """Copies ``params``' masters and optimizer state (none yet before their first step) aside."""
+        for param in params:
+            master = param.detach().clone()
+            state = self.optimizer.state.get(param)
+            kept = {key: copy.deepcopy(value) for key, value in state.items()} if state else None
+            self._kept[param] = (master, kept)
+            self._bytes += _nbytes(master) + sum(_nbytes(v) for v in (kept or {}).values())
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+
+    def restore(self) -> None:
+        """Puts every kept master and state back (a parameter with no state before its step gets none again)."""
+        with torch.no_grad():
+            for param, (master, state) in self._kept.items():
+                param.copy_(master)  # in place: the version counter moves, so the device copies are made again
+                if state is None:
+                    self.optimizer.state.pop(param, None)
+                else:
+                    self.optimizer.state[param] = state
+        self.clear()
+
+    def clear(self) -> None:
+        """Lets the kept copies go (the step is committed)."""
+        self._kept.clear()
+        self._bytes = 0
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
+
+
+class SpeculativeUnscale:
+    """Unscales each block's gradients as ``GradScaler.unscale_`` would (the same operator and inverse scale, so the
+    same bits), recording infinities; the scaler's own ``unscale_`` then leaves them out (:class:`PreStepWatch`).
+
+    Args:
+        scaler: The precision plugin's ``torch.amp.GradScaler``, whose scale the loss was multiplied by.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        scale = scaler._scale
+        self.inv_scale = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+        self.found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        self.unscaled: set[nn.Parameter] = set()
+
+    def __call__(self, params: list[nn.Parameter]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.inv_scale)
+        self.unscaled.update(params)
+
+
+def gradient_preparation(
+    unscale: Optional[SpeculativeUnscale], clip_value: Optional[float]
+) -> Optional[Callable[[list[nn.Parameter]], None]]:
+    """What a block's gradients go through before its step in backward: unscaling, then clamping by value (in that
+    order, as Lightning unscales before it clips); ``None`` if neither."""
+    if unscale is None and clip_value is None:
+        return None
+
+    def prepare(params: list[nn.Parameter]) -> None:
+        if unscale is not None:
+            unscale(params)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    return prepare
+
+
+class PreStepWatch:
+    """Watches the work Lightning does between backward and the step, for the decisions it feeds.
+
+    * Clipping by norm (the precision plugin's ``clip_grad_by_norm``): the global norm and the coefficient as
+      ``torch.nn.utils.clip_grad_norm_`` computes them; where the coefficient is exactly 1 the multiplication, which
+      would change no bit, is skipped and :attr:`changed_gradients` stays ``False``.
+    * The scaler's ``unscale_``: gradients that a speculative step unscaled already are left out, and the
+      infinities found in them are added to the scaler's.
+
+    Args:
+        plugin: The run's precision plugin.
+    """
+
+    #: How many recent steps :attr:`changed_rate` looks at.
+    HISTORY = 8
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.scaler = getattr(plugin, "scaler", None)
+        self.changed_gradients = False
+        #: Set by the speculative step for this backward, read by the scaler's ``unscale_``.
+        self.unscale: Optional[SpeculativeUnscale] = None
+        self._history: deque[bool] = deque(maxlen=self.HISTORY)
+        self._installed: list[tuple[Any, str]] = []
+
+    @property
+    def changed_rate(self) -> float:
+        """The share of the recent steps whose gradients changed after backward (clipped) or that were skipped."""
+        return sum(self._history) / len(self._history) if self._history else 0.0
+
+    def record(self, changed: bool) -> None:
+        """Records one step's outcome: its gradients changed after backward, or the scaler skipped it."""
+        self._history.append(changed)
+
+    def start_step(self) -> None:
+        self.changed_gradients = False
+
+    def install(self) -> None:
+        """Takes the plugin's ``clip_grad_by_norm`` and the scaler's ``unscale_`` (instance attributes)."""
+        if self._installed:
+            return
+        vars(self.plugin)["clip_grad_by_norm"] = self._clip_grad_by_norm
+        self._installed.append((self.plugin, "clip_grad_by_norm"))
+        if self.scaler is not None:
+            self._unscale = self.scaler.unscale_
+            vars(self.scaler)["unscale_"] = self._unscale_
+            self._installed.append((self.scaler, "unscale_"))
+
+    def uninstall(self) -> None:
+        for owner, name in self._installed:
+            vars(owner).pop(name, None)
+        self._installed = []
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        params = list(self.plugin.main_params(optimizer))
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        total = torch.nn.utils.get_total_norm(grads)
+        coefficient = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
+        if bool(coefficient == 1.0):
+            return  # multiplying by exactly 1 changes no bit
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
+        self.changed_gradients = True
+
+    def _unscale_(self, optimizer: Optimizer) -> None:
+        unscale = self.unscale
+        if unscale is None:
+            self._unscale(optimizer)
+            return
+        rest = {p for group in optimizer.param_groups for p in group["params"] if p not in unscale.unscaled}
+        with restricted(optimizer, rest):
+            self._unscale(optimizer)
+        per_device = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        device = unscale.found_inf.device
+        per_device[device] = per_device[device] + unscale.found_inf if device in per_device else unscale.found_inf
+        if bool(unscale.found_inf):
+            self.changed_gradients = True

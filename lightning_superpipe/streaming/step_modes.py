@@ -1,0 +1,298 @@
+"""Which way each host optimizer step runs, and running it that way.
+
+* ``overlapped``: during backward, block by block; exact where nothing after backward changes a gradient.
+* ``speculative``: during backward, decided after it (commit, redo or discard, :mod:`.speculation`); it keeps the
+  masters and optimizer state of what it stepped while backward runs.
+* ``pipelined``: launched after the pre-step work, finished while the next forward runs (:mod:`.pipelined`); each
+  block's next use waits for its step.
+* ``serial``: after backward, the plain step.
+
+:func:`choose_step_mode` picks one per step from the strategy's ``overlap_optimizer`` knob and what the run does
+(clipping, a gradient scaler, hooks that may rewrite gradients, the optimizer, the host memory free, how often
+clipping fired lately); :class:`OptimizerSteps` runs the step in it and counts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory import host_memory
+from lightning_superpipe.memory.param_groups import restricted
+from lightning_superpipe.streaming.optimizers import REGISTER_HINT, has_step_hooks, updates_each_parameter_alone
+from lightning_superpipe.streaming.speculation import (
+    KeptState,
+    PreStepWatch,
+    SpeculativeUnscale,
+    gradient_preparation,
+)
+
+#: Above this share of recent steps whose gradients changed after backward (clipped, or skipped by the scaler),
+#: ``"auto"`` pipelines instead of speculating: each such step pays a redo after backward.
+REDO_RATE_LIMIT = 0.25
+
+#: The share of the host memory free that the kept state of a speculative step may take.
+KEPT_SHARE_OF_FREE = 0.5
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """One step's mode (``"overlapped"``, ``"speculative"``, ``"pipelined"`` or ``"serial"``) and why."""
+
+    mode: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the choice needs that the trainer does not say: the tier, the sharding, the planner, memory."""
+
+    sharded: bool = False
+    measuring: bool = False
+    disk: bool = False
+    changed_rate: float = 0.0
+    kept_bytes: int = 0
+    free_host_bytes: int = 0
+
+
+def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFacts) -> StepMode:
+    """The mode of the next optimizer step (see the module's table); the first rule that applies decides."""
+    refusal = _serial_reason(trainer, optimizer, knob, facts)
+    if refusal is not None:
+        return StepMode("serial", refusal)
+    rewrites = _gradient_rewriters(trainer)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    clip = trainer.gradient_clip_val or 0
+    decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
+    if facts.disk:  # its blocks step through its store: during backward, or from the gradients it spilled
+        if rewrites or decides or clip > 0:
+            return StepMode("serial", "the disk tier steps after backward where clipping, a scaler or a hook decide")
+        return StepMode("overlapped", "nothing after backward changes a gradient")
+    if not rewrites and not decides and knob != "pipelined":
+        return StepMode("overlapped", "nothing after backward changes a gradient")
+    if knob == "pipelined":
+        return StepMode("pipelined", "overlap_optimizer='pipelined'")
+    if rewrites:
+        return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward")
+    if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        return StepMode("pipelined", f"{type(optimizer).__name__} unscales gradients inside its step")
+    if knob == "speculative":
+        return StepMode("speculative", "overlap_optimizer='speculative'")
+    if facts.kept_bytes > KEPT_SHARE_OF_FREE * facts.free_host_bytes:
+        return StepMode(
+            "pipelined",
+            f"keeping the state a speculative step needs ({facts.kept_bytes / 2**30:.1f} GiB) would take more than"
+            f" half the free host memory ({facts.free_host_bytes / 2**30:.1f} GiB)",
+        )
+    if facts.changed_rate > REDO_RATE_LIMIT:
+        return StepMode(
+            "pipelined", f"clipping or the scaler changed {facts.changed_rate:.0%} of the recent steps' gradients"
+        )
+    return StepMode("speculative", "clipping by norm or the gradient scaler decide after backward")
+
+
+def _serial_reason(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFacts) -> Optional[str]:
+    if knob is False:
+        return "overlap_optimizer=False"
+    if facts.measuring:
+        return "the planner is timing the step"
+    if not trainer.lightning_module.automatic_optimization:
+        return "manual optimization steps after its backward"
+    if not updates_each_parameter_alone(optimizer):
+        name = type(optimizer).__name__
+        return f"{name} is not known to update each parameter on its own ({REGISTER_HINT.format(name=name)})"
+    if has_step_hooks(optimizer):
+        return "the optimizer has step hooks, which would run once per block"
+    if facts.sharded:
+        return "with shard_optimizer each rank steps its share after backward and sends the new weights"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    pays = facts.disk or knob != "auto"  # the disk tier's alternative reads the gradients back from disk
+    if not pays and trainer.strategy.root_device.type == "cpu" and torch.get_num_threads() >= cores:
+        return (
+            f"the compute device is the CPU and torch's {torch.get_num_threads()} threads use every core, so a host"
+            " step beside compute would compete with it (`overlap_optimizer=True` overlaps anyway)"
+        )
+    return None
+
+
+def _gradient_rewriters(trainer: Any) -> Optional[str]:
+    """Who may change gradients between backward and the step, other than Lightning's own clipping: hooks there,
+    ``configure_gradient_clipping``, a precision plugin's own clipping. ``None`` if no one."""
+    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module = trainer.lightning_module
+    for hook in ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping"):
+        users = [module] if is_overridden(hook, module, LightningModule) else []
+        if hook != "configure_gradient_clipping":  # a LightningModule hook only
+            users += [c for c in trainer.callbacks if is_overridden(hook, c, Callback)]
+        if users:
+            return f"`{hook}` (overridden by {type(users[0]).__name__})"
+    plugin = trainer.precision_plugin
+    if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
+        return f"{type(plugin).__name__}.clip_grad_by_norm"
+    return None
+
+
+class OptimizerSteps:
+    """Runs each optimizer step of the run in the mode :func:`choose_step_mode` picks, and counts them.
+
+    Args:
+        engine: The streaming engine (its overlapped step, pipelined steps and homes).
+        knob: The strategy's ``overlap_optimizer``.
+        plugin: The run's precision plugin (its clipping and scaler are watched; host tier only).
+    """
+
+    def __init__(self, engine: Any, knob: Any, plugin: Any) -> None:
+        self.engine = engine
+        self.knob = knob
+        self.watch = PreStepWatch(plugin)
+        self.counts: Counter[str] = Counter()
+        self.kept_peak_bytes = 0
+        self.exposed_s = 0.0
+        self._said: set[tuple[str, str]] = set()
+
+    def install(self) -> None:
+        self.watch.install()
+
+    def uninstall(self) -> None:
+        self.watch.uninstall()
+
+    def choose(self, trainer: Any, optimizer: Optimizer, sharded: bool, measuring: bool) -> StepMode:
+        disk = self.engine.home_kind.overlap_always_pays
+        facts = RunFacts(
+            sharded=sharded, measuring=measuring, disk=disk, changed_rate=self.watch.changed_rate,
+            kept_bytes=kept_bytes(optimizer), free_host_bytes=host_memory.available_host_bytes(),
+        )
+        return choose_step_mode(trainer, optimizer, self.knob, facts)
+
+    def run(self, trainer: Any, optimizer: Optimizer, step: Callable[[], Any], mode: StepMode) -> Any:
+        """Runs ``step()`` (Lightning's optimizer step: the closure's forward and backward, the pre-step work, the
+        update) in ``mode``. Returns what ``step`` returns."""
+        self._say(mode)
+        engine, watch = self.engine, self.watch
+        watch.start_step()
+        engine.home_kind.last_micro_batch = True
+        kept: Optional[KeptState] = None
+        if mode.mode in ("overlapped", "speculative"):
+            scaler = watch.scaler if mode.mode == "speculative" else None
+            watch.unscale = SpeculativeUnscale(scaler) if scaler is not None else None
+            clip_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
+            kept = KeptState(optimizer) if mode.mode == "speculative" else None
+            engine.overlap.arm(optimizer, kept, gradient_preparation(watch.unscale, clip_value or None))
+        decided: list[bool] = []
+        own_step = vars(optimizer).get("step")
+        if mode.mode in ("speculative", "pipelined"):
+            original = own_step or type(optimizer).step.__get__(optimizer)
+            vars(optimizer)["step"] = self._intercept(optimizer, original, mode.mode, decided)
+        try:
+            output = step()
+        finally:
+            if own_step is None:
+                vars(optimizer).pop("step", None)
+            else:
+                vars(optimizer)["step"] = own_step
+            undecided = engine.overlap.speculating
+            engine.disarm_overlap()  # an undecided speculation (the scaler skipped the step) is discarded
+            watch.unscale = None
+        if kept is not None:
+            self.kept_peak_bytes = max(self.kept_peak_bytes, kept.peak_bytes)
+        self.counts[mode.mode] += 1
+        self.counts["discarded"] += int(undecided)
+        skipped = mode.mode in ("speculative", "pipelined") and not decided
+        watch.record(watch.changed_gradients or skipped)
+        return output
+
+    def _intercept(
+        self, optimizer: Optimizer, original: Callable[..., Any], mode: str, decided: list[bool]
+    ) -> Callable[..., Any]:
+        """``optimizer.step`` for this step: the closure (forward, backward, hooks, clipping) first, as the
+        optimizer's own step runs it; then the decision, or the pipelined launch instead of the update."""
+
+        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            decided.append(True)
+            if mode == "pipelined":
+                self._launch(optimizer, kwargs)
+                with restricted(optimizer, set()):  # what the step does besides updating (counters, hooks)
+                    original(**kwargs)
+                return loss
+            if self.watch.changed_gradients:
+                self.engine.overlap.redo()
+                self.counts["redone"] += 1
+            else:
+                self.engine.overlap.commit()
+                self.counts["committed"] += 1
+            original(**kwargs)
+            return loss
+
+        return step
+
+    def _launch(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> None:
+        engine = self.engine
+        owned = {p for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+        in_order = enumerate(engine.overlap.block_params)  # the next forward's order
+        blocks = [(index, [p for p in params if p in owned]) for index, params in in_order]
+        blocks = [(index, params) for index, params in blocks if params]
+        in_blocks = {p for _, params in blocks for p in params}
+        trunk = [p for group in optimizer.param_groups for p in group["params"] if p in owned and p not in in_blocks]
+        engine.pending.launch(optimizer, trunk, blocks, kwargs)
+        for index, _ in blocks:
+            engine.mark_stepped(index)  # the optimizer thread brings its home up to date; its copies are made anew
+
+    def pipelined_now(self) -> bool:
+        """Whether steps are pending (the last step was pipelined and the next forward has not waited for all)."""
+        return bool(self.engine.pending.pending_blocks)
+
+    def report(self) -> dict[str, Any]:
+        """The counts for the memory report."""
+        counts = self.counts
+        steps = sum(counts[m] for m in ("overlapped", "speculative", "pipelined", "serial"))
+        return {
+            "optimizer_step_modes": {m: counts[m] for m in ("overlapped", "speculative", "pipelined", "serial")},
+            "speculative_steps_committed": counts["committed"],
+            "speculative_steps_redone": counts["redone"],
+            "speculative_steps_discarded": counts["discarded"],
+            "speculation_kept_peak_bytes": self.kept_peak_bytes,
+            "pipelined_wait_s": self.engine.pending.waited_s,
+            "optimizer_exposed_s": (self.exposed_s + self.engine.pending.waited_s) / steps if steps else 0.0,
+        }
+
+    def _say(self, mode: StepMode) -> None:
+        key = (mode.mode, mode.reason)
+        if key in self._said or mode.reason == "the planner is timing the step":
+            return
+        self._said.add(key)
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        where = {
+            "overlapped": "during backward", "speculative": "speculatively during backward",
+            "pipelined": "pipelined into the next forward", "serial": "after backward",
+        }[mode.mode]
+        rank_zero_info(f"SuperpipeStrategy steps the optimizer {where}: {mode.reason}.")
+
+
+def kept_bytes(optimizer: Optimizer) -> int:
+    """Bytes a speculative step of ``optimizer`` keeps: each trainable parameter's master and optimizer state (before
+    the first step, an Adam-like state of two moments is assumed)."""
+    total = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            nbytes = param.numel() * param.element_size()
+            state = optimizer.state.get(param)
+            tensors = [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+            total += nbytes + (sum(t.numel() * t.element_size() for t in tensors) if state else 2 * nbytes)
+    return total
+
+
