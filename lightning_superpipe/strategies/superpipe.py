@@ -12,7 +12,7 @@ the gradients are averaged block by block on the way back (:mod:`lightning_super
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -34,16 +33,10 @@ from typing_extensions import override
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES, RanksStrategy
-from lightning_superpipe.streaming import disk_tier
+from lightning_superpipe.strategies.checkpointing import CheckpointingStrategy
+from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
-from lightning_superpipe.streaming.checkpoints import (
-    blocks_left_to_files,
-    load_model_state,
-    load_optimizer_states,
-    tier_files_beside,
-)
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -63,7 +56,7 @@ def _knob(name: str) -> property:
     return property(lambda self: getattr(self.options, name), doc=f"``SuperpipeOptions.{name}``, as written.")
 
 
-class SuperpipeStrategy(RanksStrategy):
+class SuperpipeStrategy(CheckpointingStrategy):
     """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
     The knobs are described, with what each costs, in the README's table. Every argument is a keyword, the knobs
@@ -263,10 +256,6 @@ class SuperpipeStrategy(RanksStrategy):
     def engine(self) -> StreamingEngine:
         return self.streaming.engine
 
-    @property
-    def _engine(self) -> Optional[StreamingEngine]:  # type: ignore[override]
-        return self._streaming.engine if self._streaming is not None else None
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.streaming.start_training_step()
@@ -322,59 +311,6 @@ class SuperpipeStrategy(RanksStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.streaming.forward_only():
             return super().predict_step(*args, **kwargs)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        self._settle()
-        self.add_rng_states(checkpoint)
-        # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
-        with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._settle()
-        with blocks_left_to_files(self._engine):
-            return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        self._settle()
-        return super().optimizer_state(optimizer)
-
-    def _settle(self) -> None:
-        """Waits for pending (pipelined) optimizer steps: what follows reads weights or optimizer state."""
-        if self._streaming is not None:
-            self._streaming.settle()
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        super().remove_checkpoint(filepath)
-        if self.offload_device == "disk" and self.is_global_zero:
-            disk_tier.remove_snapshot(filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self.restore_rng_states(checkpoint)
-        if disk_tier.DISK_KEY in checkpoint:
-            self._resume = disk_tier.resume_folder(checkpoint_path, checkpoint[disk_tier.DISK_KEY], self.offload_device)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        parent = super().load_model_state_dict
-        load_model_state(self.lightning_module, checkpoint, strict, self._engine, self._deferred,
-                         lambda state, strict: parent(state, strict=strict))
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        load_optimizer_states(self.optimizers, checkpoint, self._engine, self.keep_own_optimizer_state)
 
     # ------------------------------------------------------------------ memory report
 

@@ -191,10 +191,14 @@ def check_host_room(
         needed = disk_host_bytes(block_params, optimizer, slots, options.host_buffer_bytes) + 12 * trunk_numel
         check_host_memory(needed, "the disk tier's buffers, the trunk's gradients and optimizer state")
     else:
-        check_host_memory(
-            host_bytes_to_come(block_params, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda"),
-            f"homes for {what}, gradients and optimizer state",
-        )
+        needed = host_bytes_to_come(block_params, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda")
+        kept = ""
+        if fitting and options.overlap_optimizer == "speculative":  # "auto" speculates only where memory allows
+            params = [p for block in block_params for p in block] + list(trunk_params)
+            needed += 12 * sum(p.numel() for p in params if p.requires_grad)
+            kept = (" and the state a speculative optimizer step keeps while backward runs;"
+                    " overlap_optimizer='pipelined' keeps none")
+        check_host_memory(needed, f"homes for {what}, gradients and optimizer state{kept}")
 
 
 def build_tier(

@@ -57,7 +57,7 @@ class RunFacts:
     disk: bool = False
     changed_rate: float = 0.0
     kept_bytes: int = 0
-    free_host_bytes: int = 0
+    free_host_bytes: Optional[int] = None  # unknown (not Linux): no limit assumed
 
 
 def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFacts) -> StepMode:
@@ -83,11 +83,12 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
         return StepMode("pipelined", f"{type(optimizer).__name__} unscales gradients inside its step")
     if knob == "speculative":
         return StepMode("speculative", "overlap_optimizer='speculative'")
-    if facts.kept_bytes > KEPT_SHARE_OF_FREE * facts.free_host_bytes:
+    free = facts.free_host_bytes
+    if free is not None and facts.kept_bytes > KEPT_SHARE_OF_FREE * free:
         return StepMode(
             "pipelined",
             f"keeping the state a speculative step needs ({facts.kept_bytes / 2**30:.1f} GiB) would take more than"
-            f" half the free host memory ({facts.free_host_bytes / 2**30:.1f} GiB)",
+            f" half the free host memory ({free / 2**30:.1f} GiB)",
         )
     if facts.changed_rate > REDO_RATE_LIMIT:
         return StepMode(

@@ -1,0 +1,94 @@
+"""How :class:`~lightning_superpipe.SuperpipeStrategy` saves and restores a run: Lightning's checkpoint calls, with
+the disk tier's files beside the ``.ckpt``, the RNG states of every rank, and pending optimizer steps waited for.
+
+A base class of the strategy, so that the strategy's module stays the glue between Lightning's hooks and the
+streaming engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_superpipe.strategies.ranks import RanksStrategy
+from lightning_superpipe.streaming import disk_tier
+from lightning_superpipe.streaming.checkpoints import (
+    blocks_left_to_files,
+    load_model_state,
+    load_optimizer_states,
+    tier_files_beside,
+)
+from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.session import StreamingSession
+
+
+class CheckpointingStrategy(RanksStrategy):
+    """Lightning's checkpoint calls for a streaming run (the streaming itself is the subclass's)."""
+
+    _streaming: Optional[StreamingSession]
+    _resume: Optional[Path]  # a disk-tier checkpoint's folder to restore the blocks from
+    _deferred: Optional[DeferredInit]
+    offload_device: str
+
+    @property
+    def _engine(self) -> Optional[StreamingEngine]:  # type: ignore[override]
+        return self._streaming.engine if self._streaming is not None else None
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        self._settle()
+        self.add_rng_states(checkpoint)
+        # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
+        with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._settle()
+        with blocks_left_to_files(self._engine):
+            return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self._settle()
+        return super().optimizer_state(optimizer)
+
+    def _settle(self) -> None:
+        """Waits for pending (pipelined) optimizer steps: what follows reads weights or optimizer state."""
+        if self._streaming is not None:
+            self._streaming.settle()
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        if self.offload_device == "disk" and self.is_global_zero:
+            disk_tier.remove_snapshot(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.restore_rng_states(checkpoint)
+        if disk_tier.DISK_KEY in checkpoint:
+            self._resume = disk_tier.resume_folder(checkpoint_path, checkpoint[disk_tier.DISK_KEY], self.offload_device)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        parent = super().load_model_state_dict
+        load_model_state(self.lightning_module, checkpoint, strict, self._engine, self._deferred,
+                         lambda state, strict: parent(state, strict=strict))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load_optimizer_states(self.optimizers, checkpoint, self._engine, self.keep_own_optimizer_state)
+
