@@ -117,6 +117,7 @@ class PreStepWatch:
     * Clipping by norm (the precision plugin's ``clip_grad_by_norm``): the global norm and the coefficient as
       ``torch.nn.utils.clip_grad_norm_`` computes them; where the coefficient is exactly 1 the multiplication, which
       would change no bit, is skipped and :attr:`changed_gradients` stays ``False``.
+    * Clipping by value (``clip_grad_by_value``) of what is left when every block was clamped in backward.
     * The scaler's ``unscale_``: gradients that a speculative step unscaled already are left out, and the
       infinities found in them are added to the scaler's.
 
@@ -152,8 +153,10 @@ class PreStepWatch:
         """Takes the plugin's ``clip_grad_by_norm`` and the scaler's ``unscale_`` (instance attributes)."""
         if self._installed:
             return
-        vars(self.plugin)["clip_grad_by_norm"] = self._clip_grad_by_norm
-        self._installed.append((self.plugin, "clip_grad_by_norm"))
+        for name, method in (("clip_grad_by_norm", self._clip_grad_by_norm),
+                             ("clip_grad_by_value", self._clip_grad_by_value)):
+            vars(self.plugin)[name] = method
+            self._installed.append((self.plugin, name))
         if self.scaler is not None:
             self._unscale = self.scaler.unscale_
             vars(self.scaler)["unscale_"] = self._unscale_
@@ -175,6 +178,13 @@ class PreStepWatch:
             return  # multiplying by exactly 1 changes no bit
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
         self.changed_gradients = True
+
+    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        # The blocks stepped during backward were clamped then (and clamping twice changes no bit); what is left
+        # may have no gradient at all, which torch's clip_grad_value_ refuses.
+        params = [p for p in self.plugin.main_params(optimizer) if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_value_(params, clip_val)
 
     def _unscale_(self, optimizer: Optimizer) -> None:
         unscale = self.unscale
