@@ -111,6 +111,8 @@ class DiskTier(Homes):
         self._grad_scale: Optional[Tensor] = None
         self._grad_unscale: Optional[Tensor] = None  # a gradient scaler's 1/scale, for the blocks' spilled gradients
         self._found_inf = False  # the scaler found a non-finite gradient: the step is skipped
+        # This backward's steps are speculative: the 1/scale and the clip value they apply (speculate()).
+        self._speculation: Optional[tuple[Optional[Tensor], Optional[float]]] = None
         self._grad_clip_value: Optional[float] = None
         self._completed: set[int] = set()  # blocks whose gradients of this backward were handed on
         self._closed = False
@@ -163,6 +165,8 @@ class DiskTier(Homes):
     keeps_gradients = False
     #: Where exact, the overlapped step always pays: the alternative spills the gradients to disk and reads them back.
     overlap_always_pays = True
+    #: A speculative step writes each block's other slot; the manifest's commit is the decision.
+    keeps_previous_step = True
 
     def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
         """Connects the tier to its engine's copier, arena and overlapped step, whose per-block step goes through the
@@ -372,10 +376,22 @@ class DiskTier(Homes):
             " backward, as Lightning's loop does, or use offload_device='cpu' to keep gradients across steps."
         )
 
+    def speculate(self, unscale: Optional[Tensor], clip_value: Optional[float]) -> None:
+        """This backward's steps are speculative: each block's gradients are spilled (with their norms, for the global
+        norm) before it is stepped from them, so that :meth:`finish_step` can step again from them if clipping or
+        the scaler change the step."""
+        self._speculation = (unscale, clip_value)
+
     def _step_block(self, optimizer: Optimizer, index: int, params: list[nn.Parameter]) -> None:
         """The overlapped step of one block, on the optimizer thread: through the store, written to the block's
         other slot, committed after backward."""
-        if self.store.spilled(index):  # earlier micro-batches' gradients are on disk: add these there, step from it
+        speculation = self._speculation
+        if speculation is not None:  # kept on disk for a redo, stepped from there
+            self._spill(index, norms=True)
+            unscale, clip_value = speculation
+            self.store.step(optimizer, grads="disk", blocks=[index], commit=False, grad_scale=unscale,
+                            grad_clip_value=clip_value)
+        elif self.store.spilled(index):  # earlier micro-batches' gradients are on disk: add these there, step there
             self._spill(index, norms=False)
             self.store.step(optimizer, grads="disk", blocks=[index], commit=False)
         else:
@@ -461,24 +477,37 @@ class DiskTier(Homes):
 
     def finish_step(self, optimizer: Optimizer) -> list[int]:
         """After the optimizer's own step (the trunk): commits the blocks stepped during backward, and steps those
-        whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. Returns
-        the blocks stepped."""
+        whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. A
+        speculative step is committed where clipping did not change a gradient (its factor exactly 1), else undone
+        and stepped again from the spilled gradients. Returns the blocks stepped."""
         unscale, self._grad_unscale = self._grad_unscale, None
+        speculation, self._speculation = self._speculation, None
+        self.speculation_outcome = None
         self._consumed |= self._stepping  # the host tier keeps them in .grad until zero_grad
         self._stepping = set()
         for index in range(len(self.store.params)):
             self._consumed.update(self.store.spilled_params(index))
+        self.gradients_changed = self._found_inf or (self._grad_scale is not None and not bool(self._grad_scale == 1))
         if self._found_inf:
             self._found_inf, self._grad_scale, self._grad_clip_value = False, None, None
             self.store.abort()
             self.store.discard_grads()
+            self.speculation_outcome = "discarded" if speculation is not None else None
             return []
         stepped = self.store.pending
-        scale, self._grad_scale = self._grad_scale, None
+        clip_scale, self._grad_scale = self._grad_scale, None
+        scale = clip_scale
         if unscale is not None:  # one product of two factors, as unscaling then clipping in memory gives
             scale = unscale if scale is None else unscale * scale.to(unscale.device)
         clip_value, self._grad_clip_value = self._grad_clip_value, None
-        if stepped:
+        if speculation is not None and stepped:
+            if not self.gradients_changed:  # clipping's factor is exactly 1 (or None): it changes no bit
+                self.store.commit()
+                self.speculation_outcome = "committed"
+                return stepped
+            self.store.abort()  # the other slots go; the spilled gradients stay, for the step below
+            self.speculation_outcome, stepped = "redone", []
+        elif stepped:
             if clip_value is not None:  # the overlapped step is off while clipping; this is a clip from elsewhere
                 self.store.abort()
                 raise RuntimeError(

@@ -184,12 +184,20 @@ class Homes:
     keeps_gradients: bool = True
     #: The overlapped step always pays where it is exact (the alternative costs more than host time).
     overlap_always_pays: bool = False
+    #: The kind keeps the previous step itself while a speculative step runs (the disk tier: the other slot of each
+    #: block's record) and decides it in :meth:`finish_step`, so the engine keeps nothing in host memory for it.
+    keeps_previous_step: bool = False
 
     def __init__(self, homes: Sequence[Optional[Home]]) -> None:
         self.homes: list[Optional[Home]] = list(homes)
         self.overlap: Optional[StepHook] = None
         #: The micro-batch running is the last of an accumulation (its backward runs inside the optimizer step).
         self.last_micro_batch = False
+        #: How :meth:`finish_step` ended a speculative step (``"committed"``, ``"redone"``, ``"discarded"``).
+        self.speculation_outcome: Optional[str] = None
+        #: Whether clipping or a scaler changed the last step's gradients after backward (``None``: the kind did not
+        #: see; the engine's watch does where the kind does not clip itself).
+        self.gradients_changed: Optional[bool] = None
 
     def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
         """Connects the homes to the engine's link, host arena and overlapped step; ``slots`` device slots stream."""
@@ -220,6 +228,11 @@ class Homes:
     def checked(self, closure: Any) -> Any:
         """The optimizer's closure, wrapped with the kind's checks before a step (the host tier has none)."""
         return closure
+
+    def speculate(self, unscale: Optional[Tensor], clip_value: Optional[float]) -> None:
+        """This backward's block steps are speculative (a kind that :attr:`keeps_previous_step`): each block's
+        gradients are multiplied by ``unscale`` (a scaler's ``1/scale``) and clamped to ``clip_value`` as it steps,
+        and :meth:`finish_step` commits them or steps again."""
 
     def finish_step(self, optimizer: Any) -> list[int]:
         """After the optimizer's step: the kind steps or commits what the optimizer did not see; returns the blocks

@@ -49,6 +49,7 @@ class OverlappedStep:
         self._groups: Optional[list[list[nn.Parameter]]] = None
         self._kept: Optional[KeptState] = None
         self._prepare: Optional[Callable[[list[nn.Parameter]], None]] = None
+        self._blocks_only = False
         #: The thread every host step runs on, in the order submitted (the pipelined step's too).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="superpipe-optimizer")
         #: Blocks stepped during backward, over the whole run.
@@ -76,13 +77,16 @@ class OverlappedStep:
         optimizer: Optimizer,
         kept: Optional[KeptState] = None,
         prepare: Optional[Callable[[list[nn.Parameter]], None]] = None,
+        blocks_only: bool = False,
     ) -> None:
         """Steps ``optimizer`` block by block in this backward. With ``kept``, each block's masters and state are kept
-        first (a speculative step); ``prepare`` runs on each block's gradients first (unscaling, clipping by value)."""
+        first (a speculative step); ``prepare`` runs on each block's gradients first (unscaling, clipping by value).
+        With ``blocks_only`` (the homes decide a speculative step themselves) the parameters outside the blocks are
+        left to the optimizer's own step, and its groups stay whole: the homes took the blocks' gradients away."""
         self._optimizer = optimizer
         self._owned = {p for group in optimizer.param_groups for p in group["params"]}
         self._stepped, self._stepped_blocks = set(), {}
-        self._kept, self._prepare = kept, prepare
+        self._kept, self._prepare, self._blocks_only = kept, prepare, blocks_only
 
     def block_done(self, index: int) -> None:
         """Called once block ``index``'s gradients are all in ``.grad`` (on the thread that added them)."""
@@ -98,7 +102,9 @@ class OverlappedStep:
         """Called once a parameter outside the blocks has its whole gradient in ``.grad`` (every use in forward
         delivered): an untied head and the final norm are complete as backward starts, so their step hides behind
         the blocks' backward instead of waiting for its end."""
-        if self._optimizer is None or param not in self._owned or param.grad is None or param in self._stepped:
+        if self._optimizer is None or self._blocks_only or param not in self._owned or param.grad is None:
+            return
+        if param in self._stepped:
             return
         self._stepped.add(param)
         self._futures.append(self.executor.submit(self._step_trunk, param))
@@ -109,7 +115,7 @@ class OverlappedStep:
         if self._optimizer is None:
             return
         self._wait()
-        if self._kept is None:
+        if self._kept is None and not self._blocks_only:
             self._leave_the_rest()
 
     def stepped(self) -> set[nn.Parameter]:

@@ -122,6 +122,7 @@ class StreamingSession:
         start = time.perf_counter()
         output = self.steps.run(trainer, optimizer, lambda: step(timed), mode)
         engine.home_kind.finish_step(optimizer)  # the disk tier's blocks: committed, or stepped from spilled gradients
+        self.steps.homes_decided(engine.home_kind)
         params = {p for group in optimizer.param_groups for p in group["params"]}
         if sharded:  # every block's new masters (with "node": the trunk's) from its owner
             assert averager is not None

@@ -69,9 +69,16 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     clip = trainer.gradient_clip_val or 0
     decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
-    if facts.disk:  # its blocks step through its store: during backward, or from the gradients it spilled
-        if rewrites or decides or clip > 0:
-            return StepMode("serial", "the disk tier steps after backward where clipping, a scaler or a hook decide")
+    if facts.disk:  # its blocks step through its store; the other slot of each block keeps the previous step
+        if rewrites:
+            return StepMode("serial", f"{rewrites} may rewrite gradients after backward (the disk tier's blocks step"
+                            " from what it spilled)")
+        if (decides or clip > 0) and knob != "speculative" and facts.changed_rate > REDO_RATE_LIMIT:
+            return StepMode("serial", f"clipping or the scaler changed {facts.changed_rate:.0%} of the recent steps'"
+                            " gradients (the disk tier steps from the gradients it spilled)")
+        if decides or clip > 0:
+            return StepMode("speculative", "clipping or the gradient scaler decide after backward (the disk tier's"
+                            " other slot keeps the previous step)")
         return StepMode("overlapped", "nothing after backward changes a gradient")
     if not rewrites and not decides and knob != "pipelined":
         return StepMode("overlapped", "nothing after backward changes a gradient")
@@ -182,15 +189,22 @@ class OptimizerSteps:
         watch.start_step()
         engine.home_kind.last_micro_batch = True
         kept: Optional[KeptState] = None
+        homes = engine.home_kind
+        by_homes = mode.mode == "speculative" and homes.keeps_previous_step
         if mode.mode in ("overlapped", "speculative"):
             scaler = watch.scaler if mode.mode == "speculative" else None
-            watch.unscale = SpeculativeUnscale(scaler) if scaler is not None else None
-            clip_value = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None
-            kept = KeptState(optimizer) if mode.mode == "speculative" else None
-            engine.overlap.arm(optimizer, kept, gradient_preparation(watch.unscale, clip_value or None))
+            unscale = SpeculativeUnscale(scaler) if scaler is not None else None
+            clip_value = (trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None) or None
+            if by_homes:  # the homes unscale, clamp, keep and decide (the disk tier: at its commit)
+                homes.speculate(unscale.inv_scale if unscale is not None else None, clip_value)
+                engine.overlap.arm(optimizer, blocks_only=True)
+            else:
+                watch.unscale = unscale
+                kept = KeptState(optimizer) if mode.mode == "speculative" else None
+                engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value))
         decided: list[bool] = []
         own_step = vars(optimizer).get("step")
-        if mode.mode in ("speculative", "pipelined"):
+        if mode.mode == "pipelined" or (mode.mode == "speculative" and not by_homes):
             original = own_step or type(optimizer).step.__get__(optimizer)
             vars(optimizer)["step"] = self._intercept(optimizer, original, mode.mode, decided)
         try:
@@ -207,9 +221,18 @@ class OptimizerSteps:
             self.kept_peak_bytes = max(self.kept_peak_bytes, kept.peak_bytes)
         self.counts[mode.mode] += 1
         self.counts["discarded"] += int(undecided)
-        skipped = mode.mode in ("speculative", "pipelined") and not decided
-        watch.record(watch.changed_gradients or skipped)
+        if not homes.keeps_previous_step:  # else the homes say (homes_decided)
+            skipped = mode.mode in ("speculative", "pipelined") and not decided
+            watch.record(watch.changed_gradients or skipped)
         return output
+
+    def homes_decided(self, homes: Any) -> None:
+        """Counts how the homes ended their speculative step (``finish_step``), if they decided one, and whether
+        clipping or the scaler changed the gradients, if they saw."""
+        if homes.speculation_outcome is not None:
+            self.counts[homes.speculation_outcome] += 1
+        if homes.gradients_changed is not None:
+            self.watch.record(homes.gradients_changed)
 
     def _intercept(
         self, optimizer: Optimizer, original: Callable[..., Any], mode: str, decided: list[bool]
