@@ -108,8 +108,9 @@ class StreamingSession:
         and backward), run in the mode :mod:`.step_modes` picks (during backward, speculative, pipelined, after
         backward), with around it: the disk tier's blocks stepped or committed after it, the sharded optimizer's new
         weights exchanged, the device copies marked stale, and the planner timing it. Returns what ``step`` returns."""
+        # Not waiting for a pipelined step here: Lightning calls this before the closure's forward, which waits per
+        # block; backward and `zero_grad` wait for the rest.
         engine, planner = self.engine, self.planner
-        self.settle()
         averager = engine.gradients.averager
         sharded = self._sharded()
         if self.steps is None:  # a step outside `fit` (a user's loop calling the strategy)

@@ -316,7 +316,8 @@ def kept_bytes(optimizer: Optimizer) -> int:
                 continue
             nbytes = param.numel() * param.element_size()
             state = optimizer.state.get(param)
-            tensors = [v for v in (state or {}).values() if isinstance(v, torch.Tensor)]
+            # A pipelined step may be adding a first step's state on its thread: list() reads it in one go.
+            tensors = [v for v in list((state or {}).values()) if isinstance(v, torch.Tensor)]
             total += nbytes + (sum(t.numel() * t.element_size() for t in tensors) if state else 2 * nbytes)
     return total
 
