@@ -66,6 +66,9 @@ def make_adamw(params: Any, implementation: str) -> torch.optim.Optimizer:
 class StepTimer(pl.Callback):
     """Wall time of each optimizer step, synchronised with the device."""
 
+    # It reads clocks only: without this the strategy would wait for a pipelined step before its hooks.
+    superpipe_reads_no_weights = True
+
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start = 0.0
@@ -83,6 +86,9 @@ class AfterBackwardTimer(pl.Callback):
     """Wall time from the end of the last backward of a step to the end of the step: what the optimizer step (and
     the refresh of the device copies) leaves exposed. Backward ends where the engine's ``finish_backward`` starts,
     before it waits for the block steps still running on the host."""
+
+    # It reads clocks only: without this the strategy would wait for a pipelined step before its hooks.
+    superpipe_reads_no_weights = True
 
     def __init__(self) -> None:
         self.times: list[float] = []
