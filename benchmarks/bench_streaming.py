@@ -11,9 +11,17 @@ strategy and knob setting and reports, as ratios against plain:
 * on CUDA, the host-to-device bandwidth of one pinned block copy, and step time against tokens per micro-batch
   to find where copies hide behind compute.
 
+``--recipes clipped`` (instead of, or with, the default ``knobs``) runs the clipped recipes of
+:mod:`streaming_clipped`: the optimizer's exposed time (end of backward to the end of the step, plus what the next
+forward waits for pending steps) with the serial, speculative and pipelined steps, clipping by norm that never
+fires and that always fires, against the targets (speculative at most 25% of serial, pipelined at most 60%, the
+step with clipping that never fires within 1.05x of the step without clipping).
+
 Usage:
     python benchmarks/bench_streaming.py                      # CPU preset, a few minutes on 2 cores
     python benchmarks/bench_streaming.py --device cuda        # 24-block model, token sweep
+    python benchmarks/bench_streaming.py --recipes clipped --threads 1 --steps 5   # the clipped recipes (~10 min)
+    python benchmarks/bench_streaming.py --recipes clipped --preset tiny --steps 2 --warmup 1 --threads 1  # smoke
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -90,7 +99,7 @@ class AfterBackwardTimer(pl.Callback):
     before it waits for the block steps still running on the host.
 
     A pipelined step ends the step before its block steps are done: what the next forward waits for them is not
-    here."""
+    here (:class:`streaming_clipped.ExposedTimer` adds it)."""
 
     # It reads clocks only: without this the strategy would wait for a pipelined step before its hooks.
     superpipe_reads_no_weights = True
@@ -210,6 +219,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
+    parser.add_argument(
+        "--recipes", nargs="+", choices=["knobs", "clipped"], default=["knobs"],
+        help="knobs: the table against plain (default); clipped: the optimizer's exposed time with clipping",
+    )
     parser.add_argument("--knobs", nargs="+", default=None, help="resident,prefetch pairs, e.g. 0,1 1,1 4,2")
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="tokens per micro-batch to sweep")
     parser.add_argument(
@@ -227,7 +240,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--clip", type=float, default=None,
-        help="clip gradients by norm (the strategy decides after backward: speculative or pipelined steps)",
+        help="clip gradients by norm in the knobs table (the clipped recipes set their own)",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -241,7 +254,13 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    knob_recipes(args)
+    if "knobs" in args.recipes:
+        knob_recipes(args)
+    if "clipped" in args.recipes:
+        sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling module
+        from streaming_clipped import clipped_recipes
+
+        clipped_recipes(args, run_one)
 
 
 def knob_recipes(args: argparse.Namespace) -> None:
