@@ -20,7 +20,7 @@ step with clipping that never fires within 1.05x of the step without clipping).
 Usage:
     python benchmarks/bench_streaming.py                      # CPU preset, a few minutes on 2 cores
     python benchmarks/bench_streaming.py --device cuda        # 24-block model, token sweep
-    python benchmarks/bench_streaming.py --recipes clipped --threads 1 --steps 5   # the clipped recipes (~10 min)
+    python benchmarks/bench_streaming.py --recipes clipped --threads 1 --steps 7   # clipped recipes, ~6 min
     python benchmarks/bench_streaming.py --recipes clipped --preset tiny --steps 2 --warmup 1 --threads 1  # smoke
 """
 
