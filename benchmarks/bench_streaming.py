@@ -11,9 +11,17 @@ strategy and knob setting and reports, as ratios against plain:
 * on CUDA, the host-to-device bandwidth of one pinned block copy, and step time against tokens per micro-batch
   to find where copies hide behind compute.
 
+``--recipes clipped`` (instead of, or with, the default ``knobs``) runs the clipped recipes of
+:mod:`streaming_clipped`: the optimizer's exposed time (end of backward to the end of the step, plus what the next
+forward waits for pending steps) with the serial, speculative and pipelined steps, clipping by norm that never
+fires and that always fires, against the targets (speculative at most 25% of serial, pipelined at most 60%, the
+step with clipping that never fires within 1.05x of the step without clipping).
+
 Usage:
     python benchmarks/bench_streaming.py                      # CPU preset, a few minutes on 2 cores
     python benchmarks/bench_streaming.py --device cuda        # 24-block model, token sweep
+    python benchmarks/bench_streaming.py --recipes clipped --threads 1 --steps 7   # clipped recipes, ~6 min
+    python benchmarks/bench_streaming.py --recipes clipped --preset tiny --steps 2 --warmup 1 --threads 1  # smoke
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -40,6 +49,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cuda": dict(
         hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16, vocab_size=32000
     ),
+    # ~13 MB of fp32 weights in 4 blocks: a smoke test of the script, not a measurement.
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, vocab_size=1024),
 }
 
 
@@ -66,6 +77,9 @@ def make_adamw(params: Any, implementation: str) -> torch.optim.Optimizer:
 class StepTimer(pl.Callback):
     """Wall time of each optimizer step, synchronised with the device."""
 
+    # It reads clocks only: without this the strategy would wait for a pipelined step before its hooks.
+    superpipe_reads_no_weights = True
+
     def __init__(self) -> None:
         self.times: list[float] = []
         self._start = 0.0
@@ -82,7 +96,13 @@ class StepTimer(pl.Callback):
 class AfterBackwardTimer(pl.Callback):
     """Wall time from the end of the last backward of a step to the end of the step: what the optimizer step (and
     the refresh of the device copies) leaves exposed. Backward ends where the engine's ``finish_backward`` starts,
-    before it waits for the block steps still running on the host."""
+    before it waits for the block steps still running on the host.
+
+    A pipelined step ends the step before its block steps are done: what the next forward waits for them is not
+    here (:class:`streaming_clipped.ExposedTimer` adds it)."""
+
+    # It reads clocks only: without this the strategy would wait for a pipelined step before its hooks.
+    superpipe_reads_no_weights = True
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -109,16 +129,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(args: argparse.Namespace, strategy: Any, tokens: int) -> dict[str, Any]:
-    """Trains ``args.warmup + args.steps`` steps and measures the last ``args.steps``."""
+def run_one(
+    args: argparse.Namespace, strategy: Any, tokens: int, after_backward: Optional[AfterBackwardTimer] = None,
+    trailing: int = 0,
+) -> dict[str, Any]:
+    """Trains ``args.warmup + args.steps + trailing`` steps and measures ``args.steps`` after the warm-up (the
+    trailing steps' forwards wait for the last measured step's pipelined work). ``after_backward``: the timer from
+    the end of backward (a plain :class:`AfterBackwardTimer` for superpipe if ``None``)."""
     pl.seed_everything(0, verbose=False)
     config = PRESETS[args.preset]
     module = CausalLM(config, args.optimizer)
     batch_size = max(1, tokens // args.seq)
-    data = TensorDataset(torch.randint(0, config["vocab_size"], ((args.warmup + args.steps) * batch_size, args.seq)))
+    total = args.warmup + args.steps + trailing
+    data = TensorDataset(torch.randint(0, config["vocab_size"], (total * batch_size, args.seq)))
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
-    after_backward = AfterBackwardTimer() if isinstance(strategy, SuperpipeStrategy) else None
+    if after_backward is None and isinstance(strategy, SuperpipeStrategy):
+        after_backward = AfterBackwardTimer()
     if after_backward is not None:
         callbacks.append(after_backward)
     if args.device == "cuda":
@@ -126,14 +153,14 @@ def run_one(args: argparse.Namespace, strategy: Any, tokens: int) -> dict[str, A
         torch.cuda.reset_peak_memory_stats()
     trainer = pl.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, strategy=strategy, precision=args.precision,
-        max_steps=args.warmup + args.steps, gradient_clip_val=args.clip, callbacks=callbacks, logger=False,
+        max_steps=total, gradient_clip_val=args.clip, callbacks=callbacks, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=batch_size))
-    measured = timer.times[args.warmup :]
-    result: dict[str, Any] = {"step_s": _median(measured), "tokens": batch_size * args.seq}
+    measured = slice(args.warmup, args.warmup + args.steps)
+    result: dict[str, Any] = {"step_s": _median(timer.times[measured]), "tokens": batch_size * args.seq}
     if after_backward is not None:
-        result["after_backward_s"] = _median(after_backward.times[args.warmup :])
+        result["after_backward_s"] = _median(after_backward.times[measured])
     params = list(module.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     optimizer_bytes = sum(
@@ -188,10 +215,14 @@ def h2d_bandwidth_gbps(nbytes: int) -> float:
     return 10 * nbytes / (time.perf_counter() - start) / 1e9
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="model size (default: the device's)")
+    parser.add_argument(
+        "--recipes", nargs="+", choices=["knobs", "clipped"], default=["knobs"],
+        help="knobs: the table against plain (default); clipped: the optimizer's exposed time with clipping",
+    )
     parser.add_argument("--knobs", nargs="+", default=None, help="resident,prefetch pairs, e.g. 0,1 1,1 4,2")
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="tokens per micro-batch to sweep")
     parser.add_argument(
@@ -208,20 +239,36 @@ def main() -> None:
         help="torch threads (default: torch's). With fewer than the cores, the host has a core for the overlapped step",
     )
     parser.add_argument(
-        "--clip", type=float, default=None, help="clip gradients by norm (this turns the overlapped optimizer step off)"
+        "--clip", type=float, default=None,
+        help="clip gradients by norm in the knobs table (the clipped recipes set their own)",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     args.preset = args.preset or args.device
     args.precision = args.precision or ("bf16-mixed" if args.device == "cuda" else "32-true")
-    default_knobs = ["1,1"] if args.device == "cpu" else ["0,1", "1,1", "2,2", "4,2"]
-    knobs = [tuple(int(v) for v in k.split(",")) for k in (args.knobs or default_knobs)]
-    token_sweep = args.tokens or ([512] if args.device == "cpu" else [2048, 8192, 16384, 32768])
+    args.token_sweep = args.tokens or ([512] if args.device == "cpu" else [2048, 8192, 16384, 32768])
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if "knobs" in args.recipes:
+        knob_recipes(args)
+    if "clipped" in args.recipes:
+        sys.path.insert(0, str(Path(__file__).parent))  # run as a script: its sibling module
+        from streaming_clipped import clipped_recipes
 
+        clipped_recipes(args, run_one)
+
+
+def knob_recipes(args: argparse.Namespace) -> None:
+    """The table against plain: each knob setting and activation placement, with and without the overlap."""
+    default_knobs = ["1,1"] if args.device == "cpu" else ["0,1", "1,1", "2,2", "4,2"]
+    knobs = [tuple(int(v) for v in k.split(",")) for k in (args.knobs or default_knobs)]
     rows: list[dict[str, Any]] = []
-    for tokens in token_sweep:
+    for tokens in args.token_sweep:
         plain = run_one(args, "auto", tokens)
         rows.append({"strategy": "plain", "tokens": plain["tokens"], **plain, "time_ratio": 1.0, "memory_ratio": 1.0})
         for (resident, prefetch), activations, overlap in itertools.product(knobs, args.activations, (True, False)):
