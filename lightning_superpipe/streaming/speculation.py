@@ -11,8 +11,8 @@ decision needs is known (:class:`PreStepWatch`):
 * where it is below 1 the gradients changed: the kept state comes back and the block is stepped again (redo);
 * where the scaler found an infinity it skips the step: the kept state comes back (discard).
 
-Each outcome is what plain Lightning computes, bit for bit. The kept state costs, while backward runs, a copy of the
-masters and of the optimizer state of every parameter stepped (12 bytes a parameter with fp32 AdamW).
+Each outcome is what plain Lightning computes, bit for bit. The kept state costs a copy of the masters and of the
+optimizer state of every parameter stepped (12 bytes a parameter with fp32 AdamW), held while steps are speculative.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from lightning_superpipe.memory.param_groups import restricted
 class KeptState:
     """The masters and optimizer state of the parameters stepped speculatively, as they were before the step.
 
+    Its buffers are reused from one step to the next (a fresh allocation per step would fault every page in again
+    on the optimizer thread, which then falls behind backward); :meth:`release` lets them go.
+
     Args:
         optimizer: The optimizer whose ``state`` is kept.
     """
@@ -38,35 +41,57 @@ class KeptState:
     def __init__(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
         self._kept: dict[nn.Parameter, tuple[Tensor, Optional[dict[str, Any]]]] = {}
-        #: The most bytes kept at once, over the run.
+        self._spare: dict[nn.Parameter, tuple[Tensor, dict[str, Any]]] = {}
+        #: The most bytes held at once (kept and spare buffers), over the run.
         self.peak_bytes = 0
-        self._bytes = 0
 
     def keep(self, params: list[nn.Parameter]) -> None:
         """Copies ``params``' masters and optimizer state (none yet before their first step) aside."""
         for param in params:
-            master = param.detach().clone()
+            spare_master, spare_state = self._spare.pop(param, (None, {}))
+            master = _copy_into(spare_master, param.detach())
             state = self.optimizer.state.get(param)
-            kept = {key: copy.deepcopy(value) for key, value in state.items()} if state else None
+            kept = None
+            if state:
+                kept = {key: _copy_into(spare_state.get(key), value) if isinstance(value, Tensor)
+                        else copy.deepcopy(value) for key, value in state.items()}
             self._kept[param] = (master, kept)
-            self._bytes += _nbytes(master) + sum(_nbytes(v) for v in (kept or {}).values())
-        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept and spare buffers."""
+        held = [*self._kept.values(), *self._spare.values()]
+        return sum(_nbytes(master) + sum(_nbytes(v) for v in (state or {}).values()) for master, state in held)
 
     def restore(self) -> None:
         """Puts every kept master and state back (a parameter with no state before its step gets none again)."""
         with torch.no_grad():
             for param, (master, state) in self._kept.items():
                 param.copy_(master)  # in place: the version counter moves, so the device copies are made again
-                if state is None:
-                    self.optimizer.state.pop(param, None)
-                else:
-                    self.optimizer.state[param] = state
-        self.clear()
+                current = self.optimizer.state.pop(param, None) or {}
+                if state is not None:
+                    self.optimizer.state[param] = state  # the kept tensors go back; the stepped ones become spares
+                self._spare[param] = (master, {k: v for k, v in current.items() if isinstance(v, Tensor)})
+        self._kept.clear()
 
     def clear(self) -> None:
-        """Lets the kept copies go (the step is committed)."""
+        """The step is committed: the kept copies become spare buffers for the next step."""
+        for param, (master, state) in self._kept.items():
+            self._spare[param] = (master, state or {})
         self._kept.clear()
-        self._bytes = 0
+
+    def release(self) -> None:
+        """Lets every buffer go."""
+        self._kept.clear()
+        self._spare.clear()
+
+
+def _copy_into(buffer: Optional[Tensor], value: Tensor) -> Tensor:
+    """``value`` copied into ``buffer`` where it fits (same shape, dtype and device), else into a new tensor."""
+    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype or buffer.device != value.device:
+        return value.clone()
+    return buffer.copy_(value)
 
 
 def _nbytes(value: Any) -> int:

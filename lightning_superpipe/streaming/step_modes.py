@@ -163,8 +163,8 @@ class OptimizerSteps:
         self.knob = knob
         self.watch = PreStepWatch(plugin)
         self.counts: Counter[str] = Counter()
-        self.kept_peak_bytes = 0
         self.exposed_s = 0.0
+        self._kept: Optional[KeptState] = None  # reused while steps are speculative
         self._said: set[tuple[str, str]] = set()
 
     def install(self) -> None:
@@ -172,6 +172,8 @@ class OptimizerSteps:
 
     def uninstall(self) -> None:
         self.watch.uninstall()
+        if self._kept is not None:
+            self._kept.release()
 
     def choose(self, trainer: Any, optimizer: Optimizer, sharded: bool, measuring: bool) -> StepMode:
         disk = self.engine.home_kind.overlap_always_pays
@@ -200,7 +202,7 @@ class OptimizerSteps:
                 engine.overlap.arm(optimizer, blocks_only=True)
             else:
                 watch.unscale = unscale
-                kept = KeptState(optimizer) if mode.mode == "speculative" else None
+                kept = self._kept_state(optimizer) if mode.mode == "speculative" else None
                 engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value))
         decided: list[bool] = []
         own_step = vars(optimizer).get("step")
@@ -217,14 +219,21 @@ class OptimizerSteps:
             undecided = engine.overlap.speculating
             engine.disarm_overlap()  # an undecided speculation (the scaler skipped the step) is discarded
             watch.unscale = None
-        if kept is not None:
-            self.kept_peak_bytes = max(self.kept_peak_bytes, kept.peak_bytes)
+        if kept is None and self._kept is not None:  # not speculating now: the buffers go
+            self._kept.release()
         self.counts[mode.mode] += 1
         self.counts["discarded"] += int(undecided)
         if not homes.keeps_previous_step:  # else the homes say (homes_decided)
             skipped = mode.mode in ("speculative", "pipelined") and not decided
             watch.record(watch.changed_gradients or skipped)
         return output
+
+    def _kept_state(self, optimizer: Optimizer) -> KeptState:
+        if self._kept is None or self._kept.optimizer is not optimizer:
+            peak = self._kept.peak_bytes if self._kept is not None else 0
+            self._kept = KeptState(optimizer)
+            self._kept.peak_bytes = peak
+        return self._kept
 
     def homes_decided(self, homes: Any) -> None:
         """Counts how the homes ended their speculative step (``finish_step``), if they decided one, and whether
@@ -287,7 +296,7 @@ class OptimizerSteps:
             "speculative_steps_committed": counts["committed"],
             "speculative_steps_redone": counts["redone"],
             "speculative_steps_discarded": counts["discarded"],
-            "speculation_kept_peak_bytes": self.kept_peak_bytes,
+            "speculation_kept_peak_bytes": self._kept.peak_bytes if self._kept is not None else 0,
             "pipelined_wait_s": self.engine.pending.waited_s,
             "optimizer_exposed_s": (self.exposed_s + self.engine.pending.waited_s) / steps if steps else 0.0,
         }
