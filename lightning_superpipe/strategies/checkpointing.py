@@ -26,6 +26,7 @@ from lightning_superpipe.streaming.checkpoints import (
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.optimizers import put_state_in_group_order
 from lightning_superpipe.streaming.session import StreamingSession
 
 
@@ -60,6 +61,7 @@ class CheckpointingStrategy(RanksStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         self._settle()
+        put_state_in_group_order(getattr(optimizer, "_optimizer", optimizer))  # block steps made it in another order
         return super().optimizer_state(optimizer)
 
     def _settle(self) -> None:

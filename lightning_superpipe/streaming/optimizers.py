@@ -134,3 +134,20 @@ def shadow_of(optimizer: Optimizer, params: Sequence[nn.Parameter]) -> Optimizer
         for group in optimizer.param_groups
     ]
     return shadow
+
+
+def put_state_in_group_order(optimizer: Optimizer) -> None:
+    """Reorders ``optimizer.state`` in place into its groups' parameter order, the order a plain step creates it in.
+
+    A step block by block creates (and a redo reinserts) the state in backward's order, and ``state_dict()`` lists the
+    state in its dictionary's order: reordered, a checkpoint lists it as plain training's does.
+    """
+    state = optimizer.state
+    keys = list(state)
+    ordered = [p for group in optimizer.param_groups for p in group["params"] if p in state]
+    seen = set(ordered)
+    ordered += [key for key in keys if key not in seen]
+    if any(a is not b for a, b in zip(ordered, keys)):  # by identity: == compares tensors elementwise
+        items = [(key, state[key]) for key in ordered]
+        state.clear()
+        state.update(items)

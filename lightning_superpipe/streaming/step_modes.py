@@ -117,7 +117,7 @@ def _serial_reason(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFact
     if has_step_hooks(optimizer):
         return "the optimizer has step hooks, which would run once per block"
     if facts.sharded:
-        return "with shard_optimizer each rank steps its share after backward and sends the new weights"
+        return "the optimizer is sharded across ranks: each steps its share after backward and sends the new weights"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     pays = facts.disk or knob != "auto"  # the disk tier's alternative reads the gradients back from disk
     if not pays and trainer.strategy.root_device.type == "cpu" and torch.get_num_threads() >= cores:
