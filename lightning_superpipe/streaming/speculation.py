@@ -149,11 +149,13 @@ class PreStepWatch:
         self.changed_gradients = False
 
     def install(self) -> None:
-        """Takes the plugin's ``clip_grad_by_norm`` and the scaler's ``unscale_`` (instance attributes)."""
+        """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` and the scaler's ``unscale_`` (instance
+        attributes)."""
         if self._installed:
             return
         vars(self.plugin)["clip_grad_by_norm"] = self._clip_grad_by_norm
-        self._installed.append((self.plugin, "clip_grad_by_norm"))
+        vars(self.plugin)["clip_grad_by_value"] = self._clip_grad_by_value
+        self._installed += [(self.plugin, "clip_grad_by_norm"), (self.plugin, "clip_grad_by_value")]
         if self.scaler is not None:
             self._unscale = self.scaler.unscale_
             vars(self.scaler)["unscale_"] = self._unscale_
@@ -175,6 +177,13 @@ class PreStepWatch:
             return  # multiplying by exactly 1 changes no bit
         torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
         self.changed_gradients = True
+
+    def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        """Lightning's clamp, of what the step after backward has left: nothing where every parameter was stepped
+        (and clamped) during backward, and torch's ``clip_grad_value_`` refuses an empty list."""
+        params = [p for p in self.plugin.main_params(optimizer) if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
 
     def _unscale_(self, optimizer: Optimizer) -> None:
         unscale = self.unscale
