@@ -149,13 +149,18 @@ class PreStepWatch:
         self.changed_gradients = False
 
     def install(self) -> None:
-        """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` and the scaler's ``unscale_`` (instance
-        attributes)."""
+        """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` (where they are Lightning's: a plugin's
+        own clipping runs as it is, and makes the step pipelined, :mod:`.step_modes`) and the scaler's ``unscale_``
+        (instance attributes)."""
+        from lightning.pytorch.plugins.precision import Precision
+
         if self._installed:
             return
-        vars(self.plugin)["clip_grad_by_norm"] = self._clip_grad_by_norm
-        vars(self.plugin)["clip_grad_by_value"] = self._clip_grad_by_value
-        self._installed += [(self.plugin, "clip_grad_by_norm"), (self.plugin, "clip_grad_by_value")]
+        for name, own in (("clip_grad_by_norm", self._clip_grad_by_norm),
+                          ("clip_grad_by_value", self._clip_grad_by_value)):
+            if getattr(type(self.plugin), name, None) is getattr(Precision, name):
+                vars(self.plugin)[name] = own
+                self._installed.append((self.plugin, name))
         if self.scaler is not None:
             self._unscale = self.scaler.unscale_
             vars(self.scaler)["unscale_"] = self._unscale_

@@ -135,8 +135,9 @@ def _gradient_rewriters(trainer: Any) -> Optional[str]:
         if users:
             return f"`{hook}` (overridden by {type(users[0]).__name__})"
     plugin = trainer.precision_plugin
-    if type(plugin).clip_grad_by_norm is not Precision.clip_grad_by_norm:
-        return f"{type(plugin).__name__}.clip_grad_by_norm"
+    for name in ("clip_grad_by_norm", "clip_grad_by_value"):
+        if getattr(type(plugin), name) is not getattr(Precision, name):
+            return f"{type(plugin).__name__}.{name}"
     return None
 
 
