@@ -15,6 +15,7 @@ Modes:
     ``shard_optimizer="node"`` (each node's copy stepped by its own rank, from the gradients all-reduced across
     nodes) and the disk tier, each checkpointed at the end.
     ``disk``: the disk tier (see :func:`disk`).
+    ``modes``: the optimizer step's modes with the replicated optimizer (see :func:`modes`).
     ``disagree``: rank 1 gets other knobs than rank 0 (both must fail with one clear error); rank 1's host memory is
     too small (its own error there, one naming rank 1 on rank 0), also with ``shard_optimizer="node"``, and rank 0's
     ``/dev/shm`` too small for the node's shared homes; rank 1's disk too small for the node's copies of the disk
@@ -112,6 +113,7 @@ class Record(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, SuperpipeStrategy):
             self.report = strategy.memory_report()
+            self.report.update({f"steps_{m}": n for m, n in self.report.get("optimizer_step_modes", {}).items()})
             averager = strategy.engine.gradients.averager  # None on one device
             self.reductions = averager.reductions if averager is not None else 0
             self.trunk_params = len(strategy.engine.trunk_parameters())
@@ -306,6 +308,14 @@ def disk(out: Path) -> None:
     fit("disk_resumed", out, on_disk(), max_epochs=2, ckpt_path=out / "checkpoints" / "last.ckpt", **epochs)
 
 
+def modes(out: Path) -> None:
+    """Clipping by norm (which fires on every step here) and accumulation 2 with the replicated optimizer: the step
+    after backward, speculative during it (each rank redoes every step from the same averaged gradients), and
+    pipelined into the next forward."""
+    for name, knob in (("serial", False), ("speculative", "speculative"), ("pipelined", "pipelined")):
+        fit(name, out, SuperpipeStrategy(overlap_optimizer=knob, shard_optimizer=False, timeout=TIMEOUT), max_steps=4)
+
+
 def disagree(out: Path) -> None:
     from lightning_superpipe.memory import host_memory, pinned
     from lightning_superpipe.memory.disk import space
@@ -346,7 +356,7 @@ def disagree(out: Path) -> None:
 if __name__ == "__main__":
     mode, folder = sys.argv[1], Path(sys.argv[2])
     try:
-        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes, "disk": disk}[mode](folder)
+        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes, "disk": disk, "modes": modes}[mode](folder)
     except BaseException:
         traceback.print_exc()
         raise

@@ -74,6 +74,13 @@ def disk_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def modes_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_modes")
+    _launch("modes", out)
+    return out
+
+
+@pytest.fixture(scope="module")
 def disagree_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_disagree")
     _launch("disagree", out)
@@ -125,6 +132,23 @@ def test_a_sharded_optimizer_checkpoints_all_of_its_state_in_one_file_and_resume
         assert first["losses"] == uninterrupted["losses"][:8]
         assert resumed["losses"] == uninterrupted["losses"][8:]
         assert _max_difference(resumed["weights"], uninterrupted["weights"]) == 0.0
+
+
+def test_speculative_and_pipelined_steps_on_two_ranks_are_bitwise_the_step_after_backward(modes_run: Path) -> None:
+    """Clipping by norm and accumulation 2, the replicated optimizer: each rank speculates on its averaged gradients
+    and redoes every step (the clip fires on each), or pipelines it; the same losses and weights as the serial run
+    of the same ranks."""
+    serial = _load(modes_run, "serial")
+    assert all(rank["report"]["steps_serial"] == 4 for rank in serial)
+    for mode in ("speculative", "pipelined"):
+        for after_backward, rank in zip(serial, _load(modes_run, mode)):
+            assert rank["report"][f"steps_{mode}"] == 4
+            assert rank["losses"] == after_backward["losses"]
+            assert _max_difference(rank["weights"], after_backward["weights"]) == 0.0
+            redone = rank["report"]["speculative_steps_redone"]
+            assert redone == (4 if mode == "speculative" else 0)
+    zero, one = _load(modes_run, "speculative")
+    assert zero["losses"] != one["losses"] and _max_difference(zero["weights"], one["weights"]) == 0.0
 
 
 def test_the_overlapped_optimizer_step_stays_exact_with_averaged_gradients(exact_run: Path) -> None:

@@ -37,8 +37,11 @@ WEIGHT_BLIND_CALLBACKS = (
 #: A callback whose class sets this attribute to ``True`` declares that its training-loop hooks read no weights.
 READS_NO_WEIGHTS = "superpipe_reads_no_weights"
 
-#: The training loop's hooks that run between an optimizer step and the next forward.
-WINDOW_HOOKS = ("on_train_batch_end", "on_train_epoch_end", "on_train_epoch_start", "on_train_batch_start")
+#: The training loop's hooks that run between an optimizer step and the next forward (or, after the last step, the
+#: end of the run, whose teardown waits only after ``on_train_end``).
+WINDOW_HOOKS = (
+    "on_train_batch_end", "on_train_epoch_end", "on_train_epoch_start", "on_train_batch_start", "on_train_end",
+)
 
 
 class PipelinedStep:
@@ -190,5 +193,8 @@ def settle_barrier(trainer: Any, settle: Callable[[], None]) -> Any:
 
         def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
             self._maybe("on_train_batch_start")
+
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            self._maybe("on_train_end")
 
     return SettleBarrier()

@@ -175,13 +175,18 @@ class PreStepWatch:
         self.changed_gradients = False
 
     def install(self) -> None:
-        """Takes the plugin's ``clip_grad_by_norm`` and the scaler's ``unscale_`` (instance attributes)."""
+        """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` (where they are Lightning's: a plugin's
+        own clipping runs as it is, and makes the step pipelined, :mod:`.step_modes`) and the scaler's ``unscale_``
+        (instance attributes)."""
+        from lightning.pytorch.plugins.precision import Precision
+
         if self._installed:
             return
-        for name, method in (("clip_grad_by_norm", self._clip_grad_by_norm),
-                             ("clip_grad_by_value", self._clip_grad_by_value)):
-            vars(self.plugin)[name] = method
-            self._installed.append((self.plugin, name))
+        for name, own in (("clip_grad_by_norm", self._clip_grad_by_norm),
+                          ("clip_grad_by_value", self._clip_grad_by_value)):
+            if getattr(type(self.plugin), name, None) is getattr(Precision, name):
+                vars(self.plugin)[name] = own
+                self._installed.append((self.plugin, name))
         if self.scaler is not None:
             self._unscale = self.scaler.unscale_
             vars(self.scaler)["unscale_"] = self._unscale_
@@ -205,11 +210,11 @@ class PreStepWatch:
         self.changed_gradients = True
 
     def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
-        # The blocks stepped during backward were clamped then (and clamping twice changes no bit); what is left
-        # may have no gradient at all, which torch's clip_grad_value_ refuses.
+        """Lightning's clamp, of what the step after backward has left: nothing where every parameter was stepped
+        (and clamped) during backward, and torch's ``clip_grad_value_`` refuses an empty list."""
         params = [p for p in self.plugin.main_params(optimizer) if p.grad is not None]
         if params:
-            torch.nn.utils.clip_grad_value_(params, clip_val)
+            torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
 
     def _unscale_(self, optimizer: Optimizer) -> None:
         unscale = self.unscale

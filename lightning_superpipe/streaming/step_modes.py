@@ -36,6 +36,9 @@ from lightning_superpipe.streaming.speculation import (
 #: ``"auto"`` pipelines instead of speculating: each such step pays a redo after backward.
 REDO_RATE_LIMIT = 0.25
 
+#: Why "auto" stops speculating (one wording, so that the info line is said once however the rate moves).
+OFTEN = "clipping or the scaler changed the gradients of more than a quarter of the recent steps"
+
 #: The share of the host memory free that the kept state of a speculative step may take.
 KEPT_SHARE_OF_FREE = 0.5
 
@@ -74,8 +77,7 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
             return StepMode("serial", f"{rewrites} may rewrite gradients after backward (the disk tier's blocks step"
                             " from what it spilled)")
         if (decides or clip > 0) and knob != "speculative" and facts.changed_rate > REDO_RATE_LIMIT:
-            return StepMode("serial", f"clipping or the scaler changed {facts.changed_rate:.0%} of the recent steps'"
-                            " gradients (the disk tier steps from the gradients it spilled)")
+            return StepMode("serial", f"{OFTEN} (the disk tier steps from the gradients it spilled)")
         if decides or clip > 0:
             return StepMode("speculative", "clipping or the gradient scaler decide after backward (the disk tier's"
                             " other slot keeps the previous step)")
@@ -99,7 +101,7 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
         )
     if facts.changed_rate > REDO_RATE_LIMIT:
         return StepMode(
-            "pipelined", f"clipping or the scaler changed {facts.changed_rate:.0%} of the recent steps' gradients"
+            "pipelined", OFTEN
         )
     return StepMode("speculative", "clipping by norm or the gradient scaler decide after backward")
 
