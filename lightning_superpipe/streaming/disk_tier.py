@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -37,6 +37,7 @@ from lightning_superpipe.streaming.optimizers import (
     per_parameter_optimizer_names,
     updates_each_parameter_alone,
 )
+from lightning_superpipe.streaming.pipelined import BeforeZeroGrad
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.engine import StreamingEngine
@@ -147,45 +148,22 @@ def _modules_holding(model: nn.Module, tier: DiskTier) -> list[tuple[nn.Module, 
     return [(module, params) for module, params in held if params]
 
 
-class ZeroGradHook:
+class ZeroGradHook(BeforeZeroGrad):
     """Tells the tier when the user zeroes gradients, which it must know because a block's gradients are in its
-    files, not in ``.grad``: wraps ``zero_grad`` of the optimizer, of Lightning's wrapper of it (which calls
-    ``Optimizer.zero_grad`` on itself, not on the optimizer), and of every module holding block parameters (the
-    LightningModule's ``self.zero_grad()``). Each wrapper tells :meth:`DiskTier.zero_grad` which block parameters
-    it zeroes, then runs the original.
+    files, not in ``.grad``: before ``zero_grad`` of the optimizer, of Lightning's wrapper of it, and of every module
+    holding block parameters (the LightningModule's ``self.zero_grad()``), :meth:`DiskTier.zero_grad` hears which
+    block parameters it zeroes.
     """
 
     def __init__(self, tier: DiskTier, model: nn.Module, optimizers: Sequence[Any]) -> None:
         # An optimizer's groups are read at each call: BaseFinetuning adds the blocks' group mid-run.
-        targets: list[tuple[Any, Callable[[], Iterable[nn.Parameter]]]] = [
-            (o, lambda o=o: (p for group in o.param_groups for p in group["params"])) for o in optimizers
+        targets: list[tuple[Any, Callable[[], None]]] = [
+            (o, lambda o=o: tier.zero_grad(p for group in o.param_groups for p in group["params"])) for o in optimizers
         ]
         for module, held in _modules_holding(model, tier):
             params = [p for _, p in held]
-            targets.append((module, lambda params=params: params))
-        self._tier = tier
-        self._targets = targets
-        self._wrappers: list[tuple[Any, Callable[..., Any]]] = []
-
-    def attach(self) -> None:
-        if self._wrappers:
-            return
-        for owner, params_of in self._targets:
-            original = owner.zero_grad
-
-            def zero_grad(*args: Any, original: Callable[..., Any] = original,
-                          params_of: Callable[[], Iterable[nn.Parameter]] = params_of, **kwargs: Any) -> Any:
-                self._tier.zero_grad(params_of())
-                return original(*args, **kwargs)
-
-            vars(owner)["zero_grad"] = zero_grad
-            self._wrappers.append((owner, zero_grad))
-
-    def detach(self) -> None:
-        for owner, wrapper in self._wrappers:
-            if vars(owner).get("zero_grad") is wrapper:
-                del vars(owner)["zero_grad"]
-        self._wrappers = []
+            targets.append((module, lambda params=params: tier.zero_grad(params)))
+        super().__init__(targets)
 
 
 class BlockValuesHook:

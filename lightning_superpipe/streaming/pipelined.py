@@ -10,7 +10,7 @@ run while earlier ones compute.
 Each launched step uses the hyperparameters in force at launch (a scheduler stepping meanwhile changes the next
 step's; :func:`~.optimizers.shadow_of`). Whatever reads or writes weights, gradients or optimizer state before the
 next forward waits for every pending step first (:meth:`PipelinedStep.settle`): checkpoints, state dicts,
-validation, ``zero_grad`` (:class:`SettleOnZeroGrad`), callbacks that may read weights (:class:`SettleBarrier`), the
+validation, ``zero_grad`` (:class:`BeforeZeroGrad`), callbacks that may read weights (:class:`SettleBarrier`), the
 end of the run.
 """
 
@@ -120,23 +120,28 @@ class PipelinedStep:
             home.sync(home.changed())
 
 
-class SettleOnZeroGrad:
-    """Makes ``zero_grad`` (of the optimizers, Lightning's wrappers of them, the LightningModule) wait for the
-    pending steps first: they read ``.grad``, which ``zero_grad`` sets to ``None``."""
+class BeforeZeroGrad:
+    """Runs a callback before each ``zero_grad`` of some owners (optimizers, Lightning's wrappers of them, which call
+    ``Optimizer.zero_grad`` on themselves, modules), by wrapping it as an instance attribute; :meth:`detach` takes
+    the wrappers off.
 
-    def __init__(self, owners: Sequence[Any], settle: Callable[[], None]) -> None:
-        self._owners = list(owners)
-        self._settle = settle
+    Args:
+        targets: Each owner and what to run before its ``zero_grad``.
+    """
+
+    def __init__(self, targets: Sequence[tuple[Any, Callable[[], None]]]) -> None:
+        self._targets = list(targets)
         self._wrapped: list[tuple[Any, Callable[..., Any]]] = []
 
     def attach(self) -> None:
         if self._wrapped:
             return
-        for owner in self._owners:
+        for owner, before in self._targets:
             original = owner.zero_grad
 
-            def zero_grad(*args: Any, original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                self._settle()
+            def zero_grad(*args: Any, original: Callable[..., Any] = original,
+                          before: Callable[[], None] = before, **kwargs: Any) -> Any:
+                before()
                 return original(*args, **kwargs)
 
             vars(owner)["zero_grad"] = zero_grad

@@ -22,7 +22,7 @@ from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.pipelined import SettleOnZeroGrad, settle_barrier
+from lightning_superpipe.streaming.pipelined import BeforeZeroGrad, settle_barrier
 from lightning_superpipe.streaming.step_modes import OptimizerSteps
 
 
@@ -66,7 +66,7 @@ class StreamingSession:
         self.steps = OptimizerSteps(self.engine, self.overlap_optimizer, trainer.precision_plugin)
         if disk_tier_of(self.engine) is None and not self._sharded():  # those clip and unscale their own way
             self.steps.install()
-        hook = SettleOnZeroGrad([*optimizers, model], self.settle)
+        hook = BeforeZeroGrad([(owner, self.settle) for owner in [*optimizers, model]])  # pending steps read .grad
         hook.attach()
         self.hooks.append(hook)
         barrier = settle_barrier(trainer, self.settle)
