@@ -49,17 +49,24 @@ def _assert_same(streamed: tasks.Task, host: tasks.Task) -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_path: Path, family: str) -> None:
     """AdamW with two groups, an LR warm-up, clipping by norm 0.5 and accumulation over 2 micro-batches, dropout on:
-    every block's gradients are spilled, the global norm comes from the spilled norms and the trunk's."""
+    every block's gradients are spilled, the global norm comes from the spilled norms and the trunk's. Stepped after
+    backward (``overlap_optimizer=False``), and by default: speculatively during backward into each block's other
+    slot, undone and stepped again from the spilled gradients (clipping fires here), then after backward."""
     host = tasks.fit(family, "superpipe")
-    streamed = tasks.fit(family, _disk(tmp_path / "tier"))
-    _assert_same(streamed, host)
     plain = tasks.fit(family, "auto")
-    assert _relative(streamed.losses, plain.losses) < 1e-5
-    assert tasks.max_relative_difference(streamed, plain) < 1e-5
-    assert tasks.max_relative_difference(streamed, tasks.build_task(family)) > 1e-3  # it trained
-    report = streamed.trainer.strategy.memory_report()
-    assert report["overlapped_block_steps"] == 0  # clipping: nothing stepped during backward
-    assert report["offload_device"] == "disk" and report["disk_bytes_written"] > 0
+    for knob in (False, "auto"):
+        streamed = tasks.fit(family, _disk(tmp_path / f"tier-{knob}", overlap_optimizer=knob))
+        _assert_same(streamed, host)
+        assert _relative(streamed.losses, plain.losses) < 1e-5
+        assert tasks.max_relative_difference(streamed, plain) < 1e-5
+        assert tasks.max_relative_difference(streamed, tasks.build_task(family)) > 1e-3  # it trained
+        report = streamed.trainer.strategy.memory_report()
+        modes = report["optimizer_step_modes"]
+        if knob is False:
+            assert report["overlapped_block_steps"] == 0 and modes["serial"] == 10
+        else:  # one speculative step, redone; clipping keeps firing, so the rest after backward
+            assert modes["speculative"] == report["speculative_steps_redone"] == 1 and modes["serial"] == 9
+        assert report["offload_device"] == "disk" and report["disk_bytes_written"] > 0
 
 
 @pytest.mark.usefixtures("emulated_link")
@@ -156,7 +163,9 @@ def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
             if options is during:  # no clipping: every block of every step during backward
                 assert report["overlapped_block_steps"] == 3 * 10
             elif isinstance(strategy.offload_device, str) and strategy.offload_device == "disk":
-                assert report["optimizer_step_modes"]["serial"] == 10  # clipping: stepped from the spilled gradients
+                # Clipping fires on every step: one speculative step redone, then stepped from the spilled gradients.
+                assert report["optimizer_step_modes"]["speculative"] == report["speculative_steps_redone"] == 1
+                assert report["optimizer_step_modes"]["serial"] == 9
             else:  # clipping on the host tier: speculative, then (it fires on every step) pipelined
                 assert report["optimizer_step_modes"]["serial"] == 0
     with pytest.raises(TypeError, match=r"register_per_parameter_optimizer\('object'\): expected a subclass"):
@@ -495,11 +504,14 @@ def test_clipping_by_value_equals_the_host_tier_bitwise(tmp_path: Path) -> None:
     block's spilled (accumulated) gradients as the block is stepped from disk."""
     options = dict(gradient_clip_algorithm="value", gradient_clip_val=0.02)
     host = tasks.fit("llama", "superpipe", **options)
-    streamed = tasks.fit("llama", _disk(tmp_path / "tier"), **options)
-    _assert_same(streamed, host)
     unclipped = tasks.fit("llama", "superpipe", gradient_clip_val=None)
     assert tasks.max_relative_difference(host, unclipped) > 1e-4  # the clamp changed the steps
-    assert streamed.trainer.strategy.memory_report()["overlapped_block_steps"] == 0
+    for knob in (False, "auto"):  # after backward; speculative, each block clamped as it steps (always committed)
+        streamed = tasks.fit("llama", _disk(tmp_path / f"tier-{knob}", overlap_optimizer=knob), **options)
+        _assert_same(streamed, host)
+        report = streamed.trainer.strategy.memory_report()
+        assert report["overlapped_block_steps"] == (0 if knob is False else 3 * 10)
+        assert report["speculative_steps_committed"] == (0 if knob is False else 10)
 
 
 class _Manual(tasks.Task):
