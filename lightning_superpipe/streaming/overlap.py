@@ -50,6 +50,8 @@ class OverlappedStep:
         self._kept: Optional[KeptState] = None
         self._prepare: Optional[Callable[[list[nn.Parameter]], None]] = None
         self._blocks_only = False
+        self._measure: Optional[Callable[[list[nn.Parameter]], None]] = None
+        self._step_too = True
         #: The thread every host step runs on, in the order submitted (the pipelined step's too).
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="superpipe-optimizer")
         #: Blocks stepped during backward, over the whole run.
@@ -78,22 +80,30 @@ class OverlappedStep:
         kept: Optional[KeptState] = None,
         prepare: Optional[Callable[[list[nn.Parameter]], None]] = None,
         blocks_only: bool = False,
+        measure: Optional[Callable[[list[nn.Parameter]], None]] = None,
+        step: bool = True,
     ) -> None:
         """Steps ``optimizer`` block by block in this backward. With ``kept``, each block's masters and state are kept
-        first (a speculative step); ``prepare`` runs on each block's gradients first (unscaling, clipping by value).
-        With ``blocks_only`` (the homes decide a speculative step themselves) the parameters outside the blocks are
-        left to the optimizer's own step, and its groups stay whole: the homes took the blocks' gradients away."""
+        first (a speculative step); ``prepare`` runs on each block's gradients first (unscaling, clipping by value),
+        then ``measure`` (their norms, for clipping after backward). With ``blocks_only`` (the homes decide a
+        speculative step themselves) the parameters outside the blocks are left to the optimizer's own step, and its
+        groups stay whole: the homes took the blocks' gradients away. With ``step=False`` only ``measure`` runs (the
+        step is taken after backward)."""
         self._optimizer = optimizer
         self._owned = {p for group in optimizer.param_groups for p in group["params"]}
         self._stepped, self._stepped_blocks = set(), {}
         self._kept, self._prepare, self._blocks_only = kept, prepare, blocks_only
+        self._measure, self._step_too = measure, step
 
     def block_done(self, index: int) -> None:
         """Called once block ``index``'s gradients are all in ``.grad`` (on the thread that added them)."""
         if self._optimizer is None:
             return
         params = [p for p in self.block_params[index] if p in self._owned and p.grad is not None]
-        if params:
+        if params and not self._step_too:
+            if self._measure is not None:
+                self._futures.append(self.executor.submit(self._measure, params))
+        elif params:
             self._stepped.update(params)
             self._stepped_blocks[index] = params
             self._futures.append(self.executor.submit(self._step, index, params))
@@ -103,6 +113,10 @@ class OverlappedStep:
         delivered): an untied head and the final norm are complete as backward starts, so their step hides behind
         the blocks' backward instead of waiting for its end."""
         if self._optimizer is None or self._blocks_only or param not in self._owned or param.grad is None:
+            return
+        if not self._step_too:
+            if self._measure is not None:
+                self._futures.append(self.executor.submit(self._measure, [param]))
             return
         if param in self._stepped:
             return
@@ -115,7 +129,7 @@ class OverlappedStep:
         if self._optimizer is None:
             return
         self._wait()
-        if self._kept is None and not self._blocks_only:
+        if self._kept is None and not self._blocks_only and self._step_too:
             self._leave_the_rest()
 
     def stepped(self) -> set[nn.Parameter]:
@@ -162,7 +176,7 @@ class OverlappedStep:
         if self._optimizer is not None and self._groups is not None:
             unrestrict(self._optimizer, self._groups)
         self.discard()  # an exception between backward and the decision leaves the step undone, as plain's
-        self._optimizer, self._groups, self._prepare = None, None, None
+        self._optimizer, self._groups, self._prepare, self._measure, self._step_too = None, None, None, None, True
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
@@ -176,6 +190,8 @@ class OverlappedStep:
         assert self._optimizer is not None
         if self._prepare is not None:
             self._prepare(params)
+        if self._measure is not None:
+            self._measure(params)
         if self._kept is not None:
             self._kept.keep(params)
         self._step_again(index, params)
@@ -193,6 +209,8 @@ class OverlappedStep:
     def _step_trunk(self, param: nn.Parameter) -> None:
         if self._prepare is not None:
             self._prepare([param])
+        if self._measure is not None:
+            self._measure([param])
         if self._kept is not None:
             self._kept.keep([param])
         self._step_only([param])

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from lightning_superpipe.memory.param_groups import restricted
 
@@ -136,6 +137,49 @@ def gradient_preparation(
     return prepare
 
 
+def tensor_norms(tensors: list[Tensor]) -> list[Tensor]:
+    """Each tensor's 2-norm, by the operator ``torch.nn.utils.get_total_norm`` uses for it (per device and dtype:
+    ``torch._foreach_norm`` where supported, else ``torch.linalg.vector_norm``), in ``tensors``' order."""
+    norms: list[Optional[Tensor]] = [None] * len(tensors)
+    for (device, _), ([group], indices) in _group_tensors_by_device_and_dtype([tensors], with_indices=True).items():
+        found = (torch._foreach_norm(group, 2.0) if _has_foreach_support(group, device)
+                 else [torch.linalg.vector_norm(t, 2.0) for t in group])
+        for index, norm in zip(indices, found):
+            norms[index] = norm
+    return norms  # type: ignore[return-value]
+
+
+def total_norm(grads: list[Tensor], norms: list[Tensor]) -> Tensor:
+    """The global 2-norm of ``grads`` from their norms, as ``torch.nn.utils.get_total_norm`` stacks them (grouped
+    by device and dtype, in the order its grouping gives)."""
+    groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)
+    ordered = [norms[i] for _, (_, indices) in groups.items() for i in indices]
+    first = grads[0].device
+    return torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in ordered]), 2.0)
+
+
+class BackwardNorms:
+    """The 2-norms of gradients taken during backward on the optimizer thread, as each block's are final (after
+    unscaling), so that clipping by norm after backward only stacks them."""
+
+    def __init__(self) -> None:
+        self._norms: dict[nn.Parameter, tuple[Tensor, Tensor]] = {}  # param -> (the gradient it was, its norm)
+
+    def take(self, params: list[nn.Parameter]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        present = [p for p in params if p.grad is not None]
+        for param, grad, norm in zip(present, grads, tensor_norms(grads) if grads else []):
+            self._norms[param] = (grad, norm)
+
+    def norm_of(self, param: nn.Parameter) -> Optional[Tensor]:
+        """``param``'s gradient norm, if taken of the gradient it holds now."""
+        taken = self._norms.get(param)
+        return taken[1] if taken is not None and taken[0] is param.grad else None
+
+    def clear(self) -> None:
+        self._norms.clear()
+
+
 class PreStepWatch:
     """Watches the work Lightning does between backward and the step, for the decisions it feeds.
 
@@ -157,6 +201,8 @@ class PreStepWatch:
         self.plugin = plugin
         self.scaler = getattr(plugin, "scaler", None)
         self.changed_gradients = False
+        #: Gradient norms taken during backward (:class:`BackwardNorms`).
+        self.norms = BackwardNorms()
         #: Set by the speculative step for this backward, read by the scaler's ``unscale_``.
         self.unscale: Optional[SpeculativeUnscale] = None
         self._history: deque[bool] = deque(maxlen=self.HISTORY)
@@ -173,6 +219,7 @@ class PreStepWatch:
 
     def start_step(self) -> None:
         self.changed_gradients = False
+        self.norms.clear()
 
     def install(self) -> None:
         """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` (where they are Lightning's: a plugin's
@@ -192,6 +239,11 @@ class PreStepWatch:
             vars(self.scaler)["unscale_"] = self._unscale_
             self._installed.append((self.scaler, "unscale_"))
 
+    @property
+    def installed(self) -> bool:
+        """Whether the plugin's clipping runs through the watch (not where the disk tier or sharding clip)."""
+        return any(name == "clip_grad_by_norm" for _, name in self._installed)
+
     def uninstall(self) -> None:
         for owner, name in self._installed:
             vars(owner).pop(name, None)
@@ -199,10 +251,15 @@ class PreStepWatch:
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         params = list(self.plugin.main_params(optimizer))
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
+        present = [p for p in params if p.grad is not None]
+        if not present:
             return
-        total = torch.nn.utils.get_total_norm(grads)
+        grads = [p.grad for p in present]
+        norms = [self.norms.norm_of(p) for p in present]  # those taken in backward; the rest now
+        missing = [i for i, norm in enumerate(norms) if norm is None]
+        for i, norm in zip(missing, tensor_norms([grads[i] for i in missing]) if missing else []):
+            norms[i] = norm
+        total = total_norm(grads, norms)  # type: ignore[arg-type]
         coefficient = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
         if bool(coefficient == 1.0):
             return  # multiplying by exactly 1 changes no bit

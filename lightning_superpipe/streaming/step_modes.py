@@ -205,7 +205,11 @@ class OptimizerSteps:
             else:
                 watch.unscale = unscale
                 kept = self._kept_state(optimizer) if mode.mode == "speculative" else None
-                engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value))
+                engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value),
+                                   measure=self._measure(trainer))
+        elif mode.mode == "pipelined" and _gradient_rewriters(trainer) is None and watch.scaler is None:
+            # Nothing changes a block's gradients once complete: their norms are taken in backward.
+            engine.overlap.arm(optimizer, measure=self._measure(trainer), step=False)
         decided: list[bool] = []
         own_step = vars(optimizer).get("step")
         if mode.mode == "pipelined" or (mode.mode == "speculative" and not by_homes):
@@ -229,6 +233,11 @@ class OptimizerSteps:
             skipped = mode.mode in ("speculative", "pipelined") and not decided
             watch.record(watch.changed_gradients or skipped)
         return output
+
+    def _measure(self, trainer: Any) -> Optional[Callable[[list[Any]], None]]:
+        """What takes each block's gradient norms in backward, where clipping by norm will want them."""
+        clips = (trainer.gradient_clip_val or 0) > 0 and trainer.gradient_clip_algorithm != "value"
+        return self.watch.norms.take if clips and self.watch.installed else None
 
     def _kept_state(self, optimizer: Optimizer) -> KeptState:
         if self._kept is None or self._kept.optimizer is not optimizer:
