@@ -146,6 +146,9 @@ class StreamingEngine:
         for param in trunk_params:
             track_edits(param)
         self._trunk_seen: dict[nn.Parameter, tuple[int, int]] = {}
+        self._deferred_trunk: set[nn.Parameter] = set()
+        #: Trunk parameters a training pass used before its first block.
+        self.trunk_first: set[nn.Parameter] = set()
         self._trunk_names = {p: f"trunk parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._trunk)}
         self._persistent = {copy.untyped_storage().data_ptr() for copy in self._trunk.values()}
 
@@ -308,13 +311,14 @@ class StreamingEngine:
         ``torch.no_grad()`` edits, ``.data`` edits of plain ``nn.Parameter``\\s) or a new storage (``p.data = x``).
         Checking costs a look at each parameter, not at its data.
         """
-        self.pending.wait_trunk()  # a pipelined step writes the trunk's masters first
+        self.pending.wait_trunk()  # a pipelined step writes the trunk's masters first (but those used after blocks)
+        self._deferred_trunk = set(self.pending.late_trunk)  # copied at their first use (trunk_tensor)
         pending = self.pending.pending_blocks  # their homes are the optimizer thread's until their steps are done
         changed = [(index, home, [] if index in pending else home.changed())
                    for index, home in enumerate(self.homes) if home is not None]
         synced, self._synced_in_backward = self._synced_in_backward, set()
         changed = [(index, home, pieces) for index, home, pieces in changed if pieces or index in synced]
-        trunk = [param for param in self._trunk if master_state(param) != self._trunk_seen[param]]
+        trunk = [p for p in self._trunk if p not in self._deferred_trunk and master_state(p) != self._trunk_seen[p]]
         if not changed and not trunk:
             return
         # No copy may still read the host buffers about to be written, and the device may still be reading the
@@ -426,7 +430,15 @@ class StreamingEngine:
 
     @torch.compiler.disable
     def trunk_tensor(self, param: nn.Parameter) -> Tensor:
-        """The device copy of a resident (trunk) parameter."""
+        """The device copy of a resident (trunk) parameter (made now if a pipelined step deferred it)."""
+        if param in self._deferred_trunk:
+            self.pending.wait_trunk_param(param)
+            self._deferred_trunk.discard(param)
+            name, after = self._trunk_names[param], self.copier.mark_compute()
+            self.copier.wait_on_compute(self.copier.to_device(self._trunk[param], param.detach(), after, name))
+            self._trunk_seen[param] = master_state(param)
+        if not self.schedule.started:  # used before any block in a pass (an embedding): a pipelined step's first
+            self.trunk_first.add(param)
         if self._trunk_ready is not None:
             self.copier.wait_on_compute(self._trunk_ready)
             self._trunk_ready = None

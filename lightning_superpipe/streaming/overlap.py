@@ -95,6 +95,19 @@ class OverlappedStep:
         self._kept, self._prepare, self._blocks_only = kept, prepare, blocks_only
         self._measure, self._step_too = measure, step
 
+    def keep_ahead(self) -> None:
+        """Starts keeping the state of every trainable parameter the optimizer owns on the optimizer thread, in the
+        order backward will step them (the last block first), so that the copies run during forward instead of
+        between a block's gradients and its step. Nothing changes them before their step."""
+        if self._kept is None or self._optimizer is None:
+            return
+        order = [p for params in reversed(self.block_params) for p in params]
+        inside = set(order)
+        order += [p for group in self._optimizer.param_groups for p in group["params"] if p not in inside]
+        params = [p for p in order if p in self._owned and p.requires_grad]
+        if params:
+            self._futures.append(self.executor.submit(self._kept.keep, params))
+
     def block_done(self, index: int) -> None:
         """Called once block ``index``'s gradients are all in ``.grad`` (on the thread that added them)."""
         if self._optimizer is None:
@@ -148,7 +161,7 @@ class OverlappedStep:
         comes back and the block is stepped again with ``.grad`` as it is now, in this thread; the optimizer's step
         takes the rest."""
         assert self._optimizer is not None and self._kept is not None
-        self._kept.restore()
+        self._kept.restore(self._stepped)
         self._kept = None
         blocks = set()
         for index, params in self._stepped_blocks.items():
@@ -163,7 +176,7 @@ class OverlappedStep:
         """The step does not happen (a gradient scaler found infinities): the kept state comes back, and the next
         pass copies the restored masters (their version counters moved)."""
         if self._kept is not None:
-            self._kept.restore()
+            self._kept.restore(self._stepped)
             self._kept = None
 
     def _leave_the_rest(self) -> None:

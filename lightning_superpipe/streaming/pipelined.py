@@ -57,6 +57,7 @@ class PipelinedStep:
         self._homes = homes
         self._blocks: dict[int, Future[None]] = {}
         self._trunk: list[Future[None]] = []
+        self._late: dict[nn.Parameter, Future[None]] = {}
         #: Seconds the training loop waited for pending steps, over the run.
         self.waited_s = 0.0
         #: Steps launched, over the run.
@@ -73,16 +74,30 @@ class PipelinedStep:
         trunk: list[nn.Parameter],
         blocks: list[tuple[int, list[nn.Parameter]]],
         step_kwargs: dict[str, Any],
+        late_trunk: Sequence[nn.Parameter] = (),
     ) -> None:
-        """Launches ``trunk``'s step, then each block's, in that order, with the hyperparameters in force now.
-        ``step_kwargs`` (a scaler's ``grad_scale``/``found_inf`` for an optimizer that unscales in its step) are
-        copied: the scaler updates them after this call returns."""
+        """Launches ``trunk``'s step, then each block's, then each of ``late_trunk`` (used after the blocks: a head),
+        in that order, with the hyperparameters in force now. ``step_kwargs`` (a scaler's ``grad_scale``/``found_inf``
+        for an optimizer that unscales in its step) are copied: the scaler updates them after this call returns."""
         kwargs = {key: value.clone() if isinstance(value, Tensor) else value for key, value in step_kwargs.items()}
         self.launched += 1
         if trunk:
             self._trunk.append(self._executor.submit(self._step, shadow_of(optimizer, trunk), kwargs, None))
         for index, params in blocks:
             self._blocks[index] = self._executor.submit(self._step, shadow_of(optimizer, params), kwargs, index)
+        for param in late_trunk:
+            self._late[param] = self._executor.submit(self._step, shadow_of(optimizer, [param]), kwargs, None)
+
+    @property
+    def late_trunk(self) -> frozenset[nn.Parameter]:
+        """Parameters outside the blocks whose pending step the next pass waits for at their first use."""
+        return frozenset(self._late)
+
+    def wait_trunk_param(self, param: nn.Parameter) -> None:
+        """Waits for the pending step of ``param``, one of :attr:`late_trunk`."""
+        future = self._late.pop(param, None)
+        if future is not None:
+            self._wait(future)
 
     def wait_block(self, index: int) -> None:
         """Waits for block ``index``'s pending step, if it has one (re-raising its error)."""
@@ -101,6 +116,8 @@ class PipelinedStep:
         self.wait_trunk()
         for index in sorted(self._blocks):
             self.wait_block(index)
+        for param in list(self._late):
+            self.wait_trunk_param(param)
 
     def _wait(self, future: Future[None]) -> None:
         if not future.done():

@@ -31,6 +31,11 @@ class BlockSchedule:
         self._cyclic = not training
         self._cursor = -1
 
+    @property
+    def started(self) -> bool:
+        """Whether a block was acquired in this pass yet."""
+        return self._cursor >= 0
+
     def is_current(self, index: int) -> bool:
         """Whether block ``index`` is the one the cursor is on (computing now)."""
         return 0 <= self._cursor < len(self._order) and self._order[self._cursor] == index

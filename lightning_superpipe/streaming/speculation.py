@@ -47,8 +47,11 @@ class KeptState:
         self.peak_bytes = 0
 
     def keep(self, params: list[nn.Parameter]) -> None:
-        """Copies ``params``' masters and optimizer state (none yet before their first step) aside."""
+        """Copies ``params``' masters and optimizer state (none yet before their first step) aside; those kept
+        already this step (:meth:`keep` ahead of their step, during forward) are left as they are."""
         for param in params:
+            if param in self._kept:
+                continue
             spare_master, spare_state = self._spare.pop(param, (None, {}))
             master = _copy_into(spare_master, param.detach())
             state = self.optimizer.state.get(param)
@@ -65,10 +68,14 @@ class KeptState:
         held = [*self._kept.values(), *self._spare.values()]
         return sum(_nbytes(master) + sum(_nbytes(v) for v in (state or {}).values()) for master, state in held)
 
-    def restore(self) -> None:
-        """Puts every kept master and state back (a parameter with no state before its step gets none again)."""
+    def restore(self, stepped: set[nn.Parameter]) -> None:
+        """Puts the kept masters and state of the ``stepped`` parameters back (a parameter with no state before its
+        step gets none again); the others' copies become spares."""
         with torch.no_grad():
             for param, (master, state) in self._kept.items():
+                if param not in stepped:
+                    self._spare[param] = (master, state or {})
+                    continue
                 param.copy_(master)  # in place: the version counter moves, so the device copies are made again
                 current = self.optimizer.state.pop(param, None) or {}
                 if state is not None:

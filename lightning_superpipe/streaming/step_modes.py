@@ -207,6 +207,7 @@ class OptimizerSteps:
                 kept = self._kept_state(optimizer) if mode.mode == "speculative" else None
                 engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value),
                                    measure=self._measure(trainer))
+                engine.overlap.keep_ahead()  # during the closure's forward, on the optimizer thread
         elif mode.mode == "pipelined" and _gradient_rewriters(trainer) is None and watch.scaler is None:
             # Nothing changes a block's gradients once complete: their norms are taken in backward.
             engine.overlap.arm(optimizer, measure=self._measure(trainer), step=False)
@@ -290,7 +291,12 @@ class OptimizerSteps:
         blocks = [(index, params) for index, params in blocks if params]
         in_blocks = {p for _, params in blocks for p in params}
         trunk = [p for group in optimizer.param_groups for p in group["params"] if p in owned and p not in in_blocks]
-        engine.pending.launch(optimizer, trunk, blocks, kwargs)
+        # What the next forward uses before its first block is stepped first; the rest (a head) after the blocks.
+        seen_first = engine.trunk_first
+        late = [p for p in trunk if seen_first and p not in seen_first and engine.is_trunk(p)]
+        deferred = set(late)
+        first = [p for p in trunk if p not in deferred]
+        engine.pending.launch(optimizer, first, blocks, kwargs, late_trunk=late)
         for index, _ in blocks:
             engine.mark_stepped(index)  # the optimizer thread brings its home up to date; its copies are made anew
 
