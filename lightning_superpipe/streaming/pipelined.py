@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_superpipe.memory.home import Home
 from lightning_superpipe.streaming.optimizers import shadow_of
+from lightning_superpipe.streaming.speculation import scale_gradients
 
 #: Lightning callbacks that read no weights in the training loop's hooks (or read them through the strategy's
 #: checkpoint calls, which wait themselves), by class name, so that their presence keeps the step pipelined.
@@ -58,6 +59,7 @@ class PipelinedStep:
         self._blocks: dict[int, Future[None]] = {}
         self._trunk: list[Future[None]] = []
         self._late: dict[nn.Parameter, Future[None]] = {}
+        self._scale: Optional[Tensor] = None
         #: Seconds the training loop waited for pending steps, over the run.
         self.waited_s = 0.0
         #: Steps launched, over the run.
@@ -75,11 +77,14 @@ class PipelinedStep:
         blocks: list[tuple[int, list[nn.Parameter]]],
         step_kwargs: dict[str, Any],
         late_trunk: Sequence[nn.Parameter] = (),
+        scale: Optional[Tensor] = None,
     ) -> None:
         """Launches ``trunk``'s step, then each block's, then each of ``late_trunk`` (used after the blocks: a head),
         in that order, with the hyperparameters in force now. ``step_kwargs`` (a scaler's ``grad_scale``/``found_inf``
-        for an optimizer that unscales in its step) are copied: the scaler updates them after this call returns."""
+        for an optimizer that unscales in its step) are copied: the scaler updates them after this call returns. With
+        ``scale`` (clipping's factor) each step multiplies its parameters' gradients by it first."""
         kwargs = {key: value.clone() if isinstance(value, Tensor) else value for key, value in step_kwargs.items()}
+        self._scale = scale
         self.launched += 1
         if trunk:
             self._trunk.append(self._executor.submit(self._step, shadow_of(optimizer, trunk), kwargs, None))
@@ -127,6 +132,8 @@ class PipelinedStep:
         future.result()
 
     def _step(self, shadow: Optimizer, kwargs: dict[str, Any], index: Optional[int]) -> None:
+        if self._scale is not None:
+            scale_gradients([p for group in shadow.param_groups for p in group["params"]], self._scale)
         type(shadow).step(shadow, **kwargs)
         if index is not None:
             home = self._homes[index]

@@ -165,6 +165,20 @@ def total_norm(grads: list[Tensor], norms: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in ordered]), 2.0)
 
 
+def scale_gradients(params: list[nn.Parameter], factor: Tensor) -> None:
+    """Multiplies ``params``' gradients by ``factor`` as ``torch.nn.utils.clip_grads_with_norm_`` does (per device
+    and dtype, ``torch._foreach_mul_`` where supported): elementwise, so a block at a time is bitwise all at once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():
+        if _has_foreach_support(group, device):
+            torch._foreach_mul_(group, factor.to(device))
+        else:
+            for grad in group:
+                grad.mul_(factor.to(device))
+
+
 class BackwardNorms:
     """The 2-norms of gradients taken during backward on the optimizer thread, as each block's are final (after
     unscaling), so that clipping by norm after backward only stacks them."""
@@ -210,6 +224,9 @@ class PreStepWatch:
         self.changed_gradients = False
         #: Gradient norms taken during backward (:class:`BackwardNorms`).
         self.norms = BackwardNorms()
+        self.defer_scaling = False
+        #: Clipping's factor, where this step leaves the multiplication to the blocks' steps (``None``: done, or 1).
+        self.deferred_scale: Optional[Tensor] = None
         #: Set by the speculative step for this backward, read by the scaler's ``unscale_``.
         self.unscale: Optional[SpeculativeUnscale] = None
         self._history: deque[bool] = deque(maxlen=self.HISTORY)
@@ -224,9 +241,12 @@ class PreStepWatch:
         """Records one step's outcome: its gradients changed after backward, or the scaler skipped it."""
         self._history.append(changed)
 
-    def start_step(self) -> None:
+    def start_step(self, defer_scaling: bool = False) -> None:
+        """A step starts; with ``defer_scaling`` (a pipelined step) clipping's multiplication is left to each block's
+        step (:attr:`deferred_scale`)."""
         self.changed_gradients = False
         self.norms.clear()
+        self.defer_scaling, self.deferred_scale = defer_scaling, None
 
     def install(self) -> None:
         """Takes the plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value`` (where they are Lightning's: a plugin's
@@ -270,8 +290,11 @@ class PreStepWatch:
         coefficient = torch.clamp(float(clip_val) / (total + 1e-6), max=1.0)
         if bool(coefficient == 1.0):
             return  # multiplying by exactly 1 changes no bit
-        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
         self.changed_gradients = True
+        if self.defer_scaling:  # a pipelined step multiplies each block's gradients on its thread, before its step
+            self.deferred_scale = coefficient
+            return
+        torch.nn.utils.clip_grads_with_norm_(params, clip_val, total)
 
     def _clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
         """Lightning's clamp, of what the step after backward has left: nothing where every parameter was stepped

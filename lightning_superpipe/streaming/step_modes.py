@@ -190,7 +190,8 @@ class OptimizerSteps:
         update) in ``mode``. Returns what ``step`` returns."""
         self._say(mode)
         engine, watch = self.engine, self.watch
-        watch.start_step()
+        quiet = _gradient_rewriters(trainer) is None  # nothing but clipping touches gradients after backward
+        watch.start_step(defer_scaling=mode.mode == "pipelined" and quiet and watch.scaler is None)
         engine.home_kind.last_micro_batch = True
         kept: Optional[KeptState] = None
         homes = engine.home_kind
@@ -208,7 +209,7 @@ class OptimizerSteps:
                 engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value),
                                    measure=self._measure(trainer))
                 engine.overlap.keep_ahead()  # during the closure's forward, on the optimizer thread
-        elif mode.mode == "pipelined" and _gradient_rewriters(trainer) is None and watch.scaler is None:
+        elif mode.mode == "pipelined" and quiet and watch.scaler is None:
             # Nothing changes a block's gradients once complete: their norms are taken in backward.
             engine.overlap.arm(optimizer, measure=self._measure(trainer), step=False)
         decided: list[bool] = []
@@ -296,7 +297,7 @@ class OptimizerSteps:
         late = [p for p in trunk if seen_first and p not in seen_first and engine.is_trunk(p)]
         deferred = set(late)
         first = [p for p in trunk if p not in deferred]
-        engine.pending.launch(optimizer, first, blocks, kwargs, late_trunk=late)
+        engine.pending.launch(optimizer, first, blocks, kwargs, late_trunk=late, scale=self.watch.deferred_scale)
         for index, _ in blocks:
             engine.mark_stepped(index)  # the optimizer thread brings its home up to date; its copies are made anew
 
