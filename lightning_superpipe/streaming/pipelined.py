@@ -3,9 +3,11 @@
 Where a step cannot be taken during backward (a hook may rewrite gradients, clipping fires on most steps, too little
 host memory to keep the state a speculation needs), it need not hold up the loop either. :class:`PipelinedStep`
 launches it on the optimizer thread, a block at a time in the order the next forward needs them (the parameters
-outside the blocks first: their device copies are made as a pass starts), and returns. The engine makes each block's
-next copy to the device wait for that block's step (:meth:`PipelinedStep.wait_block`), so the steps of later blocks
-run while earlier ones compute.
+outside the blocks that it uses before its first block, the blocks, then those it uses after them, such as a head,
+whose device copies wait for their first use), and returns. The engine makes each block's next copy to the device
+wait for that block's step (:meth:`PipelinedStep.wait_block`), so the steps of later blocks run while earlier ones
+compute. Clipping's factor, where the step clips by norm, is multiplied into each block's gradients just before its
+step.
 
 Each launched step uses the hyperparameters in force at launch (a scheduler stepping meanwhile changes the next
 step's; :func:`~.optimizers.shadow_of`). Whatever reads or writes weights, gradients or optimizer state before the
