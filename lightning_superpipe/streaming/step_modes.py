@@ -64,7 +64,7 @@ class RunFacts:
 
 
 def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFacts) -> StepMode:
-    """The mode of the next optimizer step (see the module's table); the first rule that applies decides."""
+    """The mode of the next optimizer step (see the module's list); the first rule that applies decides."""
     refusal = _serial_reason(trainer, optimizer, knob, facts)
     if refusal is not None:
         return StepMode("serial", refusal)
@@ -94,15 +94,11 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
         return StepMode("speculative", "overlap_optimizer='speculative'")
     free = facts.free_host_bytes
     if free is not None and facts.kept_bytes > KEPT_SHARE_OF_FREE * free:
-        return StepMode(
-            "pipelined",
-            f"keeping the state a speculative step needs ({facts.kept_bytes / 2**30:.1f} GiB) would take more than"
-            f" half the free host memory ({free / 2**30:.1f} GiB)",
-        )
+        # No figures in the reason: the info line is said once per reason, and free memory moves every step.
+        return StepMode("pipelined", "keeping the state a speculative step needs would take more than half the free"
+                        " host memory")
     if facts.changed_rate > REDO_RATE_LIMIT:
-        return StepMode(
-            "pipelined", OFTEN
-        )
+        return StepMode("pipelined", OFTEN)
     return StepMode("speculative", "clipping by norm or the gradient scaler decide after backward")
 
 
