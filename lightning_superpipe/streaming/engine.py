@@ -172,9 +172,8 @@ class StreamingEngine:
         (queued kernels of an earlier engine, freed activations), so they wait for compute issued so far."""
         allocated = self.copier.mark_compute()
         self._fill_blocks(allocated)
-        for param, copy in self._trunk.items():
-            self._trunk_ready = self.copier.to_device(copy, param.detach(), allocated, self._trunk_names[param])
-            self._trunk_seen[param] = master_state(param)
+        for param in self._trunk:
+            self._trunk_ready = self._copy_trunk(param, allocated)
         self.refresh()
 
     def _allocate_blocks(self, resident: Sequence[int]) -> None:
@@ -335,8 +334,7 @@ class StreamingEngine:
                     f" {copy.dtype} to {tuple(param.shape)} and {param.dtype} during the run; SuperpipeStrategy keeps"
                     " a device copy of it and cannot follow. Change the model before `Trainer.fit`, not inside it."
                 )
-            self._trunk_ready = self.copier.to_device(copy, param.detach(), computed, self._trunk_names[param])
-            self._trunk_seen[param] = master_state(param)
+            self._trunk_ready = self._copy_trunk(param, computed)
         for index, home, pieces in changed:
             home.sync(pieces)
             self._block_version[index] += 1
@@ -434,15 +432,18 @@ class StreamingEngine:
         if param in self._deferred_trunk:
             self.pending.wait_trunk_param(param)
             self._deferred_trunk.discard(param)
-            name, after = self._trunk_names[param], self.copier.mark_compute()
-            self.copier.wait_on_compute(self.copier.to_device(self._trunk[param], param.detach(), after, name))
-            self._trunk_seen[param] = master_state(param)
+            self.copier.wait_on_compute(self._copy_trunk(param, self.copier.mark_compute()))
         if not self.schedule.started:  # used before any block in a pass (an embedding): a pipelined step's first
             self.trunk_first.add(param)
         if self._trunk_ready is not None:
             self.copier.wait_on_compute(self._trunk_ready)
             self._trunk_ready = None
         return self._trunk[param]
+
+    def _copy_trunk(self, param: nn.Parameter, after: Event) -> Event:
+        """Copies ``param``'s master into its device copy (after ``after``) and notes the master's state."""
+        self._trunk_seen[param] = master_state(param)
+        return self.copier.to_device(self._trunk[param], param.detach(), after, self._trunk_names[param])
 
     def trunk_parameters(self) -> list[nn.Parameter]:
         """The parameters outside blocks, resident on the device as copies."""

@@ -145,10 +145,6 @@ class OverlappedStep:
         if self._kept is None and not self._blocks_only and self._step_too:
             self._leave_the_rest()
 
-    def stepped(self) -> set[nn.Parameter]:
-        """The parameters this backward stepped (speculatively or not)."""
-        return set(self._stepped)
-
     def commit(self) -> None:
         """The speculative steps were the right ones: the kept state goes, the optimizer's step takes the rest."""
         assert self._kept is not None
@@ -199,14 +195,18 @@ class OverlappedStep:
         for future in futures:
             future.result()
 
-    def _step(self, index: int, params: list[nn.Parameter]) -> None:
-        assert self._optimizer is not None
+    def _before_step(self, params: list[nn.Parameter]) -> None:
+        """On the optimizer thread, before ``params`` are stepped: their gradients prepared and measured, their
+        state kept (a speculative step)."""
         if self._prepare is not None:
             self._prepare(params)
         if self._measure is not None:
             self._measure(params)
         if self._kept is not None:
             self._kept.keep(params)
+
+    def _step(self, index: int, params: list[nn.Parameter]) -> None:
+        self._before_step(params)
         self._step_again(index, params)
 
     def _step_again(self, index: int, params: list[nn.Parameter], count: bool = True) -> None:
@@ -220,12 +220,7 @@ class OverlappedStep:
             self.on_stepped(index, params)
 
     def _step_trunk(self, param: nn.Parameter) -> None:
-        if self._prepare is not None:
-            self._prepare([param])
-        if self._measure is not None:
-            self._measure([param])
-        if self._kept is not None:
-            self._kept.keep([param])
+        self._before_step([param])
         self._step_only([param])
         self.trunk_params_stepped += 1
 

@@ -64,8 +64,6 @@ class PipelinedStep:
         self._scale: Optional[Tensor] = None
         #: Seconds the training loop waited for pending steps, over the run.
         self.waited_s = 0.0
-        #: Steps launched, over the run.
-        self.launched = 0
 
     @property
     def pending_blocks(self) -> frozenset[int]:
@@ -87,7 +85,6 @@ class PipelinedStep:
         ``scale`` (clipping's factor) each step multiplies its parameters' gradients by it first."""
         kwargs = {key: value.clone() if isinstance(value, Tensor) else value for key, value in step_kwargs.items()}
         self._scale = scale
-        self.launched += 1
         if trunk:
             self._trunk.append(self._executor.submit(self._step, shadow_of(optimizer, trunk), kwargs, None))
         for index, params in blocks:
@@ -127,11 +124,10 @@ class PipelinedStep:
             self.wait_trunk_param(param)
 
     def _wait(self, future: Future[None]) -> None:
-        if not future.done():
-            start = time.perf_counter()
-            future.result()
-            self.waited_s += time.perf_counter() - start
+        done, start = future.done(), time.perf_counter()
         future.result()
+        if not done:
+            self.waited_s += time.perf_counter() - start
 
     def _step(self, shadow: Optimizer, kwargs: dict[str, Any], index: Optional[int]) -> None:
         if self._scale is not None:

@@ -49,9 +49,8 @@ class KeptState:
     def keep(self, params: list[nn.Parameter]) -> None:
         """Copies ``params``' masters and optimizer state (none yet before their first step) aside; those kept
         already this step (:meth:`keep` ahead of their step, during forward) are left as they are."""
-        for param in params:
-            if param in self._kept:
-                continue
+        fresh = [param for param in params if param not in self._kept]
+        for param in fresh:
             spare_master, spare_state = self._spare.pop(param, (None, {}))
             master = _copy_into(spare_master, param.detach())
             state = self.optimizer.state.get(param)
@@ -60,7 +59,8 @@ class KeptState:
                 kept = {key: _copy_into(spare_state.get(key), value) if isinstance(value, Tensor)
                         else copy.deepcopy(value) for key, value in state.items()}
             self._kept[param] = (master, kept)
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        if fresh:  # a block kept ahead comes back here at its step: nothing new to count
+            self.peak_bytes = max(self.peak_bytes, self.nbytes)
 
     @property
     def nbytes(self) -> int:

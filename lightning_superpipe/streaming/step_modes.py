@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,12 +43,18 @@ OFTEN = "clipping or the scaler changed the gradients of more than a quarter of 
 KEPT_SHARE_OF_FREE = 0.5
 
 
+#: The modes, in the order the report lists them.
+MODES = ("overlapped", "speculative", "pipelined", "serial")
+
+
 @dataclass(frozen=True)
 class StepMode:
-    """One step's mode (``"overlapped"``, ``"speculative"``, ``"pipelined"`` or ``"serial"``) and why."""
+    """One step's mode (one of :data:`MODES`) and why; ``gradients_final``: nothing but Lightning's own clipping
+    changes a gradient once backward delivered it (no hook, no plugin's own clipping), as the choice found."""
 
     mode: str
     reason: str
+    gradients_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,15 @@ def choose_step_mode(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFa
     if refusal is not None:
         return StepMode("serial", refusal)
     rewrites = _gradient_rewriters(trainer)
+    mode = _mode_where_exact(trainer, optimizer, knob, facts, rewrites)
+    return replace(mode, gradients_final=rewrites is None)
+
+
+def _mode_where_exact(
+    trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFacts, rewrites: Optional[str]
+) -> StepMode:
+    """:func:`choose_step_mode`'s rules once the serial ones passed; ``rewrites``: who may change gradients after
+    backward (:func:`_gradient_rewriters`)."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     clip = trainer.gradient_clip_val or 0
     decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
@@ -186,8 +201,8 @@ class OptimizerSteps:
         update) in ``mode``. Returns what ``step`` returns."""
         self._say(mode)
         engine, watch = self.engine, self.watch
-        quiet = _gradient_rewriters(trainer) is None  # nothing but clipping touches gradients after backward
-        watch.start_step(defer_scaling=mode.mode == "pipelined" and quiet and watch.scaler is None)
+        quiet = mode.gradients_final and watch.scaler is None  # nothing but clipping touches gradients after backward
+        watch.start_step(defer_scaling=mode.mode == "pipelined" and quiet)
         engine.home_kind.last_micro_batch = True
         kept: Optional[KeptState] = None
         homes = engine.home_kind
@@ -205,7 +220,7 @@ class OptimizerSteps:
                 engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value),
                                    measure=self._measure(trainer))
                 engine.overlap.keep_ahead()  # during the closure's forward, on the optimizer thread
-        elif mode.mode == "pipelined" and quiet and watch.scaler is None:
+        elif mode.mode == "pipelined" and quiet:
             # Nothing changes a block's gradients once complete: their norms are taken in backward.
             engine.overlap.arm(optimizer, measure=self._measure(trainer), step=False)
         decided: list[bool] = []
@@ -297,16 +312,12 @@ class OptimizerSteps:
         for index, _ in blocks:
             engine.mark_stepped(index)  # the optimizer thread brings its home up to date; its copies are made anew
 
-    def pipelined_now(self) -> bool:
-        """Whether steps are pending (the last step was pipelined and the next forward has not waited for all)."""
-        return bool(self.engine.pending.pending_blocks)
-
     def report(self) -> dict[str, Any]:
         """The counts for the memory report."""
         counts = self.counts
-        steps = sum(counts[m] for m in ("overlapped", "speculative", "pipelined", "serial"))
+        steps = sum(counts[m] for m in MODES)
         return {
-            "optimizer_step_modes": {m: counts[m] for m in ("overlapped", "speculative", "pipelined", "serial")},
+            "optimizer_step_modes": {m: counts[m] for m in MODES},
             "speculative_steps_committed": counts["committed"],
             "speculative_steps_redone": counts["redone"],
             "speculative_steps_discarded": counts["discarded"],
