@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal, Optional
 
@@ -24,6 +24,7 @@ from lightning_superpipe.memory.disk.buffers import _aligned_buffer
 from lightning_superpipe.memory.disk.core import StoreCore, _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.folder import _grad_name
+from lightning_superpipe.memory.disk.lease import MasterLease, Releases, SharedBuffer
 from lightning_superpipe.memory.disk.records import (
     Record,
     _decode_value,
@@ -55,6 +56,8 @@ class BlockSteps(StoreCore):
         commit: bool = True,
         grad_scale: Optional[Tensor] = None,
         grad_clip_value: Optional[float] = None,
+        read_ahead: Optional[int] = None,
+        stepped: Optional[Callable[[int, Optional[MasterLease]], None]] = None,
     ) -> None:
         """Steps ``optimizer`` over the blocks with gradients, block by block, and commits the new step.
 
@@ -77,6 +80,12 @@ class BlockSteps(StoreCore):
                 0-dim tensor, for clipping by global norm with spilled gradients; see :meth:`grad_norms`).
             grad_clip_value: Clamps every gradient to ``[-grad_clip_value, grad_clip_value]`` before the step (after
                 ``grad_scale``), as ``torch.nn.utils.clip_grad_value_`` does: clipping by value, element by element.
+            read_ahead: Blocks read ahead of the one stepping (default: the store's ``read_ahead``); fewer leave
+                buffers to a forward running beside the step.
+            stepped: Called with each block's index once it is stepped (its write started, the manifest not yet
+                committed), and a lease on its new masters in the buffer the step wrote them from (``None`` if the
+                record outgrew it): the caller copies them from there instead of reading them again, and releases
+                the lease (the buffer goes back to the pool once the write is done too).
         """
         if grads not in ("param", "disk"):
             raise ValueError(f"grads must be 'param' or 'disk', not {grads!r}.")
@@ -85,7 +94,7 @@ class BlockSteps(StoreCore):
             raise DiskTierError("step(grads='disk') needs a DiskStore built with spill_grads=True.")
         owned = {p for group in optimizer.param_groups for p in group["params"]}
         todo = self._blocks_to_step(blocks, on_disk, owned)
-        reads = _ReadsAhead(self, todo, on_disk)
+        reads = _ReadsAhead(self, todo, on_disk, self.read_ahead if read_ahead is None else read_ahead)
         try:
             for index in todo:
                 buffer, record_read, grad_read = reads.take(index)
@@ -97,7 +106,14 @@ class BlockSteps(StoreCore):
                                                   grad_clip_value)
                 self.clock.add("step_compute", time.perf_counter() - began)
                 reads.hand_over()  # from here the write gives the buffer back
-                self._write_behind(index, record, buffer, holder, on_disk)
+                lease = self._write_behind(index, record, buffer, holder, on_disk, keep=stepped is not None)
+                if stepped is not None:
+                    try:
+                        stepped(index, lease)
+                    except BaseException:
+                        if lease is not None:
+                            lease.release()
+                        raise
         except BaseException:
             reads.give_back()
             self.abort()
@@ -154,19 +170,28 @@ class BlockSteps(StoreCore):
             )
         return todo
 
-    def _write_behind(self, index: int, record: Record, buffer: Tensor, holder: Tensor, consumed_grads: bool) -> None:
+    def _write_behind(self, index: int, record: Record, buffer: Tensor, holder: Tensor, consumed_grads: bool,
+                      keep: bool = False) -> Optional[MasterLease]:
         """Starts writing block ``index``'s new ``record`` (in ``holder``) to its slot, durably, and gives
-        ``buffer`` back to the pool as soon as no byte of it is needed any more."""
+        ``buffer`` back to the pool as soon as no byte of it is needed any more. With ``keep``, returns a lease on
+        the new masters in ``buffer`` (which then goes back once both the write and the lease are done with it), or
+        ``None`` where the record outgrew it."""
         path = self._slot_path(index, record.slot)
+        lease = None
         if holder is buffer:
+            owner: Releases = self.pool
+            if keep:
+                owner = SharedBuffer(self.pool, holders=2)
+                lease = MasterLease.landed(owner, buffer, record.masters())
             # The buffer goes back once the record's bytes have left it, before the fsync: the commit waits for
             # the fsync (the future), the next read needs only the buffer.
             future = self.files.write(path, holder, record.file_bytes, durable=True,
-                                      written=lambda: self.pool.release(buffer))
+                                      written=lambda: owner.release(buffer))
         else:
             self.pool.release(buffer)
             future = self.files.write(path, holder, record.file_bytes, durable=True)
         self._pending[index] = (record, future, consumed_grads)
+        return lease
 
     def _start_read(self, index: int, with_grads: bool, spilled: Optional[Future[None]]) -> _StepRead:
         """On the reader thread: takes a buffer for block ``index`` (waiting for one) and starts reading its record
@@ -274,9 +299,9 @@ class _ReadsAhead:
     :meth:`give_back`.
     """
 
-    def __init__(self, store: BlockSteps, todo: Sequence[int], on_disk: bool) -> None:
+    def __init__(self, store: BlockSteps, todo: Sequence[int], on_disk: bool, read_ahead: int) -> None:
         self._store, self._on_disk = store, on_disk
-        self._target = min(1 + store.read_ahead, store.pool.count)
+        self._target = min(1 + read_ahead, store.pool.count)
         self._upcoming: Iterator[int] = iter(todo)
         self._queue: deque[tuple[int, Optional[Future[None]], Future[_StepRead]]] = deque()
         #: The buffer of the block being stepped, until its write takes it over.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -17,8 +16,7 @@ from torch.optim import Optimizer
 
 # Commits and links through their module: the kill -9 tests interpose on them there.
 from lightning_superpipe.memory.disk import folder as disk_folder
-from lightning_superpipe.memory.disk.buffers import BufferPool, _aligned_buffer
-from lightning_superpipe.memory.disk.clock import IoClock
+from lightning_superpipe.memory.disk.buffers import _aligned_buffer
 from lightning_superpipe.memory.disk.core import StoreOptionArgs, StoreOptions, _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.export import write_safetensors
@@ -32,6 +30,7 @@ from lightning_superpipe.memory.disk.folder import (
     _read_manifest,
     _slot_name,
 )
+from lightning_superpipe.memory.disk.lease import MasterLease
 from lightning_superpipe.memory.disk.records import (
     Entry,
     Record,
@@ -57,47 +56,6 @@ class BlockState:
 
     masters: dict[str, Tensor]
     state: dict[str, dict[str, Any]]
-
-
-class MasterLease:
-    """A block's fp32 masters being read into a pool buffer; :meth:`wait` gives views, :meth:`release` returns it.
-
-    Args:
-        pool: The pool ``buffer`` came from.
-        buffer: The buffer the read fills.
-        future: The read.
-        entries: Where the masters sit in the buffer.
-        clock: Counts the time :meth:`wait` and :meth:`flat` block on the read (``read_wait``).
-    """
-
-    def __init__(self, pool: BufferPool, buffer: Tensor, future: Future[None], entries: list[Entry],
-                 clock: Optional[IoClock] = None) -> None:
-        self._pool, self._buffer, self._future, self._entries = pool, buffer, future, entries
-        self._clock = clock
-        self._released = False
-
-    def _landed(self) -> None:
-        if self._clock is None:
-            self._future.result()
-        else:
-            self._clock.wait(self._future, "read_wait")
-
-    def wait(self) -> list[Tensor]:
-        """The block's masters, in its parameter order (views into the pool buffer: copy before :meth:`release`)."""
-        self._landed()
-        return [entry.view_of(self._buffer) for entry in self._entries]
-
-    def flat(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """The block's masters as one flat tensor of ``numel`` elements of ``dtype`` (a view into the pool buffer):
-        every master starts on :data:`ENTRY_ALIGNMENT` bytes, so for fp32 this is the host tier's flat layout."""
-        self._landed()
-        return self._buffer[: numel * dtype.itemsize].view(dtype)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._future.exception()  # never hand a buffer back while a read still fills it
-            self._pool.release(self._buffer)
 
 
 class DiskStore(GradientSpills, BlockSteps):
