@@ -123,22 +123,25 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "sharded": (dict(facts=RunFacts(sharded=True)), "serial", "the optimizer is sharded across ranks"),
     "the planner measures": (dict(facts=RunFacts(measuring=True)), "serial", "the planner is timing the step"),
     "the disk tier, clipping": (
-        dict(knob="pipelined", facts=RunFacts(disk=True)), "speculative",
+        dict(facts=RunFacts(disk=True)), "speculative",
         "clipping or the gradient scaler decide after backward (the disk tier's other slot keeps the previous step)",
     ),
+    "the disk tier, asked to pipeline": (
+        dict(knob="pipelined", facts=RunFacts(disk=True)), "pipelined", "overlap_optimizer='pipelined'",
+    ),
     "the disk tier, clipping fires often": (
-        dict(facts=RunFacts(disk=True, changed_rate=0.5)), "serial",
-        "more than a quarter of the recent steps (the disk tier steps from the gradients it spilled)",
+        dict(facts=RunFacts(disk=True, changed_rate=0.5)), "pipelined",
+        "more than a quarter of the recent steps (the disk tier steps its blocks from what it spilled)",
     ),
     "the disk tier, asked to speculate, clipping fires often": (
         dict(knob="speculative", facts=RunFacts(disk=True, changed_rate=0.5)), "speculative", "other slot",
     ),
     "the disk tier, a hook": (
-        dict(facts=RunFacts(disk=True), callbacks=[_ReadsGradients()]), "serial",
-        "may rewrite gradients after backward (the disk tier's blocks step from what it spilled)",
+        dict(facts=RunFacts(disk=True), callbacks=[_ReadsGradients()]), "pipelined",
+        "may rewrite gradients after backward (the disk tier steps its blocks from what it spilled)",
     ),
     "the disk tier, nothing to decide": (
-        dict(knob="pipelined", facts=RunFacts(disk=True), **NO_CLIPPING), "overlapped", "nothing after backward",
+        dict(facts=RunFacts(disk=True), **NO_CLIPPING), "overlapped", "nothing after backward",
     ),
 }
 

@@ -479,8 +479,8 @@ def test_the_disk_tier_speculates_in_its_files_where_clipping_decides(
 ) -> None:
     """The disk tier steps each block through its store during backward, into the block's other slot: committed
     where clipping by norm does not fire, else undone and stepped again from the spilled gradients. Where clipping
-    keeps firing, "auto" (and "pipelined", which the tier does not do) goes back to stepping after backward.
-    Plain Lightning's bits throughout, and no host memory kept."""
+    keeps firing, "auto" pipelines the step into the next forward (from the spilled gradients); "pipelined" always
+    does. Plain Lightning's bits throughout, and no host memory kept."""
     options = dict(max_steps=4, gradient_clip_val=CLIPS[fires])
     plain = _plain(f"llama 4 steps clip {fires}", lambda: tasks.fit("llama", "auto", **options))
     strategy = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path, overlap_optimizer=knob)
@@ -490,13 +490,19 @@ def test_the_disk_tier_speculates_in_its_files_where_clipping_decides(
     report = strategy.memory_report()
     modes = _modes(strategy)
     assert report["speculation_kept_peak_bytes"] == 0
+    said = [r.getMessage() for r in caplog.records if "SuperpipeStrategy steps the optimizer" in r.getMessage()]
+    if knob == "pipelined":
+        assert modes == _only("pipelined", 4) and report["disk_fused_reads"] > 0
+        assert said[0] == "SuperpipeStrategy steps the optimizer pipelined into the next forward: overlap_optimizer=" \
+            "'pipelined'."
+        return
     if fires == "no step":
         assert modes == _only("speculative", 4) and report["speculative_steps_committed"] == 4
     elif knob == "speculative":
         assert modes == _only("speculative", 4) and report["speculative_steps_redone"] == 4
-    else:  # one redo, then the serial path
-        assert modes == {**_only("speculative", 1), "serial": 3} and report["speculative_steps_redone"] == 1
-    said = [r.getMessage() for r in caplog.records if "SuperpipeStrategy steps the optimizer" in r.getMessage()]
+    else:  # one redo, then pipelined
+        assert modes == {**_only("speculative", 1), "pipelined": 3} and report["speculative_steps_redone"] == 1
+        assert said[1].startswith("SuperpipeStrategy steps the optimizer pipelined into the next forward: clipping")
     assert said[0] == (
         "SuperpipeStrategy steps the optimizer speculatively during backward: clipping or the gradient scaler decide"
         " after backward (the disk tier's other slot keeps the previous step)."

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
 from lightning_superpipe.memory import disk
 from lightning_superpipe.memory.disk import CLOCK_COUNTERS, space
+from lightning_superpipe.memory.disk_reads import DiskReads
 from lightning_superpipe.planning.solver import minimum_plan, predict
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.disk_tier import DISK_KEY
@@ -51,7 +52,7 @@ def test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_pat
     """AdamW with two groups, an LR warm-up, clipping by norm 0.5 and accumulation over 2 micro-batches, dropout on:
     every block's gradients are spilled, the global norm comes from the spilled norms and the trunk's. Stepped after
     backward (``overlap_optimizer=False``), and by default: speculatively during backward into each block's other
-    slot, undone and stepped again from the spilled gradients (clipping fires here), then after backward."""
+    slot, undone and stepped again from the spilled gradients (clipping fires here), then pipelined."""
     host = tasks.fit(family, "superpipe")
     plain = tasks.fit(family, "auto")
     for knob in (False, "auto"):
@@ -64,9 +65,89 @@ def test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_pat
         modes = report["optimizer_step_modes"]
         if knob is False:
             assert report["overlapped_block_steps"] == 0 and modes["serial"] == 10
-        else:  # one speculative step, redone; clipping keeps firing, so the rest after backward
-            assert modes["speculative"] == report["speculative_steps_redone"] == 1 and modes["serial"] == 9
+        else:  # one speculative step, redone; clipping keeps firing, so the rest pipelined into the next forward
+            assert modes["speculative"] == report["speculative_steps_redone"] == 1 and modes["pipelined"] == 9
         assert report["offload_device"] == "disk" and report["disk_bytes_written"] > 0
+
+
+def _masters_read_bytes(block: torch.nn.Module) -> int:
+    """Bytes a read of ``block``'s masters takes from its record: each master on the record's alignment, the whole
+    rounded up to pages."""
+    from lightning_superpipe.memory.pinned import page_rounded
+
+    align = disk.ENTRY_ALIGNMENT
+    return page_rounded(sum(-(-p.numel() * p.element_size() // align) * align for p in block.parameters()))
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_a_pipelined_step_hands_its_buffers_to_the_next_forward_and_equals_the_host_tier_bitwise(
+    tmp_path: Path,
+) -> None:
+    """``overlap_optimizer="pipelined"``: the blocks step from their spilled gradients on the optimizer thread while
+    the next forward runs, each block's copy waiting for its step only, and that copy takes the new masters from the
+    buffer the step left them in: one read of the block a step, not two. Clipping fires on every step (the factor
+    multiplied in on the thread), accumulation 2, an LR warm-up stepped every step: bitwise the host tier's; the
+    disk reads fall by at least the masters of each fused copy."""
+    host = tasks.fit("llama", "superpipe")
+    serial = tasks.fit("llama", _disk(tmp_path / "serial", overlap_optimizer=False))
+    pipelined = tasks.fit("llama", _disk(tmp_path / "pipelined", overlap_optimizer="pipelined"))
+    _assert_same(pipelined, host)
+    _assert_same(serial, host)
+    report, before = pipelined.trainer.strategy.memory_report(), serial.trainer.strategy.memory_report()
+    assert report["optimizer_step_modes"]["pipelined"] == 10 and before["optimizer_step_modes"]["serial"] == 10
+    layers = pipelined.model.model.layers
+    fused = report["disk_fused_reads"]
+    assert 0 < fused <= 9 * len(layers)  # each forward after a step: 9 of the 10 steps
+    if not isinstance(pipelined.trainer.strategy.link, EmulatedLink):  # no copy in flight holds a buffer
+        assert fused == 9 * len(layers)
+    assert before["disk_fused_reads"] == 0
+    saved = before["disk_bytes_read"] - report["disk_bytes_read"]
+    assert saved >= fused * _masters_read_bytes(layers[0])
+    assert report["disk_bytes_written"] == before["disk_bytes_written"]
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_a_pipelined_step_is_done_before_validation_a_checkpoint_or_a_callback_reads_the_weights(
+    tmp_path: Path,
+) -> None:
+    """Validation every 3 steps, ``ModelCheckpoint`` every step, and a callback reading the weights (``state_dict``)
+    after each step, while the steps are pipelined: each sees the weights of the step just taken (as the host tier's
+    run gives them), and a resume from the last checkpoint continues with the uninterrupted run's losses."""
+    seen: dict[str, list[torch.Tensor]] = {}
+
+    class ReadsWeights(tasks.pl.Callback):
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            weight = module.state_dict()["model.model.layers.1.mlp.up_proj.weight"]
+            seen.setdefault(self.key, []).append(weight.clone())
+
+    options = dict(max_steps=-1, limit_train_batches=12, limit_val_batches=2, val_check_interval=6,
+                   enable_checkpointing=True)
+    kind = tasks.EXAMPLES["llama"][1]
+
+    def fit(key: str, strategy: Any, epochs: int = 1, ckpt_path: Any = None) -> tasks.Task:
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / key, save_last=True, every_n_train_steps=1)
+        task = tasks.build_task("llama", seed=5 if ckpt_path else tasks.SEED)  # a resume takes every weight
+        tasks.pl.seed_everything(tasks.SEED + 1, verbose=False)
+        trainer = tasks.trainer(strategy, callbacks=[ReadsWeights(key), checkpoint], max_epochs=epochs, **options)
+        trainer.fit(task, batches.data(kind), batches.data(kind), ckpt_path=ckpt_path)
+        return task
+
+    host = fit("host", "superpipe")
+    streamed = fit("disk", _disk(tmp_path / "tier", overlap_optimizer="pipelined"))
+    _assert_same(streamed, host)
+    assert streamed.val_losses == host.val_losses and len(host.val_losses) == 4
+    assert len(seen["disk"]) == len(seen["host"]) == 12
+    assert all(torch.equal(a, b) for a, b in zip(seen["disk"], seen["host"]))
+    assert streamed.trainer.strategy.memory_report()["optimizer_step_modes"]["pipelined"] == 6
+
+    uninterrupted = fit("uninterrupted", "superpipe", epochs=2)
+    resumed = fit("resumed", _disk(tmp_path / "resumed", overlap_optimizer="pipelined"), epochs=2,
+                  ckpt_path=tmp_path / "disk" / "last.ckpt")
+    assert resumed.losses == uninterrupted.losses[12:]
+    assert tasks.max_relative_difference(resumed, uninterrupted) == 0.0
 
 
 @pytest.mark.usefixtures("emulated_link")
@@ -163,9 +244,10 @@ def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
             if options is during:  # no clipping: every block of every step during backward
                 assert report["overlapped_block_steps"] == 3 * 10
             elif isinstance(strategy.offload_device, str) and strategy.offload_device == "disk":
-                # Clipping fires on every step: one speculative step redone, then stepped from the spilled gradients.
+                # Clipping fires on every step: one speculative step redone, then pipelined from the spilled
+                # gradients.
                 assert report["optimizer_step_modes"]["speculative"] == report["speculative_steps_redone"] == 1
-                assert report["optimizer_step_modes"]["serial"] == 9
+                assert report["optimizer_step_modes"]["pipelined"] == 9
             else:  # clipping on the host tier: speculative, then (it fires on every step) pipelined
                 assert report["optimizer_step_modes"]["serial"] == 0
     with pytest.raises(TypeError, match=r"register_per_parameter_optimizer\('object'\): expected a subclass"):
@@ -487,12 +569,12 @@ def test_a_read_buffer_released_before_its_copy_ran_shows_on_the_emulated_link(
     """The seeded bug: a read's pool buffer goes back (and the next read refills it) while the copy to the device
     still reads it. The plain CPU link cannot see it; the emulated one must."""
     old, new = "self._in_flight.append((event, lease))", "lease.release()"
-    source = inspect.getsource(disk_tier.DiskTier.copy_in)
+    source = inspect.getsource(DiskReads.copy_in)
     assert source.count(old) == 1, "the mutation no longer applies: update it"
     body = "\n".join(line[4:] for line in source.replace(old, new).splitlines())
     namespace: dict[str, Any] = {}
-    exec(compile(body, "<mutated copy_in>", "exec"), vars(sys.modules[disk_tier.DiskTier.__module__]), namespace)
-    monkeypatch.setattr(disk_tier.DiskTier, "copy_in", namespace["copy_in"])
+    exec(compile(body, "<mutated copy_in>", "exec"), vars(sys.modules[DiskReads.__module__]), namespace)
+    monkeypatch.setattr(DiskReads, "copy_in", namespace["copy_in"])
     with pytest.raises(OrderingViolation, match="while it was in flight"):
         strategy = _disk(tmp_path / "tier", resident_blocks=0, link=EmulatedLink(mode="lazy", seed=1))
         tasks.fit("llama", strategy, max_steps=3)
@@ -826,7 +908,8 @@ def test_a_step_hook_for_every_optimizer_is_refused_too(tmp_path: Path) -> None:
 
 def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_there(tmp_path: Path) -> None:
     """An overridden ``on_before_optimizer_step`` (e.g. logging gradient norms) gets one warning naming it; it sees
-    the trunk's gradients and ``None`` for the blocks'. Without such a hook, no warning."""
+    the trunk's gradients and ``None`` for the blocks', and the steps, pipelined, equal the host tier's. Without
+    such a hook, no warning."""
     seen: list[tuple[int, int]] = []
 
     class Logging(tasks.Task):
@@ -835,9 +918,13 @@ def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_th
             seen.append((sum(p.grad is not None for p in layers), int(self.model.lm_head.weight.grad is not None)))
 
     build, kind = tasks.EXAMPLES["llama"]
+    strategy = _disk(tmp_path / "tier")
     with pytest.warns(UserWarning, match=r"offload_device='disk'.*Logging\.on_before_optimizer_step will see"):
-        tasks.trainer(_disk(tmp_path / "tier"), max_steps=2).fit(Logging(build, kind), batches.data(kind))
+        streamed = tasks.fit_task(lambda: Logging(build, kind), strategy, batches.data(kind), max_steps=2)
     assert seen == [(0, 1), (0, 1)]
+    # The hook may rewrite gradients after backward: the steps are pipelined, from the spilled gradients.
+    assert strategy.memory_report()["optimizer_step_modes"]["pipelined"] == 2
+    _assert_same(streamed, tasks.fit_task(lambda: Logging(build, kind), "superpipe", batches.data(kind), max_steps=2))
     import warnings
 
     with warnings.catch_warnings():

@@ -9,12 +9,15 @@ knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of
   beyond the device slots, and copied from there into the slot; with mixed precision they are cast on the fly into
   a host staging buffer of the transfer dtype first (no bf16 copy on disk: it would add 2 bytes per parameter of
   writes to every step). A read's buffer goes back to the pool once the copy no longer reads it (its event).
+  :class:`~lightning_superpipe.memory.disk_reads.DiskReads` does this part.
 * **Gradients**: when the overlapped step is armed (exact: no clipping, a per-parameter optimizer), each block is
   stepped through the store as soon as its gradients are complete (``step(blocks=[i], commit=False)``; gradients of
   earlier micro-batches spilled first are added on disk) and the step is committed after backward. Otherwise each
   block's gradients are spilled to its gradient file as they complete and dropped, and the blocks are stepped from
   disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
-  ``torch.nn.utils.clip_grad_norm_`` computes it. The trunk (embeddings, head) is stepped in memory, as today.
+  ``torch.nn.utils.clip_grad_norm_`` computes it: at once, or pipelined (:meth:`DiskTier.launch_step`) on the
+  optimizer thread while the next forward runs, which copies each block from the buffer its step left it in. The
+  trunk (embeddings, head) is stepped in memory.
   The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:meth:`DiskTier.zero_grad`), which is
   what manual optimization needs; a step consumes them.
 * **Several ranks**: each keeps its own store, stepped alike from the averaged gradients; under accumulation a
@@ -28,8 +31,6 @@ What Lightning sees of the tier (checks of the run, hooks on ``zero_grad`` and `
 from __future__ import annotations
 
 import os
-import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,7 +49,8 @@ from lightning_superpipe.memory.disk import (
     probe_state_size,
 )
 from lightning_superpipe.memory.disk.home import DiskHome
-from lightning_superpipe.memory.home import Arena, Event, Homes, Link, StepHook
+from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
+from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
 from lightning_superpipe.memory.pinned import page_rounded
 
 #: Blocks whose masters are read ahead beyond the device slots.
@@ -93,13 +95,8 @@ class DiskTier(Homes):
         self.state_names = state_names
         #: Each block parameter's block and position in it (as the store lists them).
         self._place = {p: (i, j) for i, params in enumerate(block_params) for j, p in enumerate(params)}
-        self._lock = threading.Lock()
-        self._ahead: dict[int, MasterLease] = {}
-        self._in_flight: deque[tuple[Event, MasterLease]] = deque()
-        self._staging: list[list[Any]] = []  # [buffer, event of the copy reading it]
-        self._next_staging = 0
-        self._cap = max(1, store.pool.count - 1)  # one buffer stays free for a spill or a step on another thread
-        self.copier: Optional[Link] = None
+        #: The device copies' reads (ahead, copied in, handed over by a pipelined step).
+        self.reads = DiskReads(store)
         #: Manual optimization: any backward may be the last before a step (``self.clip_gradients`` needs norms).
         self.manual_optimization = False
         # Parameters whose gradients a step consumed (the tier keeps none after it) and no zero_grad has zeroed since.
@@ -115,6 +112,7 @@ class DiskTier(Homes):
         self._speculation: Optional[tuple[Optional[Tensor], Optional[float]]] = None
         self._grad_clip_value: Optional[float] = None
         self._completed: set[int] = set()  # blocks whose gradients of this backward were handed on
+        self._launched: Optional[list[int]] = None  # the blocks of a pipelined step (launch_step)
         self._closed = False
 
     @classmethod
@@ -171,67 +169,27 @@ class DiskTier(Homes):
     def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
         """Connects the tier to its engine's copier, arena and overlapped step, whose per-block step goes through the
         store."""
-        self.copier, self.overlap = link, overlap
+        self.overlap = overlap
         overlap.step_block = self._step_block
         casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
-        if casts:
-            numel = max(h.numel for h in casts)
-            # Each copy out of a staging buffer is waited for before the buffer is written again: one per slot,
-            # and one more so that the cast of the next block never waits for the copy just issued.
-            self._staging = [[arena.empty(numel, casts[0].transfer_dtype), None] for _ in range(slots + 1)]
+        numel = max((h.numel for h in casts), default=0)
+        self.reads.attach(link, arena, numel, casts[0].transfer_dtype if casts else None, slots)
 
     # ------------------------------------------------------------------ streaming
 
     def copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
         """Copies block ``index``'s masters (cast to the transfer dtype) into the device buffer ``dst``."""
-        assert self.copier is not None
         home = self.homes[index]
         assert home is not None
-        with self._lock:
-            lease = self._ahead.pop(index, None)
-        if lease is None:
-            self._make_room()
-            lease = self.store.prefetch_masters(index)
-        try:
-            source = lease.flat(home.numel, home.master_dtype)
-            if home.transfer_dtype == home.master_dtype:
-                event = self.copier.to_device(dst, source, after, what)
-                if event is None:
-                    lease.release()
-                else:  # the copy reads the pool buffer until its event
-                    self._in_flight.append((event, lease))
-                return event
-            staging = self._staging[self._next_staging]
-            self._next_staging = (self._next_staging + 1) % len(self._staging)
-            self.copier.wait_on_host(staging[1])  # the copy that last read this buffer is done
-            flat = staging[0][: home.numel]
-            flat.copy_(source)  # the cast on the fly
-            lease.release()
-            staging[1] = self.copier.to_device(dst, flat, after, what)
-            return staging[1]
-        except BaseException:
-            lease.release()
-            raise
+        return self.reads.copy_in(dst, index, home.numel, home.master_dtype, home.transfer_dtype, after, what)
 
     def read_ahead(self, indices: Iterable[int]) -> None:
         """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
-        # Buffers whose copies are known done go back without waiting (CUDA events answer ``query``).
-        while self._in_flight and getattr(self._in_flight[0][0], "query", lambda: False)():
-            self._in_flight.popleft()[1].release()
-        with self._lock:
-            for index in indices:
-                if index in self._ahead:
-                    continue
-                if len(self._ahead) + len(self._in_flight) >= self._cap:
-                    return
-                self._ahead[index] = self.store.prefetch_masters(index)
+        self.reads.read_ahead(indices)
 
     def forget(self, index: int) -> None:
         """Drops a read ahead of block ``index`` (its record changed)."""
-        with self._lock:
-            lease = self._ahead.pop(index, None)
-        if lease is not None:
-            lease.release()
+        self.reads.forget([index])
 
     def check_withhold(self, params: frozenset[nn.Parameter]) -> None:
         """Refuses: each block is read from its files whole."""
@@ -243,33 +201,12 @@ class DiskTier(Homes):
     def copies_done(self) -> None:
         """After backward, the copies done: the step reads and writes through the pool, which gets every buffer
         back."""
-        self.release_all()
+        self.reads.release_all()
 
-    def release_all(self) -> None:
-        """Gives every buffer back to the pool (the copies are done: the caller synchronized)."""
-        while self._in_flight:
-            self._in_flight.popleft()[1].release()
-        with self._lock:
-            leases, self._ahead = list(self._ahead.values()), {}
-        for lease in leases:
-            lease.release()
-
-    def _make_room(self) -> None:
-        """Frees a buffer for a read the engine needs now: the oldest copy's, once done, else the furthest read
-        ahead."""
-        assert self.copier is not None
-        while len(self._ahead) + len(self._in_flight) >= self._cap:
-            if self._in_flight:
-                event, lease = self._in_flight.popleft()
-                self.copier.wait_on_host(event)
-                lease.release()
-                continue
-            with self._lock:
-                if not self._ahead:
-                    return
-                furthest = list(self._ahead)[-1]
-                lease = self._ahead.pop(furthest)
-            lease.release()
+    def before_step_wait(self) -> None:
+        """Before the engine waits for a block's pipelined step: the buffers of finished copies go back to the pool,
+        from which the step reads."""
+        self.reads.release_copied()
 
     # ------------------------------------------------------------------ gradients
 
@@ -475,31 +412,54 @@ class DiskTier(Homes):
             per_device[cpu].fill_(1.0)
         self._found_inf = any(bool(flag.item()) for flag in per_device.values())
 
+    def launch_step(self, optimizer: Optimizer) -> Optional[KindSteps]:
+        """The step is pipelined: the blocks' step from their spilled gradients, to run on the optimizer thread in
+        block order, each block's new masters handed over to the next forward's copy (where every block with a
+        home is stepped: the forward then reads none of them again), committed after the last block. ``None`` where
+        :meth:`finish_step` decides after the optimizer's update (a skipped step, a speculation, blocks stepped
+        during backward)."""
+        if self._found_inf or self._speculation is not None or self.store.pending:
+            return None
+        scale, clip_value, _ = self._take_step_settings()
+        spilled = [i for i in range(len(self.store.params)) if self.store.spilled(i)]
+        self._launched = spilled
+        if not spilled:
+            return None
+        every_block = set(spilled) >= {i for i, home in enumerate(self.homes) if home is not None}
+
+        def run(done: Callable[[int], None]) -> None:
+            def stepped(index: int, lease: Optional[MasterLease]) -> None:
+                if every_block:  # else the forward reads the others, which must leave it buffers
+                    self.reads.hand_over(index, lease)
+                elif lease is not None:
+                    lease.release()
+                done(index)
+
+            try:
+                self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value,
+                                read_ahead=PIPELINED_STEP_READ_AHEAD, stepped=stepped)
+            except BaseException:
+                self.reads.forget(spilled)  # the step is aborted: what it handed over was never committed
+                raise
+
+        return KindSteps(spilled, run)
+
     def finish_step(self, optimizer: Optimizer) -> list[int]:
         """After the optimizer's own step (the trunk): commits the blocks stepped during backward, and steps those
         whose gradients are on disk, or, where a gradient scaler skipped the step, drops their gradients. A
         speculative step is committed where clipping did not change a gradient (its factor exactly 1), else undone
-        and stepped again from the spilled gradients. Returns the blocks stepped."""
-        unscale, self._grad_unscale = self._grad_unscale, None
-        speculation, self._speculation = self._speculation, None
-        self.speculation_outcome = None
-        self._consumed |= self._stepping  # the host tier keeps them in .grad until zero_grad
-        self._stepping = set()
-        for index in range(len(self.store.params)):
-            self._consumed.update(self.store.spilled_params(index))
-        self.gradients_changed = self._found_inf or (self._grad_scale is not None and not bool(self._grad_scale == 1))
-        if self._found_inf:
-            self._found_inf, self._grad_scale, self._grad_clip_value = False, None, None
+        and stepped again from the spilled gradients. Returns the blocks stepped (or launched: :meth:`launch_step`)."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            return launched
+        found_inf = self._found_inf
+        scale, clip_value, speculation = self._take_step_settings()
+        if found_inf:
             self.store.abort()
             self.store.discard_grads()
             self.speculation_outcome = "discarded" if speculation is not None else None
             return []
         stepped = self.store.pending
-        clip_scale, self._grad_scale = self._grad_scale, None
-        scale = clip_scale
-        if unscale is not None:  # one product of two factors, as unscaling then clipping in memory gives
-            scale = unscale if scale is None else unscale * scale.to(unscale.device)
-        clip_value, self._grad_clip_value = self._grad_clip_value, None
         if speculation is not None and stepped:
             if not self.gradients_changed:  # clipping's factor is exactly 1 (or None): it changes no bit
                 self.store.commit()
@@ -521,11 +481,34 @@ class DiskTier(Homes):
             self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value)
         return stepped + spilled
 
+    def _take_step_settings(self) -> tuple[Optional[Tensor], Optional[float], Optional[Any]]:
+        """What this optimizer step applies to the blocks' gradients, taken for it (the next step starts afresh):
+        one factor (a scaler's ``1/scale`` times clipping's, as unscaling then clipping in memory gives), the clip
+        value, and the speculation if any. Counts the gradients it consumes, and whether clipping or the scaler
+        changed them (:attr:`gradients_changed`)."""
+        unscale, self._grad_unscale = self._grad_unscale, None
+        speculation, self._speculation = self._speculation, None
+        self.speculation_outcome = None
+        self._consumed |= self._stepping  # the host tier keeps them in .grad until zero_grad
+        self._stepping = set()
+        for index in range(len(self.store.params)):
+            self._consumed.update(self.store.spilled_params(index))
+        clip_scale, self._grad_scale = self._grad_scale, None
+        self.gradients_changed = self._found_inf or (clip_scale is not None and not bool(clip_scale == 1))
+        self._found_inf = False
+        scale = clip_scale
+        if unscale is not None:
+            scale = unscale if scale is None else unscale * scale.to(unscale.device)
+        clip_value, self._grad_clip_value = self._grad_clip_value, None
+        return scale, clip_value, speculation
+
     # ------------------------------------------------------------------ checkpoints and reports
 
     def memory_report(self) -> dict[str, Any]:
         """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
-        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run), and
+        and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run),
+        ``disk_fused_reads`` (blocks a forward copied from the buffer their pipelined step left them in, not read
+        again), and
         ``disk_seconds``: where the tier's time went over the run (:class:`~lightning_superpipe.memory.disk.IoClock`:
         the disk busy, reads and writes in flight, ``fsync``, waits for pool buffers, for reads, for durable writes,
         and the step's arithmetic)."""
@@ -538,6 +521,7 @@ class DiskTier(Homes):
             "peak_disk_pool_host_bytes": self.store.pool.peak_bytes,
             "disk_bytes_read": self.store.bytes_read,
             "disk_bytes_written": self.store.bytes_written,
+            "disk_fused_reads": self.reads.fused_reads,
             "disk_seconds": self.store.io_seconds(),
         }
 
@@ -550,7 +534,7 @@ class DiskTier(Homes):
             return
         self._closed = True
         self._mapped = {}
-        self.release_all()
+        self.reads.release_all()
         self.store.pool.close()
         try:
             _unpark(self.store)

@@ -167,13 +167,23 @@ class Home(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class KindSteps:
+    """A kind of home's own step of some blocks, pipelined: ``run(done)`` steps them in ``blocks``' order on the
+    optimizer thread and calls ``done(index)`` as each block's new weights can be copied to the device."""
+
+    blocks: list[int]
+    run: Callable[[Callable[[int], None]], None]
+
+
 class Homes:
     """The homes of a run's blocks, of one kind, and the hooks the engine calls around them.
 
     Each hook has one job and does nothing by default, as the host tier needs; a kind of home overrides the hooks it
     needs. The engine calls them at fixed points: :meth:`attach` once, :meth:`read_ahead` whenever it starts copies,
     :meth:`block_done` when a block's gradients of a backward are complete, :meth:`end_backward` and
-    :meth:`copies_done` when backward ends, :meth:`close` at the end.
+    :meth:`copies_done` when backward ends, :meth:`launch_step` (pipelined) or :meth:`finish_step` around the
+    optimizer's update, :meth:`before_step_wait` before waiting for a pipelined step, :meth:`close` at the end.
 
     Args:
         homes: Each block's home, ``None`` for a block with nothing to stream.
@@ -233,6 +243,17 @@ class Homes:
         """This backward's block steps are speculative (a kind that :attr:`keeps_previous_step`): each block's
         gradients are multiplied by ``unscale`` (a scaler's ``1/scale``) and clamped to ``clip_value`` as it steps,
         and :meth:`finish_step` commits them or steps again."""
+
+    def launch_step(self, optimizer: Any) -> Optional[KindSteps]:
+        """The optimizer step is pipelined and the optimizer's own update is next (the pre-step work is done): a kind
+        that steps its blocks itself returns that step, to run on the optimizer thread (``None``: the optimizer steps
+        the blocks from ``.grad``, as the host tier needs). ``optimizer`` is a stand-in for the user's, with the
+        hyperparameters in force now, which that thread may step (the loop goes on with the real one)."""
+        return None
+
+    def before_step_wait(self) -> None:
+        """The engine is about to wait for a block's pipelined step: the kind gives back what that step may need
+        (buffers whose copies are done)."""
 
     def finish_step(self, optimizer: Any) -> list[int]:
         """After the optimizer's step: the kind steps or commits what the optimizer did not see; returns the blocks

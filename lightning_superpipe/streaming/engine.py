@@ -160,7 +160,7 @@ class StreamingEngine:
             self.copier, self.ledger, self.homes, self.arena, keep_grad_homes=kind.keeps_gradients
         )
         self.overlap = OverlappedStep(block_params)
-        self.pending = PipelinedStep(self.overlap.executor, self.homes)  # a pipelined step's, on the same thread
+        self.pending = PipelinedStep(self.overlap.executor, self.homes, kind.before_step_wait)  # on the same thread
         self.gradients.on_block_complete = kind.block_done
         self.gradients.on_trunk_complete = self.overlap.trunk_done
         self.gradients.before_reduce = kind.before_reduce
@@ -336,7 +336,8 @@ class StreamingEngine:
                 )
             self._trunk_ready = self._copy_trunk(param, computed)
         for index, home, pieces in changed:
-            home.sync(pieces)
+            if index not in pending:  # the thread stepping a pending block brings its home up to date itself
+                home.sync(pieces)
             self._block_version[index] += 1
             if index in self._resident:
                 buffer = self._resident[index]
@@ -465,8 +466,10 @@ class StreamingEngine:
         for index in window:
             if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
                 break
-        # Homes in slower storage start reading further ahead than the slots.
-        self.home_kind.read_ahead(i for i in upcoming(self._unslotted) if self._slot_holding(i) is None)
+        # Homes in slower storage start reading further ahead than the slots (not a block whose pipelined step runs).
+        pending = self.pending.pending_blocks
+        self.home_kind.read_ahead(i for i in upcoming(self._unslotted) if self._slot_holding(i) is None
+                                  and i not in pending)
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.home import Home
+from lightning_superpipe.memory.home import Home, KindSteps
 from lightning_superpipe.streaming.optimizers import shadow_of
 from lightning_superpipe.streaming.speculation import scale_gradients
 
@@ -53,13 +53,18 @@ class PipelinedStep:
     Args:
         executor: The optimizer thread (one worker: steps run in the order launched).
         homes: The blocks' homes; a block's transfer copy is brought up to date on the thread after its step.
+        before_wait: Called before the loop blocks on a block's step (the kind of home gives back what the step
+            may need: :meth:`~lightning_superpipe.memory.home.Homes.before_step_wait`).
     """
 
-    def __init__(self, executor: Executor, homes: Sequence[Optional[Home]]) -> None:
+    def __init__(self, executor: Executor, homes: Sequence[Optional[Home]],
+                 before_wait: Callable[[], None] = lambda: None) -> None:
         self._executor = executor
         self._homes = homes
+        self._before_wait = before_wait
         self._blocks: dict[int, Future[None]] = {}
         self._trunk: list[Future[None]] = []
+        self._kind_steps: list[Future[None]] = []  # the kind's own steps (a commit follows their last block)
         self._late: dict[nn.Parameter, Future[None]] = {}
         self._scale: Optional[Tensor] = None
         #: Seconds the training loop waited for pending steps, over the run.
@@ -78,17 +83,24 @@ class PipelinedStep:
         step_kwargs: dict[str, Any],
         late_trunk: Sequence[nn.Parameter] = (),
         scale: Optional[Tensor] = None,
+        kind_steps: Optional[KindSteps] = None,
     ) -> None:
-        """Launches ``trunk``'s step, then each block's, then each of ``late_trunk`` (used after the blocks: a head),
-        in that order, with the hyperparameters in force now. ``step_kwargs`` (a scaler's ``grad_scale``/``found_inf``
-        for an optimizer that unscales in its step) are copied: the scaler updates them after this call returns. With
-        ``scale`` (clipping's factor) each step multiplies its parameters' gradients by it first."""
+        """Launches ``trunk``'s step, then each block's, then the kind of home's own step of its blocks
+        (``kind_steps``: the disk tier's, from its files), then each of ``late_trunk`` (used after the blocks: a
+        head), in that order, with the hyperparameters in force now. ``step_kwargs`` (a scaler's
+        ``grad_scale``/``found_inf`` for an optimizer that unscales in its step) are copied: the scaler updates them
+        after this call returns. With ``scale`` (clipping's factor) each step multiplies its parameters' gradients
+        by it first."""
         kwargs = {key: value.clone() if isinstance(value, Tensor) else value for key, value in step_kwargs.items()}
         self._scale = scale
         if trunk:
             self._trunk.append(self._executor.submit(self._step, shadow_of(optimizer, trunk), kwargs, None))
         for index, params in blocks:
             self._blocks[index] = self._executor.submit(self._step, shadow_of(optimizer, params), kwargs, index)
+        if kind_steps is not None and kind_steps.blocks:
+            futures: dict[int, Future[None]] = {index: Future() for index in kind_steps.blocks}
+            self._blocks.update(futures)
+            self._kind_steps.append(self._executor.submit(_run_kind_steps, kind_steps, futures))
         for param in late_trunk:
             self._late[param] = self._executor.submit(self._step, shadow_of(optimizer, [param]), kwargs, None)
 
@@ -122,9 +134,14 @@ class PipelinedStep:
             self.wait_block(index)
         for param in list(self._late):
             self.wait_trunk_param(param)
+        futures, self._kind_steps = self._kind_steps, []
+        for future in futures:
+            self._wait(future)
 
     def _wait(self, future: Future[None]) -> None:
         done, start = future.done(), time.perf_counter()
+        if not done:
+            self._before_wait()
         future.result()
         if not done:
             self.waited_s += time.perf_counter() - start
@@ -140,6 +157,27 @@ class PipelinedStep:
                 for param in group["params"]:
                     home.mark_changed(param)  # torch's fused CPU optimizers write without bumping the version
             home.sync(home.changed())
+
+
+def _run_kind_steps(kind_steps: KindSteps, futures: dict[int, Future[None]]) -> None:
+    """On the optimizer thread: runs a kind of home's step of its blocks, settling each block's future as the kind
+    says it is done (or with the step's error)."""
+
+    def done(index: int) -> None:
+        future = futures.get(index)
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    try:
+        kind_steps.run(done)
+    except BaseException as error:
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(error)
+        raise
+    for future in futures.values():
+        if not future.done():
+            future.set_result(None)
 
 
 class BeforeZeroGrad:

@@ -24,7 +24,12 @@ from torch.optim import Optimizer
 
 from lightning_superpipe.memory import host_memory
 from lightning_superpipe.memory.param_groups import restricted
-from lightning_superpipe.streaming.optimizers import REGISTER_HINT, has_step_hooks, updates_each_parameter_alone
+from lightning_superpipe.streaming.optimizers import (
+    REGISTER_HINT,
+    has_step_hooks,
+    shadow_of,
+    updates_each_parameter_alone,
+)
 from lightning_superpipe.streaming.speculation import (
     KeptState,
     PreStepWatch,
@@ -88,11 +93,13 @@ def _mode_where_exact(
     clip = trainer.gradient_clip_val or 0
     decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
     if facts.disk:  # its blocks step through its store; the other slot of each block keeps the previous step
+        if knob == "pipelined":
+            return StepMode("pipelined", "overlap_optimizer='pipelined'")
         if rewrites:
-            return StepMode("serial", f"{rewrites} may rewrite gradients after backward (the disk tier's blocks step"
-                            " from what it spilled)")
+            return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward (the disk tier steps its"
+                            " blocks from what it spilled)")
         if (decides or clip > 0) and knob != "speculative" and facts.changed_rate > REDO_RATE_LIMIT:
-            return StepMode("serial", f"{OFTEN} (the disk tier steps from the gradients it spilled)")
+            return StepMode("pipelined", f"{OFTEN} (the disk tier steps its blocks from what it spilled)")
         if decides or clip > 0:
             return StepMode("speculative", "clipping or the gradient scaler decide after backward (the disk tier's"
                             " other slot keeps the previous step)")
@@ -220,8 +227,9 @@ class OptimizerSteps:
                 engine.overlap.arm(optimizer, kept, gradient_preparation(unscale, clip_value),
                                    measure=self._measure(trainer))
                 engine.overlap.keep_ahead()  # during the closure's forward, on the optimizer thread
-        elif mode.mode == "pipelined" and quiet:
-            # Nothing changes a block's gradients once complete: their norms are taken in backward.
+        elif mode.mode == "pipelined" and quiet and homes.keeps_gradients:
+            # Nothing changes a block's gradients once complete: their norms are taken in backward (a kind that
+            # takes the gradients away, the disk tier, steps and measures its blocks itself: launch_step).
             engine.overlap.arm(optimizer, measure=self._measure(trainer), step=False)
         decided: list[bool] = []
         own_step = vars(optimizer).get("step")
@@ -308,8 +316,12 @@ class OptimizerSteps:
         late = [p for p in trunk if seen_first and p not in seen_first and engine.is_trunk(p)]
         deferred = set(late)
         first = [p for p in trunk if p not in deferred]
-        engine.pending.launch(optimizer, first, blocks, kwargs, late_trunk=late, scale=self.watch.deferred_scale)
-        for index, _ in blocks:
+        # The disk tier's blocks, from their files, by a stand-in with the hyperparameters in force now.
+        everything = [p for group in optimizer.param_groups for p in group["params"]]
+        kind_steps = engine.home_kind.launch_step(shadow_of(optimizer, everything))
+        engine.pending.launch(optimizer, first, blocks, kwargs, late_trunk=late, scale=self.watch.deferred_scale,
+                              kind_steps=kind_steps)
+        for index in [index for index, _ in blocks] + (kind_steps.blocks if kind_steps is not None else []):
             engine.mark_stepped(index)  # the optimizer thread brings its home up to date; its copies are made anew
 
     def report(self) -> dict[str, Any]:
