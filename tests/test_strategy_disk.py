@@ -106,6 +106,40 @@ def test_a_pipelined_step_hands_its_buffers_to_the_next_forward_and_equals_the_h
     assert report["disk_bytes_written"] == before["disk_bytes_written"]
 
 
+def _pool_buffer_bytes(folder: Path) -> int:
+    """The size of one of the disk tier's pool buffers for the llama example (a block's record and gradients)."""
+    sizes: list[int] = []
+
+    class Probe(tasks.pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            sizes.append(disk_tier.disk_tier_of(trainer.strategy.engine).store.pool.buffer_bytes)
+
+    tasks.fit("llama", _disk(folder), max_steps=1, callbacks=[Probe()])
+    return sizes[0]
+
+
+@pytest.mark.usefixtures("emulated_link")
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_a_pipelined_step_in_the_smallest_pools_neither_waits_for_ever_nor_changes_a_bit(
+    tmp_path: Path, buffers: int
+) -> None:
+    """With two pool buffers a pipelined step hands nothing over (it needs one to step a block in and one to read the
+    next) and the forward reads each block itself, beside the step; with three it hands one over at a time. Either
+    way the run ends as the host tier's, bitwise."""
+    buffer_bytes = _pool_buffer_bytes(tmp_path / "probe")
+    host = tasks.fit("llama", "superpipe", max_steps=4)
+    strategy = _disk(tmp_path / "tier", overlap_optimizer="pipelined", host_buffer_bytes=buffers * buffer_bytes)
+    streamed = tasks.fit("llama", strategy, max_steps=4)
+    _assert_same(streamed, host)
+    report = strategy.memory_report()
+    assert report["optimizer_step_modes"]["pipelined"] == 4
+    assert report["peak_disk_pool_host_bytes"] <= buffers * buffer_bytes
+    if buffers == 2:
+        assert report["disk_fused_reads"] == 0
+    elif not isinstance(strategy.link, EmulatedLink):  # no copy in flight holds the one buffer it may hand over
+        assert report["disk_fused_reads"] > 0
+
+
 @pytest.mark.usefixtures("emulated_link")
 def test_a_pipelined_step_is_done_before_validation_a_checkpoint_or_a_callback_reads_the_weights(
     tmp_path: Path,
