@@ -50,6 +50,7 @@ does when it is built: without it glibc kept freed block-sized tensors in its he
 Usage:
     python benchmarks/bench_disk_strategy.py                                 # ~3.4 GB of state, files in /tmp
     python benchmarks/bench_disk_strategy.py --path /nvme/scratch --layers 48 --json results.json
+    python benchmarks/bench_disk_strategy.py --fused-read --steps 6     # the step after backward vs pipelined
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ from bench_disk import GB, peak_rss_bytes, raw_rates, run_raw, step_io  # noqa: 
 
 #: Steps of the run resumed from the disk run's last checkpoint.
 RESUMED_STEPS = 2
+
+#: ``--overlap``: the strategy's ``overlap_optimizer`` for the disk runs.
+OVERLAP_KNOBS: dict[str, Any] = {"auto": "auto", "serial": False, "pipelined": "pipelined"}
 
 
 def llama_config(args: argparse.Namespace) -> Any:
@@ -145,6 +149,10 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             self.cleared = False
             self.direct_io: Any = None
             self._began = 0.0
+            self.starts: list[tuple[float, int, int]] = []  # each batch's start: time, bytes read, bytes written
+
+        # Reads nothing in its hooks: the pipelined step is not waited for at each batch's end on its account.
+        superpipe_reads_no_weights = True
 
         def _files(self, trainer: pl.Trainer) -> Any:
             tier = trainer.strategy._engine.home_kind  # the disk tier's writer keeps (kind, start, end, bytes) per file
@@ -176,7 +184,9 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
             files = self._files(trainer)
             if files is not None:
                 files.intervals = []
-                self._clock_began = trainer.strategy._engine.home_kind.store.io_seconds()
+                store = trainer.strategy._engine.home_kind.store
+                self._clock_began = store.io_seconds()
+                self.starts.append((time.perf_counter(), store.bytes_read, store.bytes_written))
             self._began = time.perf_counter()
 
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
@@ -194,7 +204,8 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     else:
         (args.folder / "tier").mkdir(exist_ok=True)
         strategy = SuperpipeStrategy(offload_device="disk", offload_path=args.folder / "tier",
-                                     host_buffer_bytes=args.host_buffer_bytes)
+                                     host_buffer_bytes=args.host_buffer_bytes,
+                                     overlap_optimizer=OVERLAP_KNOBS[args.overlap])
     if args.role == "disk":  # the last step's checkpoint, for the resumed run (its files hard-linked beside it)
         callbacks.append(ModelCheckpoint(dirpath=args.folder, filename="last", every_n_train_steps=args.steps))
     resumed = args.role == "resumed"
@@ -233,8 +244,38 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_bytes": peak_rss, **export,
         "disk_bytes": report.get("disk_bytes"), "peak_disk_pool_host_bytes": report.get("peak_disk_pool_host_bytes"),
         "disk_bytes_read": report.get("disk_bytes_read"), "disk_bytes_written": report.get("disk_bytes_written"),
-        "direct_io": probe.direct_io,
+        "direct_io": probe.direct_io, "batch_starts": probe.starts, "disk_fused_reads": report.get("disk_fused_reads"),
+        "optimizer_step_modes": report.get("optimizer_step_modes"),
     }
+
+
+def fused_read(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk tier stepping after backward (``overlap_optimizer=False``: each step reads every block's record and
+    gradients, and the next forward reads every block's masters again) against its step pipelined into the next
+    forward (``"pipelined"``: that forward copies each block from the buffer its step left it in). Per step (the
+    steps after the first, from one batch's start to the next, so that a pipelined step's tail in the next batch
+    counts): bytes read and written, and time; their ratios; whether the losses are equal."""
+    runs = {}
+    for overlap in ("serial", "pipelined"):
+        args.overlap = overlap
+        runs[overlap] = child("disk", args)
+        shutil.rmtree(args.folder)
+        args.folder.mkdir()
+    figures: dict[str, Any] = {"params": count_params(args)[0], "layers": args.layers, "steps": args.steps,
+                               "threads": args.threads, "host_buffer_bytes": args.host_buffer_bytes}
+    for name, run in runs.items():
+        starts = run["batch_starts"][1:]  # from the second batch's start: the first step creates the moments
+        spans = list(zip(starts, starts[1:]))
+        figures[f"step_s_{name}"] = [round(b[0] - a[0], 3) for a, b in spans]
+        figures[f"step_read_bytes_{name}"] = sum(b[1] - a[1] for a, b in spans) / len(spans)
+        figures[f"step_write_bytes_{name}"] = sum(b[2] - a[2] for a, b in spans) / len(spans)
+        figures[f"optimizer_step_modes_{name}"] = run["optimizer_step_modes"]
+        figures[f"disk_fused_reads_{name}"] = run["disk_fused_reads"]
+    serial, pipelined = figures["step_s_serial"], figures["step_s_pipelined"]
+    figures["step_time_ratio"] = (sum(pipelined) / len(pipelined)) / (sum(serial) / len(serial))
+    figures["step_read_ratio"] = figures["step_read_bytes_pipelined"] / figures["step_read_bytes_serial"]
+    figures["losses_equal"] = runs["serial"]["losses"] == runs["pipelined"]["losses"]
+    return figures
 
 
 def save_model(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,7 +289,7 @@ def save_model(args: argparse.Namespace) -> dict[str, Any]:
 
 def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--role", role, "--folder", str(args.folder)]
-    for name in ("layers", "hidden", "intermediate", "vocab", "seq", "batch", "steps", "threads"):
+    for name in ("layers", "hidden", "intermediate", "vocab", "seq", "batch", "steps", "threads", "overlap"):
         command += [f"--{name}", str(getattr(args, name))]
     command += ["--raw-bytes", str(args.raw_bytes)]
     if args.host_buffer_bytes is not None:
@@ -277,6 +318,10 @@ def main() -> None:
     parser.add_argument("--buffers", type=int, default=3,
                         help="host_buffer_bytes as this many buffers of one layer's record and gradients")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--fused-read", action="store_true",
+                        help="only the disk tier, its step after backward against its step pipelined into the next"
+                             " forward (which copies each block from the buffer the step left it in)")
+    parser.add_argument("--overlap", choices=list(OVERLAP_KNOBS), default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "loaded", "save", "raw"],
                         default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
@@ -303,6 +348,15 @@ def main() -> None:
     if needed * 1.1 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
     args.folder = Path(tempfile.mkdtemp(prefix="superpipe-bench-disk-strategy-", dir=args.path))
+    if args.fused_read:
+        try:
+            figures = fused_read(args)
+        finally:
+            shutil.rmtree(args.folder, ignore_errors=True)
+        print(json.dumps(figures, indent=2))
+        if args.json is not None:
+            args.json.write_text(json.dumps(figures, indent=2))
+        return
     try:
         # The raw disk before and after the training runs: a shared virtual disk's throughput drifts within minutes.
         raws = [child("raw", args)]
