@@ -92,13 +92,17 @@ class DiskReads:
         # Buffers whose copies are known done go back without waiting (CUDA events answer ``query``).
         while self._in_flight and getattr(self._in_flight[0][0], "query", lambda: False)():
             self._in_flight.popleft()[1].release()
-        with self._lock:
-            for index in indices:
+        for index in indices:
+            with self._lock:
                 if index in self._ahead:
                     continue
                 if len(self._ahead) + len(self._in_flight) >= self._cap:
                     return
-                self._ahead[index] = self.store.prefetch_masters(index)
+            # Not under the lock: the read may wait for a buffer that a pipelined step gives back only after
+            # handing its previous one over, which takes the lock.
+            lease = self.store.prefetch_masters(index)
+            with self._lock:
+                self._ahead[index] = lease
 
     def hand_over(self, index: int, lease: Optional[MasterLease]) -> None:
         """On the optimizer thread: a pipelined step's new masters of block ``index``, left in the buffer it stepped

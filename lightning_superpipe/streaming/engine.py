@@ -29,6 +29,7 @@ slots.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -466,10 +467,11 @@ class StreamingEngine:
         for index in window:
             if self._slot_holding(index) is None and self._load(index, avoid=keep) is None:
                 break
-        # Homes in slower storage start reading further ahead than the slots (not a block whose pipelined step runs).
+        # Homes in slower storage start reading further ahead than the slots, up to the first block whose pipelined
+        # step is still pending (its step reads it, and needs the buffers more than the blocks after it).
         pending = self.pending.pending_blocks
-        self.home_kind.read_ahead(i for i in upcoming(self._unslotted) if self._slot_holding(i) is None
-                                  and i not in pending)
+        unslotted = (i for i in upcoming(self._unslotted) if self._slot_holding(i) is None)
+        self.home_kind.read_ahead(itertools.takewhile(lambda i: i not in pending, unslotted))
 
     def _slot_holding(self, index: int) -> Optional[_Slot]:
         for slot in self._slots:
