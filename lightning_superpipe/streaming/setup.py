@@ -46,7 +46,7 @@ from lightning_superpipe.streaming.distributed import (
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import attach_hooks
 from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.quantized_layers import check_no_quantized_layers
+from lightning_superpipe.streaming.quantized_layers import check_quantized_layers
 from lightning_superpipe.streaming.session import StreamingSession
 
 
@@ -97,13 +97,14 @@ def start_streaming(
 
     Raises:
         MisconfigurationException: A knob the user gave does not suit the model or the run (the message quotes it),
-            or the model holds quantized layers (:class:`.QuantizedLayerError`); nothing was allocated.
+            or the model holds quantized layers it cannot stream, or bitsandbytes 4-bit ones under knobs they do not
+            support yet (:class:`.QuantizedLayerError`); nothing was allocated.
     """
     blocks = find_blocks(model, options.blocks)
     check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
-    check_no_quantized_layers(model)
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
+    check_quantized_layers(model, block_params, options)
     planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
                                                         fitting)
     disk = options.offload_device == "disk"
