@@ -392,7 +392,9 @@ def _tensors(tree: Any) -> list[Tensor]:
 
 
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:
-    """The device copy of a resident parameter, connected to the gradient return when it trains.
+    """The device copy of a resident parameter, connected to the gradient return when it trains; else a fresh
+    alias of it, so that a module that sets ``.data`` on what it is handed (bitsandbytes' 4-bit layers cast their
+    bias to their compute dtype so) changes the alias for that call, not the copy the engine keeps and refreshes.
 
     Args:
         count_use: Whether this use will deliver a gradient (not inside a recomputation, whose graph autograd
@@ -404,7 +406,8 @@ def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bo
             engine.gradients.expect_trunk(param)
         deliver = lambda grads: engine.gradients.send_trunk(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
-    return tensor
+        return tensor
+    return tensor.detach()
 
 
 def _without_cache(
