@@ -31,7 +31,7 @@ class RecordingHome:
     def __init__(self, inner: BlockHome, calls: Counter[str]) -> None:
         self.inner, self.calls = inner, calls
         self.slices: Sequence[ParamSlice] = inner.slices
-        self.numel = inner.numel
+        self.numel, self.master_numel = inner.numel, inner.master_numel
         self.master_dtype = inner.master_dtype
 
     @property

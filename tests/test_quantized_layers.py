@@ -1,5 +1,6 @@
 """Quantized layers the strategy cannot stream: one error naming the layer and what to do, before anything is
-allocated, and the model left as it was."""
+allocated, and the model left as it was. (bitsandbytes 4-bit layers inside the streamed blocks stream: see
+``test_qlora_streaming.py``.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError, check_no_quantized_layers
+from lightning_superpipe.streaming.blocks import assign_parameters, find_blocks
+from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError, check_quantized_layers
 from tests import tasks
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -49,13 +51,14 @@ def test_a_bitsandbytes_8bit_layer_in_a_block_is_named_with_what_to_do() -> None
     old = layer.q_proj
     layer.q_proj = bnb.nn.Linear8bitLt(old.in_features, old.out_features, bias=False, has_fp16_weights=False).to("cpu")
     _refused(task, r"cannot stream `model\.model\.layers\.1\.self_attn\.q_proj`, a bitsandbytes layer"
-                   r" \(bitsandbytes\.nn\.modules\.Linear8bitLt: its `weight` is a Int8Params\)\..*load it without"
-                   r" `quantization_config`")
+                   r" \(bitsandbytes\.nn\.modules\.Linear8bitLt: its `weight` is a Int8Params\)\..*streams the"
+                   r" 4-bit ones.*load the model without `quantization_config`")
 
 
-def test_a_4bit_qlora_model_loaded_as_users_load_it_is_refused_with_the_way_out(tmp_path: Path) -> None:
-    """``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` and peft's LoRA on it,
-    as a QLoRA script writes it: one error naming a 4-bit layer (not a dtype ``TypeError`` from inside)."""
+def test_a_4bit_qlora_model_passes_when_its_blocks_stream_its_4bit_weights(tmp_path: Path) -> None:
+    """``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))`` and peft's LoRA on it, as a
+    QLoRA script writes it: its 4-bit layers pass where their weights stream with the blocks; where they would not
+    (here: nothing streams), one error names a 4-bit layer and why (not a dtype ``TypeError`` from inside)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -66,9 +69,11 @@ def test_a_4bit_qlora_model_loaded_as_users_load_it_is_refused_with_the_way_out(
     except Exception as error:  # noqa: BLE001 - transformers' own refusal of 4-bit loading on a machine
         pytest.skip(f"transformers does not load a 4-bit model here: {error}")
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    block_params, _ = assign_parameters(model, find_blocks(model, None))
+    check_quantized_layers(model, block_params)
     with pytest.raises(QuantizedLayerError, match=r"a bitsandbytes layer .*Linear4bit: its `weight` is a Params4bit"
-                                                  r"\) \(and \d+ more such layers\)\..*QLoRA"):
-        check_no_quantized_layers(model)
+                                                  r"\) \(and \d+ more such layers\)\..*outside the streamed blocks"):
+        check_quantized_layers(model, [])
 
 
 class _FakeGPTQLinear(nn.Module):
@@ -104,10 +109,10 @@ def test_ordinary_layers_of_those_packages_and_integer_buffers_pass() -> None:
     model = nn.Sequential(bnb.nn.StableEmbedding(16, 8), nn.BatchNorm1d(8))
     model.register_buffer("position_ids", torch.arange(16))
     model.register_buffer("mask", torch.ones(4, dtype=torch.bool))
-    check_no_quantized_layers(model)
+    check_quantized_layers(model, [])
     model.append(bnb.nn.Linear8bitLt(8, 8, has_fp16_weights=False))
     with pytest.raises(QuantizedLayerError, match=r"`2`, a bitsandbytes layer"):
-        check_no_quantized_layers(model)
+        check_quantized_layers(model, [])
 
 
 def test_the_refused_model_then_trains_under_plain_lightning() -> None:

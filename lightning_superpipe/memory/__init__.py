@@ -1,5 +1,6 @@
 """Where blocks live between uses: the kinds of home behind one interface (:mod:`.home`): host memory (:mod:`.host`),
-the node's shared memory, and the disk tier's files (:mod:`.disk_homes`, its store :mod:`.disk`)."""
+the node's shared memory, and the disk tier's files (:mod:`.disk_homes`, its store :mod:`.disk`). Frozen packed
+weights (bitsandbytes' 4-bit ones) live in the host homes as bytes (:mod:`.packed`, :mod:`.bnb4bit`)."""
 
 from lightning_superpipe.memory.disk import DiskStore
 from lightning_superpipe.memory.disk_homes import DiskTier

@@ -21,7 +21,7 @@ overrides the hooks it needs; the engine does not change.
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol
 
 import torch
@@ -80,7 +80,7 @@ def device_layout(slices: Sequence[ParamSlice], withheld: Container[nn.Parameter
         if piece.param in withheld:
             continue
         span = aligned(piece.numel)
-        kept.append(ParamSlice(piece.param, offset, piece.numel, piece.shape))
+        kept.append(replace(piece, offset=offset))  # a subclass (a packed weight) stays one
         if ranges and ranges[-1][0] + ranges[-1][2] == piece.offset:  # adjacent at home too: one copy
             host, device, numel = ranges[-1]
             ranges[-1] = (host, device, numel + span)
@@ -124,12 +124,16 @@ class Home(Protocol):
     Attributes:
         slices: The block's streamed parameters and where each sits in its flat buffer.
         numel: Elements of the block's flat buffer (aligned).
+        master_numel: Elements of its first part, the pieces with masters (floating parameters, the only ones that
+            can train): the size of the block's gradient buffer. Frozen packed weights (:mod:`.packed`), which travel
+            as bytes, follow up to ``numel``.
         master_dtype: The dtype of the masters, in which the block's gradients accumulate on the host.
         transfer_dtype: The dtype the weights travel and compute in on the device.
     """
 
     slices: Sequence[ParamSlice]
     numel: int
+    master_numel: int
     master_dtype: torch.dtype
 
     @property

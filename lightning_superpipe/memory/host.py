@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -37,11 +38,13 @@ from lightning_superpipe.memory.host_memory import (
     rss_bytes,
     shared_rss_bytes,
 )
+from lightning_superpipe.memory.packed import PackedFormat, PackedSlice, packed_bytes, packed_slice, split_packed
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
 
 __all__ = [  # what other modules import from here, the layout types and host-memory checks included
     "ALIGNMENT",
     "BlockHome",
+    "BlockLayout",
     "DeviceLayout",
     "HostHomes",
     "HostMemoryError",
@@ -58,6 +61,7 @@ __all__ = [  # what other modules import from here, the layout types and host-me
     "track_edits",
     "training_state_bytes",
     "transfer_bytes",
+    "travels_in",
     "untrack_edits",
 ]
 
@@ -102,45 +106,99 @@ def master_state(param: nn.Parameter) -> tuple[int, int]:
     return param._version, param.data_ptr()
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a :class:`BlockHome` lays out a block: its floating parameters first (the masters, whose gradients the
+    block's gradient buffer holds), then its packed weights (:mod:`.packed`), which travel as bytes.
+
+    Attributes:
+        floating: The floating parameters, in order.
+        packed: The packed weights and their formats, in order.
+        master_dtype: The floating parameters' dtype (the transfer dtype when there are none).
+        master_numel: Elements of the floating parameters' region (aligned).
+        numel: Elements of the whole flat buffer in the transfer dtype (aligned).
+    """
+
+    floating: list[nn.Parameter]
+    packed: list[tuple[nn.Parameter, PackedFormat]]
+    master_dtype: torch.dtype
+    master_numel: int
+    numel: int
+
+    @classmethod
+    def of(cls, params: Sequence[nn.Parameter], transfer_dtype: Optional[torch.dtype]) -> BlockLayout:
+        """The layout of a block of ``params`` whose weights travel in ``transfer_dtype`` (``None``: their own).
+
+        Raises:
+            TypeError: The floating parameters do not share a dtype.
+        """
+        floating, packed = split_packed(params)
+        dtypes = {param.dtype for param in floating}
+        if len(dtypes) > 1:
+            raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
+        master_dtype = dtypes.pop() if dtypes else (transfer_dtype or torch.float32)
+        itemsize = (transfer_dtype or master_dtype).itemsize
+        master_numel = sum(aligned(param.numel()) for param in floating)
+        numel = master_numel + sum(packed_bytes(param, format, itemsize) // itemsize for param, format in packed)
+        return cls(floating, packed, master_dtype, master_numel, numel)
+
+    def bytes(self, transfer_dtype: Optional[torch.dtype]) -> tuple[int, int]:
+        """The bytes of the masters' buffer and of the transfer buffer (0 when it is the masters' own)."""
+        transfer_dtype = transfer_dtype or self.master_dtype
+        if transfer_dtype == self.master_dtype:
+            return self.numel * self.master_dtype.itemsize, 0
+        return self.master_numel * self.master_dtype.itemsize, self.numel * transfer_dtype.itemsize
+
+
 class BlockHome:
     """The host home of one block's parameters.
 
+    Packed weights (bitsandbytes' 4-bit ones, :mod:`.packed`) have no masters: their bytes live in the transfer
+    buffer only, after the floating parameters, and cross the link as they are (never cast).
+
     Args:
-        params: The block's parameters, without duplicates. They must share one dtype.
+        params: The block's parameters, without duplicates. The floating ones must share one dtype.
         transfer_dtype: The dtype the weights travel and compute in on the device.
         arena: Where the flat buffers come from (page-locked with a CUDA compute device).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], transfer_dtype: torch.dtype, arena: HostArena) -> None:
-        dtypes = {param.dtype for param in params}
-        if len(dtypes) != 1:
-            raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
-        self.master_dtype = dtypes.pop()
+        layout = BlockLayout.of(params, transfer_dtype)
+        self.master_dtype = layout.master_dtype
+        self.master_numel, self.numel = layout.master_numel, layout.numel
         self.slices: list[ParamSlice] = []
         offset = 0
-        for param in params:
+        for param in layout.floating:
             self.slices.append(ParamSlice(param, offset, param.numel(), param.shape))
             offset += aligned(param.numel())
-        self.numel = offset
+        self.packed: list[PackedSlice] = []
+        for param, format in layout.packed:
+            self.packed.append(packed_slice(param, format, offset, transfer_dtype.itemsize))
+            offset += self.packed[-1].numel
+        self.slices += self.packed
         # A home shared by the node's ranks is written by local rank 0 only; the others' parameters (equal to rank
         # 0's, broadcast before) just point at it.
         writes = arena.writable
-        self.master = arena.empty(self.numel, self.master_dtype)
+        same = transfer_dtype == self.master_dtype
+        self.master = arena.empty(self.numel if same else self.master_numel, self.master_dtype)
         if writes:
             self.master.zero_()  # the alignment gaps are copied too; keep them defined
-        for piece in self.slices:
+        for piece in self.slices[: len(layout.floating)]:
             if writes:
                 piece.view_of(self.master).copy_(piece.param.detach())
             # The optimizer, checkpoints and the user keep using the same Parameter objects; only their storage
             # moves into the flat buffer.
             piece.param.data = piece.view_of(self.master)
             track_edits(piece.param)
-        if transfer_dtype == self.master_dtype:
+        if same:
             self.transfer = self.master
         else:
             self.transfer = arena.empty(self.numel, transfer_dtype)
             if writes:
-                self.transfer.copy_(self.master)
+                self.transfer[: self.master_numel].copy_(self.master)
+                self.transfer[self.master_numel :].zero_()
+        for packed in self.packed:
+            packed.move_into(self.transfer, writes)
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
 
     def copy_in(self, dst: Tensor, link: Link, after: Event, what: str, layout: Optional[DeviceLayout] = None) -> Event:
@@ -182,6 +240,9 @@ class BlockHome:
         (``p.data = x``, ``module.to(...)``) is copied back into its place in the flat buffer and pointed at it
         again, and the transfer copy is brought up to date. No copy may be reading the home meanwhile."""
         for piece in pieces:
+            if isinstance(piece, PackedSlice):
+                self._sync_packed(piece)
+                continue
             param, home_view = piece.param, piece.view_of(self.master)
             if param.data_ptr() != home_view.data_ptr():
                 if param.shape != piece.shape or param.dtype != self.master_dtype:
@@ -197,6 +258,17 @@ class BlockHome:
                 piece.view_of(self.transfer).copy_(home_view)
             self._seen[param] = master_state(param)
 
+    def _sync_packed(self, piece: PackedSlice) -> None:
+        """A packed weight's values were edited in place (they are in the home already); one whose tensors were
+        replaced cannot be followed."""
+        if not piece.holds(self.transfer):
+            raise RuntimeError(
+                f"A streamed {piece.format.name if piece.format else 'packed'} weight of shape {tuple(piece.shape)}"
+                " (or its quantization state) was replaced by other tensors during the run; SuperpipeStrategy streams"
+                " the frozen quantized weights it set up with. Change the model before `Trainer.fit`, not inside it."
+            )
+        self._seen[piece.param] = master_state(piece.param)
+
     def release(self) -> None:
         """Gives the parameters back their plain class (their storage stays in the flat buffer)."""
         for piece in self.slices:
@@ -205,7 +277,21 @@ class BlockHome:
 
 class HostHomes(Homes):
     """The host tier: each block's home a :class:`BlockHome` in host memory (the node's shared region with ``node``),
-    its gradients accumulated in the host ``.grad``. Every hook of :class:`~.home.Homes` keeps its default."""
+    its gradients accumulated in the host ``.grad``. Every hook of :class:`~.home.Homes` but the report keeps its
+    default."""
+
+    def memory_report(self) -> dict[str, Any]:
+        """Where blocks hold packed weights (bitsandbytes 4-bit): ``packed_weight_bytes``, their bytes in the homes
+        (alignment included), which is also what of them crosses the link per copy of every block, and
+        ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take twice that)."""
+        packed = [piece for home in self.homes if isinstance(home, BlockHome) for piece in home.packed]
+        if not packed:
+            return {}
+        return {
+            "packed_weight_bytes": sum(piece.numel * home.transfer.element_size()
+                                       for home in self.homes if isinstance(home, BlockHome) for piece in home.packed),
+            "packed_weight_numel": sum(piece.format.logical_numel(piece.param) for piece in packed if piece.format),
+        }
 
 
 def build_homes(
@@ -223,23 +309,27 @@ def build_homes(
         arena: Where the buffers come from.
         node: The node's ranks that share the homes (``shard_optimizer="node"``), or ``None``.
     """
-    nbytes = sum(home_bytes(params, transfer_dtype or params[0].dtype) for params in block_params if params)
+    dtypes = [travels_in(params, transfer_dtype) if params else None for params in block_params]
+    nbytes = sum(home_bytes(params, dtype) for params, dtype in zip(block_params, dtypes) if dtype is not None)
     with arena.shared(nbytes, node) if node is not None else nullcontext():
-        return HostHomes(
-            [BlockHome(params, transfer_dtype or params[0].dtype, arena) if params else None for params in block_params]
-        )
+        return HostHomes([BlockHome(params, dtype, arena) if dtype is not None else None
+                          for params, dtype in zip(block_params, dtypes)])
+
+
+def travels_in(params: Sequence[nn.Parameter], transfer_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype a block of ``params`` travels in: ``transfer_dtype``, or (``None``) its floating parameters' own."""
+    return transfer_dtype or BlockLayout.of(params, None).master_dtype
 
 
 def transfer_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
     """The bytes one copy of a :class:`BlockHome` of ``params`` moves to the device (its flat transfer buffer)."""
-    return sum(aligned(param.numel()) for param in params) * transfer_dtype.itemsize
+    return BlockLayout.of(params, transfer_dtype).numel * transfer_dtype.itemsize
 
 
 def home_bytes(params: Sequence[nn.Parameter], transfer_dtype: torch.dtype) -> int:
     """The arena bytes a :class:`BlockHome` of ``params`` takes: its masters and, if separate, its transfer copy."""
-    numel = sum(aligned(param.numel()) for param in params)
-    master = page_rounded(numel * params[0].element_size())
-    return master if transfer_dtype == params[0].dtype else master + page_rounded(numel * transfer_dtype.itemsize)
+    master, transfer = BlockLayout.of(params, transfer_dtype).bytes(transfer_dtype)
+    return page_rounded(master) + (page_rounded(transfer) if transfer else 0)
 
 
 def host_bytes_to_come(
@@ -256,9 +346,9 @@ def host_bytes_to_come(
     parameter, and on CUDA two staging buffers of a block's gradients and one of each trainable trunk parameter.
     """
     params = [p for block in block_params for p in block]
-    nbytes = max((home_bytes(block, block[0].dtype) for block in block_params if block), default=0)
+    nbytes = max((home_bytes(block, travels_in(block, None)) for block in block_params if block), default=0)
     if transfer_dtype is not None:
-        nbytes += sum(p.numel() for p in params) * transfer_dtype.itemsize
+        nbytes += sum(BlockLayout.of(block, transfer_dtype).bytes(transfer_dtype)[1] for block in block_params if block)
     if pinned:
         nbytes += sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params)
     if training:

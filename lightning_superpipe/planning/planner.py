@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_superpipe.memory.host import transfer_bytes
+from lightning_superpipe.memory.host import transfer_bytes, travels_in
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
 from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
@@ -67,7 +67,7 @@ def static_costs(
     """The device bytes of weights and gradients, from the parameters alone."""
 
     def dtype_of(params: Sequence[nn.Parameter]) -> torch.dtype:
-        return transfer_dtype or params[0].dtype
+        return travels_in(params, transfer_dtype)
 
     trainable = [[p for p in block if p.requires_grad] for block in block_params]
     return StaticCosts(

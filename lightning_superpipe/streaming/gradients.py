@@ -352,11 +352,11 @@ class GradientReturn:
         then()
 
     def _grad_home(self, index: int) -> Tensor:
-        """The block's persistent gradient buffer, laid out like its weights."""
+        """The block's persistent gradient buffer, laid out like its masters (not its frozen packed weights)."""
         if index not in self._block_grad_homes:
             home = self.homes[index]
             assert home is not None
-            self._block_grad_homes[index] = torch.zeros(home.numel, dtype=home.master_dtype)
+            self._block_grad_homes[index] = torch.zeros(home.master_numel, dtype=home.master_dtype)
         return self._block_grad_homes[index]
 
     def _submit(self, work: Callable[[], None]) -> Future[None]:

@@ -68,6 +68,20 @@ class _ToDevice(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _turn_off_own_checkpointing(block: nn.Module) -> list[nn.Module]:
+    """Turns off the checkpointing of ``transformers`` layers inside ``block`` (``gradient_checkpointing_enable()``,
+    or peft's ``prepare_model_for_kbit_training``, turn it on) and returns them, to turn it on again on detach.
+
+    Such a layer checkpoints its class's own ``forward`` (transformers 5 wraps it at the class), so its backward
+    recomputes the layer outside this hook's bindings: with the host parameters, never fetched to the device, their
+    gradients never returned through the engine. The hook checkpoints the block itself, RNG and buffers included, so
+    the layer's own checkpointing adds nothing but a third run of it."""
+    turned_off = [module for module in block.modules() if getattr(module, "gradient_checkpointing", None) is True]
+    for module in turned_off:
+        module.gradient_checkpointing = False
+    return turned_off
+
+
 def _bindings(module: nn.Module, recurse: bool) -> list[_Binding]:
     """Every (owner, name, parameter) under ``module``, tied parameters once per owner."""
     modules = module.modules() if recurse else [module]
@@ -117,6 +131,7 @@ class BlockStreamingHook:
         self._census_running = False  # the census computes with the weights the call just used
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
+        self._checkpointing_turned_off: list[nn.Module] = []
 
     def attach(self) -> None:
         if self._original_forward is not None:
@@ -125,10 +140,14 @@ class BlockStreamingHook:
         self._previous_instance_forward = self.block.__dict__.get("forward")
         self._original_forward = self.block.forward
         self.block.forward = self._forward  # type: ignore[method-assign]
+        self._checkpointing_turned_off = _turn_off_own_checkpointing(self.block)
 
     def detach(self) -> None:
         if self._original_forward is None:
             return
+        for module in self._checkpointing_turned_off:
+            module.gradient_checkpointing = True
+        self._checkpointing_turned_off = []
         if self._previous_instance_forward is None:
             del self.block.forward
         else:
@@ -373,7 +392,9 @@ def _tensors(tree: Any) -> list[Tensor]:
 
 
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:
-    """The device copy of a resident parameter, connected to the gradient return when it trains.
+    """The device copy of a resident parameter, connected to the gradient return when it trains; else a fresh
+    alias of it, so that a module that sets ``.data`` on what it is handed (bitsandbytes' 4-bit layers cast their
+    bias to their compute dtype so) changes the alias for that call, not the copy the engine keeps and refreshes.
 
     Args:
         count_use: Whether this use will deliver a gradient (not inside a recomputation, whose graph autograd
@@ -385,7 +406,8 @@ def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bo
             engine.gradients.expect_trunk(param)
         deliver = lambda grads: engine.gradients.send_trunk(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
-    return tensor
+        return tensor
+    return tensor.detach()
 
 
 def _without_cache(

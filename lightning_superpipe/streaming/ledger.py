@@ -60,8 +60,9 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
         ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
         ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
         backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
-        the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the disk tier's:
-        bytes on disk, the pool's host bytes, bytes read and written).
+        the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the host tier's
+        ``packed_weight_bytes`` and ``packed_weight_numel`` where blocks hold bitsandbytes 4-bit weights; the disk
+        tier's: bytes on disk, the pool's host bytes, bytes read and written).
     """
     return {
         "peak_device_bytes": engine.ledger.peak_bytes,

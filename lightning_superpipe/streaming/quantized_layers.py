@@ -1,10 +1,13 @@
-"""Quantized layers the strategy cannot stream, found before anything is allocated.
+"""Quantized layers: which the strategy streams, and one clear error for the others, before anything is allocated.
 
 Streamed weights travel as full-precision tensors (float32, bfloat16 or float16), one flat buffer per block, and the
-hooks bind plain device tensors into the modules. A quantized layer holds packed integers and a quantization state
-(scales, zero points, codebooks) that its own kernels read from attributes of its own tensor classes: streamed as
-tensors, it would fail deep inside the engine or its kernel. :func:`check_no_quantized_layers` names the first such
-layer instead, with what to do.
+hooks bind device tensors into the modules. bitsandbytes' 4-bit layers (``Linear4bit``: NF4 or FP4, with or without
+double quantization; QLoRA's frozen base) are the exception: their packed weights and quantization state travel as the
+bytes they are and are rebuilt on the device for bitsandbytes' own kernels (:mod:`lightning_superpipe.memory.packed`),
+when they stream with a block. Any other quantized layer (bitsandbytes 8-bit, GPTQ, AWQ, HQQ, quanto, torchao) holds
+packed integers and a state its own kernels read from attributes of its own tensor classes: streamed as tensors, it
+would fail deep inside the engine or its kernel. :func:`check_quantized_layers` names the first such layer instead,
+with what to do, and refuses what the 4-bit layers do not support yet (the disk tier; activations kept or offloaded).
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from typing import Optional
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
+
+from lightning_superpipe.memory.packed import packed_format
+from lightning_superpipe.streaming.activations import per_block_modes
+from lightning_superpipe.streaming.options import SuperpipeOptions
 
 #: Packages whose layers and tensor classes hold quantized weights, and what users call them.
 QUANTIZATION_PACKAGES = {
@@ -31,11 +38,24 @@ QUANTIZATION_PACKAGES = {
 #: What to do instead, by package.
 ADVICE = {
     "bitsandbytes": (
-        "To fine-tune a 4-bit (QLoRA) or 8-bit base, load it without `quantization_config` (e.g. in bfloat16) and"
-        " train LoRA adapters on it: the strategy keeps the frozen base in host memory, so it need not fit on the"
-        " device."
+        "Of bitsandbytes' layers the strategy streams the 4-bit ones (`Linear4bit`, NF4 or FP4: load the base with"
+        " `BitsAndBytesConfig(load_in_4bit=True)` for QLoRA), not 8-bit ones; or load the model without"
+        " `quantization_config` (e.g. in bfloat16) and train LoRA adapters on it: the strategy keeps the frozen base"
+        " in host memory, so it need not fit on the device."
     ),
 }
+#: What to do with a quantized bitsandbytes 4-bit weight that does not stream with a block.
+OUTSIDE_BLOCKS_ADVICE = (
+    "bitsandbytes 4-bit weights stream with their blocks only, and this one is outside the streamed blocks (or shared"
+    " with the rest of the model). Keep it in full precision (e.g. `BitsAndBytesConfig(llm_int8_skip_modules=[...])`"
+    " naming it), or make its module part of a block (`SuperpipeStrategy(blocks=...)`)."
+)
+#: What to do with a bitsandbytes 4-bit weight not quantized yet (no quantization state).
+UNQUANTIZED_ADVICE = (
+    "Its 4-bit weight is not quantized yet (bitsandbytes quantizes it when the layer is moved to a device, or when"
+    " `from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))` loads it): quantize the model"
+    " before `Trainer.fit` (e.g. `model.to('cpu')` on the host)."
+)
 DEFAULT_ADVICE = (
     "Load the model without quantization (e.g. in bfloat16) and fine-tune it, or LoRA adapters on it: the strategy"
     " keeps it in host memory, so it need not fit on the device."
@@ -43,8 +63,9 @@ DEFAULT_ADVICE = (
 
 
 class QuantizedLayerError(ValueError, MisconfigurationException):
-    """A model holds quantized layers the strategy cannot stream (the message names the first one). A
-    ``ValueError``, and Lightning's ``MisconfigurationException`` as the strategy's other refusals of a run."""
+    """A model holds quantized layers the strategy cannot stream, or streams them in a way they do not support yet
+    (the message names the first one). A ``ValueError``, and Lightning's ``MisconfigurationException`` as the
+    strategy's other refusals of a run."""
 
 
 def quantization_package(obj: object) -> Optional[str]:
@@ -73,23 +94,74 @@ def _quantized_kind(module: nn.Module) -> Optional[tuple[str, str]]:
     return None
 
 
-def check_no_quantized_layers(model: nn.Module) -> None:
-    """Raises if any module of ``model`` holds quantized weights (see the module's docstring).
+def _streams_packed(module: nn.Module, streamed: set[nn.Parameter]) -> bool:
+    """Whether every quantized tensor ``module`` holds itself is a packed weight (:mod:`~lightning_superpipe.memory.
+    packed`) that streams with a block: its quantized layer streams as it is."""
+    tensors = list(chain(module.named_parameters(recurse=False), module.named_buffers(recurse=False)))
+    quantized = [t for _, t in tensors
+                 if quantization_package(t) is not None or not (t.is_floating_point() or t.is_complex())]
+    return bool(quantized) and all(isinstance(t, nn.Parameter) and t in streamed and packed_format(t) is not None
+                                   for t in quantized)
+
+
+def _advice(module: nn.Module, package: str) -> str:
+    """What to do with a refused quantized layer: for a bitsandbytes 4-bit one, what it lacks."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, nn.Parameter) and type(weight).__name__ == "Params4bit":
+        return OUTSIDE_BLOCKS_ADVICE if packed_format(weight) is not None else UNQUANTIZED_ADVICE
+    return ADVICE.get(package, DEFAULT_ADVICE)
+
+
+def check_quantized_layers(
+    model: nn.Module, block_params: list[list[nn.Parameter]], options: Optional[SuperpipeOptions] = None
+) -> None:
+    """Raises if a module of ``model`` holds quantized weights the strategy cannot stream (see the module's
+    docstring), or if bitsandbytes 4-bit weights stream (with ``block_params``) under knobs (``options``) they do not
+    support yet.
 
     Raises:
         QuantizedLayerError: Naming the first such layer, its class, how many there are, and what to do.
     """
+    streamed = {param for params in block_params for param in params}
     found = [(name, module, kind) for name, module in model.named_modules()
-             if (kind := _quantized_kind(module)) is not None]
-    if not found:
-        return
-    name, module, (package, what) = found[0]
-    label = QUANTIZATION_PACKAGES.get(package, "a quantized")
-    cls = type(module)
-    more = f" (and {len(found) - 1} more such layers)" if len(found) > 1 else ""
-    raise QuantizedLayerError(
-        f"SuperpipeStrategy cannot stream `{name or type(model).__name__}`, a {label} layer"
-        f" ({cls.__module__}.{cls.__qualname__}: {what}){more}. Streamed weights travel as full-precision tensors"
-        f" (float32, bfloat16 or float16); a quantized layer's packed weights and quantization state need its own"
-        f" kernels' tensor classes. {ADVICE.get(package, DEFAULT_ADVICE)}"
-    )
+             if (kind := _quantized_kind(module)) is not None and not _streams_packed(module, streamed)]
+    if found:
+        name, module, (package, what) = found[0]
+        label = QUANTIZATION_PACKAGES.get(package, "a quantized")
+        cls = type(module)
+        more = f" (and {len(found) - 1} more such layers)" if len(found) > 1 else ""
+        raise QuantizedLayerError(
+            f"SuperpipeStrategy cannot stream `{name or type(model).__name__}`, a {label} layer"
+            f" ({cls.__module__}.{cls.__qualname__}: {what}){more}. Streamed weights travel as full-precision tensors"
+            f" (float32, bfloat16 or float16), and quantized ones only as bitsandbytes 4-bit weights inside the"
+            f" streamed blocks; other packed weights and quantization states need their own kernels' tensor classes."
+            f" {_advice(module, package)}"
+        )
+    packed_blocks = [i for i, params in enumerate(block_params) if any(packed_format(p) is not None for p in params)]
+    if packed_blocks and options is not None:
+        _check_knobs(options, packed_blocks, len(block_params))
+
+
+def _check_knobs(options: SuperpipeOptions, packed_blocks: list[int], num_blocks: int) -> None:
+    """Refuses the knobs 4-bit blocks do not support yet (``packed_blocks``: the blocks holding such weights)."""
+    what = f"bitsandbytes 4-bit weights stream in {len(packed_blocks)} of the {num_blocks} blocks"
+    if options.offload_device == "disk":
+        raise QuantizedLayerError(
+            f"{options.offload_call}: {what}, and the disk tier does not store 4-bit weights yet. Use"
+            " offload_device='cpu' (the default), which keeps them in host memory in their 4-bit form."
+        )
+    if options.activations is None and options.memory_budget is not None:
+        raise QuantizedLayerError(
+            f"SuperpipeStrategy(memory_budget={options.memory_budget!r}): {what}, whose kernels keep their weights for"
+            " backward outside autograd's saved tensors, so their blocks must recompute in backward, and the planner"
+            " may choose to keep activations. Pin it: `SuperpipeStrategy(memory_budget=..., activations='recompute')`."
+        )
+    modes = per_block_modes(options.activations or "recompute", num_blocks)
+    kept = [i for i in packed_blocks if modes[i] != "recompute"]
+    if kept:
+        raise QuantizedLayerError(
+            f"SuperpipeStrategy(activations={options.activations!r}): {what}, and block {kept[0]} would keep its"
+            f" activations ({modes[kept[0]]!r}), but bitsandbytes' 4-bit kernels keep their weights for backward"
+            " outside autograd's saved tensors, where the strategy cannot fetch them again. Use"
+            " activations='recompute' (the default) for the blocks that hold 4-bit weights."
+        )

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
+from lightning_superpipe.memory.packed import packed_format
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.streaming.blocks import assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
@@ -46,7 +47,8 @@ from lightning_superpipe.streaming.distributed import (
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import attach_hooks
 from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.quantized_layers import check_no_quantized_layers
+from lightning_superpipe.streaming.packed_state import clone_packed_entries
+from lightning_superpipe.streaming.quantized_layers import check_quantized_layers
 from lightning_superpipe.streaming.session import StreamingSession
 
 
@@ -97,13 +99,14 @@ def start_streaming(
 
     Raises:
         MisconfigurationException: A knob the user gave does not suit the model or the run (the message quotes it),
-            or the model holds quantized layers (:class:`.QuantizedLayerError`); nothing was allocated.
+            or the model holds quantized layers it cannot stream, or bitsandbytes 4-bit ones under knobs they do not
+            support yet (:class:`.QuantizedLayerError`); nothing was allocated.
     """
     blocks = find_blocks(model, options.blocks)
     check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
-    check_no_quantized_layers(model)
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
+    check_quantized_layers(model, block_params, options)
     planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
                                                         fitting)
     disk = options.offload_device == "disk"
@@ -125,6 +128,8 @@ def start_streaming(
     if ranks > 1:
         engine.gradients.averager = averager_for(block_params, trunk_params, device, options, ranks, node)
     hooks = attach_hooks(engine, model, blocks)
+    # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
+    clone_packed_entries(model, {param for params in block_params for param in params if packed_format(param)})
     if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
         hooks.append(BlockValuesHook(tier, model))
         hooks[-1].attach()

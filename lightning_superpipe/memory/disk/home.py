@@ -43,7 +43,7 @@ class DiskHome:
         self.master_dtype = dtypes.pop()
         itemsize = self.master_dtype.itemsize
         self.slices = [ParamSlice(p, offset // itemsize, p.numel(), p.shape) for p, offset in zip(params, offsets)]
-        self.numel = end // itemsize
+        self.numel = self.master_numel = end // itemsize  # no packed weights: the tier refuses them
         self.transfer_dtype = transfer_dtype
         self._tier = tier
         self._changed = False

@@ -1,0 +1,150 @@
+"""Frozen weights that travel as the bytes they are: packed quantized weights and their quantization state.
+
+A 4-bit weight (bitsandbytes' ``Params4bit``, QLoRA's frozen base) is not one floating tensor: it is packed integers
+and a quantization state (scales, nested scales, a codebook) that its layer's own kernels read from attributes of
+its own tensor classes. Such a weight never trains and is never cast: its tensors cross the link byte for byte, in
+one *region* of its block's flat buffer, after the block's floating parameters, each tensor (a *part*) at an aligned
+byte offset in the region and viewed there with its own dtype and shape.
+
+On the device the weight is the same class again, rebuilt around views of the region (:meth:`PackedSlice.view_of`):
+the hooks bind it into its module as they bind any streamed parameter, and the layer's kernel computes with it. So
+the engine and the hooks stay generic: a :class:`PackedSlice` is a :class:`~.home.ParamSlice` whose view of a flat
+buffer is the rebuilt weight rather than a plain view.
+
+Which weights are packed, and how to take one apart and rebuild it, is a *format*'s business (:class:`PackedFormat`);
+:func:`packed_format` finds the format of a parameter (bitsandbytes' 4-bit: :mod:`.bnb4bit`), importing none of the
+formats' packages: a model without such weights never loads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_superpipe.memory.home import ALIGNMENT, ParamSlice
+
+
+class PackedFormat(Protocol):
+    """How one kind of packed weight is taken apart into tensors and rebuilt around views of them."""
+
+    #: What users call the format, for messages and the memory report.
+    name: str
+
+    def tensors(self, param: nn.Parameter) -> list[Tensor]:
+        """The tensors that make ``param`` up, the packed data first, in an order :meth:`rebuild` knows."""
+        ...
+
+    def rebuild(self, param: nn.Parameter, tensors: Sequence[Tensor]) -> Tensor:
+        """A weight like ``param`` whose tensors are ``tensors`` (views of a device buffer); ``param`` unchanged."""
+        ...
+
+    def rehome(self, param: nn.Parameter, tensors: Sequence[Tensor]) -> None:
+        """Points ``param``'s own tensors at ``tensors`` (views of its home, holding the same values)."""
+        ...
+
+    def logical_numel(self, param: nn.Parameter) -> int:
+        """How many weights ``param`` holds (its unpacked matrix's elements)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BytePart:
+    """Where one tensor of a packed weight sits in its region: ``nbytes`` bytes from byte ``start``."""
+
+    start: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def view_of(self, region: Tensor) -> Tensor:
+        """The tensor, viewed with its dtype and shape in ``region`` (the region's bytes, ``uint8``)."""
+        return region[self.start : self.start + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class PackedSlice(ParamSlice):
+    """A packed weight's place in its block's flat buffers: ``numel`` elements of the flat buffer's dtype from
+    ``offset``, holding its tensors' bytes (:attr:`parts`). Its :meth:`view_of` is the weight rebuilt by its format.
+
+    Attributes:
+        parts: Where each of the weight's tensors sits in the region, in the format's order.
+        format: Takes the weight apart and rebuilds it.
+    """
+
+    parts: tuple[BytePart, ...] = ()
+    format: Optional[PackedFormat] = None
+
+    def region(self, flat: Tensor) -> Tensor:
+        """The weight's bytes in ``flat`` (``uint8``)."""
+        return flat[self.offset : self.offset + self.numel].view(torch.uint8)
+
+    def tensors_in(self, flat: Tensor) -> list[Tensor]:
+        """The weight's tensors, viewed in ``flat``."""
+        region = self.region(flat)
+        return [part.view_of(region) for part in self.parts]
+
+    def view_of(self, flat: Tensor) -> Tensor:  # type: ignore[override]
+        """The weight rebuilt around views of ``flat`` (a device slot, or its home)."""
+        assert self.format is not None
+        return self.format.rebuild(self.param, self.tensors_in(flat))
+
+    def move_into(self, flat: Tensor, write: bool) -> None:
+        """Copies the weight's tensors into its region of ``flat`` (its home's buffer) if ``write`` (else another rank
+        of the node wrote them there), and points the weight at them, so that host memory holds them once."""
+        assert self.format is not None
+        views = self.tensors_in(flat)
+        if write:
+            for view, tensor in zip(views, self.format.tensors(self.param)):
+                view.copy_(tensor.detach())
+        self.format.rehome(self.param, views)
+
+    def holds(self, flat: Tensor) -> bool:
+        """Whether the weight's tensors are still the views of ``flat`` it was pointed at (nothing replaced them)."""
+        assert self.format is not None
+        return all(
+            tensor.data_ptr() == view.data_ptr()
+            for tensor, view in zip(self.format.tensors(self.param), self.tensors_in(flat))
+        )
+
+
+def packed_format(param: nn.Parameter) -> Optional[PackedFormat]:
+    """The format of ``param`` if it is a packed weight that streams as bytes, else ``None``."""
+    if type(param).__module__.startswith("bitsandbytes"):
+        from lightning_superpipe.memory.bnb4bit import BNB_4BIT, is_params4bit
+
+        return BNB_4BIT if is_params4bit(param) else None
+    return None
+
+
+def packed_slice(param: nn.Parameter, format: PackedFormat, offset: int, itemsize: int) -> PackedSlice:
+    """``param``'s slice at ``offset`` (elements of ``itemsize`` bytes) of its block's flat buffer: each of its tensors
+    at a multiple of :data:`~.home.ALIGNMENT` elements, so that kernels read them as aligned as fresh tensors."""
+    step = ALIGNMENT * itemsize
+    parts, start = [], 0
+    for tensor in format.tensors(param):
+        nbytes = tensor.numel() * tensor.element_size()
+        parts.append(BytePart(start, nbytes, tensor.dtype, tensor.shape))
+        start += -(-nbytes // step) * step
+    return PackedSlice(param, offset, max(start // itemsize, ALIGNMENT), param.shape, tuple(parts), format)
+
+
+def split_packed(params: Sequence[nn.Parameter]) -> tuple[list[nn.Parameter], list[tuple[nn.Parameter, PackedFormat]]]:
+    """``params`` split into the floating ones and the packed ones (with their formats), each in order."""
+    floating: list[nn.Parameter] = []
+    packed: list[tuple[nn.Parameter, PackedFormat]] = []
+    for param in params:
+        format = packed_format(param)
+        if format is None:
+            floating.append(param)
+        else:
+            packed.append((param, format))
+    return floating, packed
+
+
+def packed_bytes(param: nn.Parameter, format: PackedFormat, itemsize: int) -> int:
+    """Bytes of ``param``'s region in a flat buffer of ``itemsize``-byte elements (alignment included)."""
+    return packed_slice(param, format, 0, itemsize).numel * itemsize
