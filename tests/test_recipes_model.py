@@ -11,7 +11,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_superpipe.recipes import CausalLMModule, LoRASettings, OptimizerSettings, RecipeError
+from lightning_superpipe.recipes import (
+    CausalLMModule,
+    LoRASettings,
+    OptimizerSettings,
+    QuantizationSettings,
+    RecipeError,
+)
 from lightning_superpipe.recipes.causal_lm import WarmupCosine
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
 
@@ -284,3 +290,34 @@ def test_built_in_configure_model_under_the_disk_tier_trains_as_built_in_init(tm
     assert all(torch.equal(p, q) for p, q in zip(built.parameters(), in_blocks.parameters()))
     untrained = CausalLMModule(pretrained_path=str(pretrained), vocab_size=384)
     assert any(not torch.equal(p, q) for p, q in zip(built.parameters(), untrained.parameters()))  # it trained
+
+
+def test_a_4bit_base_without_adapters_or_without_bitsandbytes_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.quantization`` freezes the base: without ``model.lora`` nothing would train; without bitsandbytes
+    the error says what to install. Both before any model is built."""
+    quantization = QuantizationSettings()
+    with pytest.raises(RecipeError, match="set model.lora to train adapters"):
+        CausalLMModule(config=dict(SIZES), vocab_size=VOCAB, quantization=quantization)
+    monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # as if not installed
+    with pytest.raises(RecipeError, match=r"pip install 'lightning-superpipe\[qlora\]'"):
+        CausalLMModule(config=dict(SIZES), vocab_size=VOCAB, quantization=quantization,
+                       lora=LoRASettings(rank=2))
+
+
+def test_a_pretrained_folder_loads_its_base_in_4_bits_under_the_adapters(tmp_path: Path) -> None:
+    """With ``pretrained_path`` the linear layers load as bitsandbytes 4-bit layers (NF4 and FP4), the adapters on
+    them are the only trainable weights, and the output layer stays in full precision."""
+    pytest.importorskip("bitsandbytes")
+    folder = save_tiny_pretrained(tmp_path / "model")
+    for quant_type in ("nf4", "fp4"):
+        module = CausalLMModule(pretrained_path=str(folder), lora=LoRASettings(rank=2, target_modules=["q_proj"]),
+                                quantization=QuantizationSettings(quant_type=quant_type))
+        kinds = {type(m).__name__ for m in module.model.modules()}
+        assert "Linear4bit" in kinds
+        weights = [m.weight for m in module.model.modules() if type(m).__name__ == "Linear4bit"]
+        assert all(w.quant_state.quant_type == quant_type for w in weights)
+        trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+        assert trainable and all("lora_" in n for n in trainable)
+        assert module.model.get_output_embeddings().weight.dtype == torch.float32

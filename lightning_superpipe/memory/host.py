@@ -200,15 +200,22 @@ class BlockHome:
         for packed in self.packed:
             packed.move_into(self.transfer, writes)
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
+        #: Bytes copied to the device over the run, and the packed weights' share of them.
+        self.copied_bytes = self.copied_packed_bytes = 0
 
     def copy_in(self, dst: Tensor, link: Link, after: Event, what: str, layout: Optional[DeviceLayout] = None) -> Event:
         """Copies the transfer buffer into the device buffer ``dst``: one copy, or with ``layout`` one per run of the
         parameters that still stream (the link runs them in order: the last copy's event covers the others)."""
+        itemsize = self.transfer.element_size()
         if layout is None:
+            self.copied_bytes += self.numel * itemsize
+            self.copied_packed_bytes += sum(piece.numel for piece in self.packed) * itemsize
             return link.to_device(dst, self.transfer, after, what)
         done = after  # nothing to copy: the buffer is ready when it is free
         for host, device, numel in layout.ranges:
             done = link.to_device(dst[device : device + numel], self.transfer[host : host + numel], after, what)
+        self.copied_bytes += layout.numel * itemsize
+        self.copied_packed_bytes += sum(p.numel for p in layout.slices if isinstance(p, PackedSlice)) * itemsize
         return done
 
     @property
@@ -281,13 +288,19 @@ class HostHomes(Homes):
     default."""
 
     def memory_report(self) -> dict[str, Any]:
-        """Where blocks hold packed weights (bitsandbytes 4-bit): ``packed_weight_bytes``, their bytes in the homes
-        (alignment included), which is also what of them crosses the link per copy of every block, and
-        ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take twice that)."""
-        packed = [piece for home in self.homes if isinstance(home, BlockHome) for piece in home.packed]
+        """``streamed_block_bytes``: the blocks' bytes copied to the device over the run. Where blocks hold packed
+        weights (bitsandbytes 4-bit): ``streamed_packed_weight_bytes``, their share of it, ``packed_weight_bytes``,
+        their bytes in the homes (alignment included), which is also what of them crosses the link per copy of
+        every block, and ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take
+        twice that)."""
+        homes = [home for home in self.homes if isinstance(home, BlockHome)]
+        streamed = {"streamed_block_bytes": sum(home.copied_bytes for home in homes)}
+        packed = [piece for home in homes for piece in home.packed]
         if not packed:
-            return {}
+            return streamed
         return {
+            **streamed,
+            "streamed_packed_weight_bytes": sum(home.copied_packed_bytes for home in homes),
             "packed_weight_bytes": sum(piece.numel * home.transfer.element_size()
                                        for home in self.homes if isinstance(home, BlockHome) for piece in home.packed),
             "packed_weight_numel": sum(piece.format.logical_numel(piece.param) for piece in packed if piece.format),

@@ -5,7 +5,12 @@ from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, Train
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.generation_writer import GenerationWriter
 from lightning_superpipe.recipes.memory_report import MemoryReport
-from lightning_superpipe.recipes.settings import GenerationSettings, LoRASettings, OptimizerSettings
+from lightning_superpipe.recipes.settings import (
+    GenerationSettings,
+    LoRASettings,
+    OptimizerSettings,
+    QuantizationSettings,
+)
 from lightning_superpipe.recipes.text_data import ResumableDataLoader, ResumableSampler, TextDataModule
 from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenizer, load_tokenizer
 
@@ -15,6 +20,7 @@ __all__ = [
     "GenerationSettings",
     "GenerationWriter",
     "LoRASettings",
+    "QuantizationSettings",
     "MemoryReport",
     "OptimizerSettings",
     "RecipeError",

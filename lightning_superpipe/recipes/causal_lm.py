@@ -23,10 +23,12 @@ from torchmetrics.aggregation import MeanMetric
 
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.model_building import add_lora, build_from_config, check_folder, load_pretrained
+from lightning_superpipe.recipes.quantized_base import prepare_for_training, quantized, require_bitsandbytes
 from lightning_superpipe.recipes.settings import (
     GenerationSettings,
     LoRASettings,
     OptimizerSettings,
+    QuantizationSettings,
     WarmupCosine,
     settings_from,
 )
@@ -58,6 +60,8 @@ class CausalLMModule(LightningModule):
             ``num_hidden_layers`` ...), for random initialisation. The vocabulary size always follows the tokenizer.
         dtype: Weight dtype; ``auto`` keeps a checkpoint's own dtype and uses float32 for random initialisation.
         lora: LoRA settings; ``None`` trains all weights.
+        quantization: QLoRA: the base model's linear layers in 4 bits (bitsandbytes), frozen under the adapters
+            (needs ``lora``); ``None`` keeps the base in ``dtype``.
         optimizer: Optimizer and learning-rate schedule.
         generation: How ``predict`` continues prompts.
         vocab_size: Token ids the tokenizer produces; the ``superpipe`` command sets it from the data module. A
@@ -77,6 +81,7 @@ class CausalLMModule(LightningModule):
         config: dict[str, Any] | None = None,
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto",
         lora: LoRASettings | None = None,
+        quantization: QuantizationSettings | None = None,
         optimizer: OptimizerSettings = OptimizerSettings(),
         generation: GenerationSettings = GenerationSettings(),
         vocab_size: int | None = None,
@@ -90,6 +95,15 @@ class CausalLMModule(LightningModule):
             if is_dataclass(value) and not isinstance(value, type):
                 self.hparams[name] = asdict(value)
         lora = settings_from(lora, LoRASettings)
+        quantization = settings_from(quantization, QuantizationSettings)
+        if quantization is not None:
+            if lora is None:
+                raise RecipeError("model.quantization freezes the base model in 4 bits: set model.lora to train"
+                                  " adapters on it")
+            if build_in_configure_model:
+                raise RecipeError("model.quantization with model.build_in_configure_model is not supported yet")
+            require_bitsandbytes()
+        self.quantization = quantization
         optimizer = settings_from(optimizer, OptimizerSettings)
         generation = settings_from(generation, GenerationSettings)
         self.pretrained_path = pretrained_path
@@ -108,8 +122,9 @@ class CausalLMModule(LightningModule):
         else:
             self.configure_model()
         # A LoRA fine-tune of a pretrained model needs only the adapters in its checkpoints: the base weights are
-        # reloaded from ``pretrained_path``. Loading must then accept a state dict without them.
-        self.saves_trainable_only = lora is not None and pretrained_path is not None
+        # reloaded from ``pretrained_path`` (or, for a 4-bit base of random weights, rebuilt under the run's seed).
+        # Loading must then accept a state dict without them.
+        self.saves_trainable_only = lora is not None and (pretrained_path is not None or quantization is not None)
         self.strict_loading = not self.saves_trainable_only
         self.val_nll = MeanMetric()
         self.test_nll = MeanMetric()
@@ -121,10 +136,15 @@ class CausalLMModule(LightningModule):
         settings = self.hparams
         if settings["pretrained_path"] is not None:
             model = load_pretrained(settings["pretrained_path"], settings["dtype"], settings["vocab_size"],
-                                    tensor_by_tensor=settings["build_in_configure_model"])
+                                    tensor_by_tensor=settings["build_in_configure_model"],
+                                    quantization=self.quantization)
         else:
             model = build_from_config(settings["model_type"], settings["config"] or {}, settings["dtype"],
                                       settings["vocab_size"])
+            if self.quantization is not None:
+                model = quantized(model, self.quantization)
+        if self.quantization is not None:
+            model = prepare_for_training(model, self.quantization)
         self.model = add_lora(model, self.lora) if self.lora is not None else model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

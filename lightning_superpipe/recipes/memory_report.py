@@ -130,6 +130,8 @@ class MemorySummary:
     outside_blocks_activation_bytes: int | None = None
     #: Why the activations were not measured, when they were not.
     plain_activations_note: str = ""
+    #: Optimizer steps the run took (``fit``), for the figures per step.
+    steps: int = 0
 
     @property
     def sampled_max_bytes(self) -> int | None:
@@ -205,6 +207,7 @@ class MemorySummary:
             rows.append(("device peak, activations included", format_bytes(self.compared_peak_bytes or 0)))
         if self.host_bytes is not None:
             rows.append(("held in host memory", format_bytes(self.host_bytes)))
+        rows += self._four_bit_rows(report)
         paged = self.paged_moe
         if paged:
             rows.append(("paged experts on device, most at once", format_bytes(paged["expert_bytes_device_max"])))
@@ -220,6 +223,22 @@ class MemorySummary:
             if self.planned_step_s is not None:
                 rows.append(("  step time predicted / measured",
                              f"{plan['predicted_step_s'] * 1e3:.0f} / {self.planned_step_s * 1e3:.0f} ms"))
+        return rows
+
+    def _four_bit_rows(self, report: dict[str, Any]) -> list[tuple[str, str]]:
+        """A 4-bit frozen base (QLoRA): its host bytes and the blocks' bytes streamed a step, each beside what the
+        same weights would take at 16 bits."""
+        packed = report.get("packed_weight_bytes")
+        if not packed:
+            return []
+        sixteen = 2 * report["packed_weight_numel"]
+        rows = [("frozen 4-bit base in host memory", format_bytes(packed)),
+                ("  the same weights at 16 bits", format_bytes(sixteen))]
+        if self.steps:
+            streamed, streamed_packed = report["streamed_block_bytes"], report["streamed_packed_weight_bytes"]
+            at_16_bits = streamed - streamed_packed + streamed_packed * sixteen / packed
+            rows.append(("block weights streamed a step", format_bytes(int(streamed / self.steps))))
+            rows.append(("  with the base at 16 bits", format_bytes(int(at_16_bits / self.steps))))
         return rows
 
     def _plain_rows(self) -> list[tuple[str, str]]:
@@ -457,6 +476,7 @@ class MemoryReport(Callback):
             plain_activation_bytes=activations.total_bytes if activations is not None else None,
             outside_blocks_activation_bytes=activations.outside_blocks_bytes if activations is not None else None,
             plain_activations_note=self._activations_note if training else "",
+            steps=trainer.global_step if training else 0,
         )
 
     def _planned_step_s(self, trainer: Trainer) -> float | None:

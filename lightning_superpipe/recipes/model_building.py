@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
-from lightning_superpipe.recipes.settings import LoRASettings
+from lightning_superpipe.recipes.quantized_base import load_quantized
+from lightning_superpipe.recipes.settings import LoRASettings, QuantizationSettings
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,8 @@ def check_folder(pretrained_path: str, safetensors_only: bool = False) -> Path:
 
 
 def load_pretrained(
-    pretrained_path: str, dtype: str, vocab_size: int | None, tensor_by_tensor: bool = False
+    pretrained_path: str, dtype: str, vocab_size: int | None, tensor_by_tensor: bool = False,
+    quantization: QuantizationSettings | None = None,
 ) -> nn.Module:
     """The causal LM saved in ``pretrained_path``, loaded offline, in training mode.
 
@@ -195,6 +197,7 @@ def load_pretrained(
         vocab_size: Token ids the tokenizer produces; the embeddings are resized if they have fewer rows.
         tensor_by_tensor: Build the model from its ``config.json`` and read each weight from the safetensors files
             (:func:`~lightning_superpipe.load_safetensors`), for the disk tier's deferred blocks.
+        quantization: Load the linear layers in 4 bits (QLoRA's base; :mod:`.quantized_base`).
 
     Raises:
         RecipeError: If the folder holds no loadable causal LM.
@@ -206,7 +209,9 @@ def load_pretrained(
 
     folder = check_folder(pretrained_path, safetensors_only=tensor_by_tensor)
     try:
-        if tensor_by_tensor:  # built from its config, each weight read when it is needed (the disk tier's blocks)
+        if quantization is not None:
+            model = load_quantized(folder, quantization, "auto" if dtype == "auto" else DTYPES[dtype])
+        elif tensor_by_tensor:  # built from its config, each weight read when it is needed (the disk tier's blocks)
             config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
             saved = getattr(config, "dtype", None) or torch.float32
             saved = getattr(torch, saved) if isinstance(saved, str) else saved

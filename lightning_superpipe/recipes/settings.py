@@ -1,5 +1,5 @@
-"""The settings of :class:`~lightning_superpipe.recipes.CausalLMModule` (the ``model.lora``, ``model.optimizer`` and
-``model.generation`` sections of a recipe) and the learning-rate schedule they describe."""
+"""The settings of :class:`~lightning_superpipe.recipes.CausalLMModule` (the ``model.lora``, ``model.quantization``,
+``model.optimizer`` and ``model.generation`` sections of a recipe) and the learning-rate schedule they describe."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ class LoRASettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] | str | None = None
+
+
+@dataclass(frozen=True)
+class QuantizationSettings:
+    """QLoRA: the frozen base model in 4 bits (bitsandbytes), the LoRA adapters in full precision on top.
+
+    Args:
+        quant_type: ``nf4`` (4-bit NormalFloat, QLoRA's) or ``fp4``.
+        double_quant: Quantize the per-block scales too (about 0.4 bits less per weight).
+        compute_dtype: The dtype the 4-bit layers compute in (``auto``: the model's dtype).
+        prepare: Run ``peft``'s ``prepare_model_for_kbit_training`` (layer norms in float32, input gradients on),
+            as QLoRA scripts do.
+    """
+
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    prepare: bool = True
 
 
 @dataclass(frozen=True)
