@@ -213,8 +213,21 @@ class BlockHome:
 
     @property
     def trainable(self) -> list[ParamSlice]:
-        """The pieces whose parameters require gradients now (the flag may change between steps)."""
-        return [piece for piece in self.slices if piece.param.requires_grad]
+        """The pieces whose parameters require gradients now (the flag may change between steps).
+
+        Raises:
+            RuntimeError: A packed weight requires gradients (unfrozen during the run): it streams as 4-bit bytes.
+        """
+        pieces = [piece for piece in self.slices if piece.param.requires_grad]
+        packed = next((piece for piece in pieces if isinstance(piece, PackedSlice)), None)
+        if packed is not None:
+            raise RuntimeError(
+                f"A streamed {packed.format.name if packed.format else 'packed'} weight of shape {tuple(packed.shape)}"
+                " was set to require gradients during the run; SuperpipeStrategy streams it as the frozen 4-bit bytes"
+                " it set up with. Choose what trains before `Trainer.fit` (quantize_frozen quantizes only what is"
+                " frozen then)."
+            )
+        return pieces
 
     @property
     def transfer_dtype(self) -> torch.dtype:
