@@ -309,3 +309,44 @@ def test_a_model_in_4bit_already_is_told_the_knob_is_not_needed() -> None:
     with pytest.raises(QuantizedLayerError, match=match):
         tasks.fit_task(lambda: tasks.Task(lambda: model, "vector"), SuperpipeStrategy(quantize_frozen="nf4"),
                        tuple_data("vector", batches=2), max_steps=1)
+
+
+class _Meddles(tasks.pl.Callback):
+    """During the run, loads a state dict holding a quantized matrix, or unfreezes one."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self.how == "load":
+            pl_module.load_state_dict(pl_module.state_dict())
+        else:
+            pl_module.model[1][0].w.requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    ("how", "match"),
+    [("load", r"`load_state_dict` was given `model\.1\.0\.w`, a frozen matrix"), ("unfreeze", r"require gradients")],
+)
+def test_a_quantized_matrix_cannot_be_loaded_or_unfrozen_during_the_run(how: str, match: str) -> None:
+    """Its 4-bit bytes stream, not its storage: one clear error, and the model gets its values back."""
+    torch.manual_seed(0)
+    model = mixed()
+    with pytest.raises(RuntimeError, match=match):
+        tasks.fit_task(lambda: tasks.Task(lambda: model, "vector"), SuperpipeStrategy(quantize_frozen="nf4"),
+                       tuple_data("vector", batches=4), max_steps=2, callbacks=[_Meddles(how)])
+    assert torch.equal(model[1][0].v, round_trip(model[1][0].v.detach().clone()))  # given back, rounded
+
+
+def test_under_bf16_mixed_the_matrices_are_dequantized_into_bfloat16() -> None:
+    """The dense matrices are made in the dtype the blocks compute in (one block's at a time, counted), and the
+    parameters get their values back in their own fp32; the first step is plain Lightning's on the round trip."""
+    plain = fit_lm(lambda: rounded(lora("llama"), BLOCKS["llama"]), "auto", steps=2, precision="bf16-mixed")
+    strategy = SuperpipeStrategy(quantize_frozen="nf4")
+    streamed = fit_lm(lambda: lora("llama"), strategy, steps=2, precision="bf16-mixed")
+    assert streamed.losses[:2] == plain.losses[:2]
+    assert streamed.losses == pytest.approx(plain.losses, rel=1e-3)
+    report = strategy.memory_report()
+    assert report["peak_dequantized_weight_bytes"] == 2 * report["packed_weight_numel"] // 2  # bf16, one of 2 blocks
+    frozen = streamed.model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight
+    assert frozen.dtype == torch.float32 and torch.isfinite(frozen).all()

@@ -294,9 +294,10 @@ class HostHomes(Homes):
     default."""
 
     def memory_report(self) -> dict[str, Any]:
-        """Where blocks hold packed weights (bitsandbytes 4-bit): ``packed_weight_bytes``, their bytes in the homes
-        (alignment included), which is also what of them crosses the link per copy of every block, and
-        ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take twice that)."""
+        """Where blocks hold packed weights (bitsandbytes 4-bit, or frozen matrices ``quantize_frozen`` quantized):
+        ``packed_weight_bytes``, their bytes in the homes (alignment included), which is also what of them crosses
+        the link per copy of every block, and ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy
+        of them would take twice that)."""
         packed = [piece for home in self.homes if isinstance(home, BlockHome) for piece in home.packed]
         if not packed:
             return {}

@@ -18,7 +18,8 @@ quantize to themselves); with ``"-dq"`` the scales' own 8-bit rounding may move 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
 
@@ -124,6 +125,17 @@ def quantize_frozen(model: nn.Module, block_params: Sequence[Sequence[nn.Paramet
                     transfer_dtype: Optional[torch.dtype]) -> Optional[FrozenQuantization]:
     """The run's :class:`FrozenQuantization`, or ``None`` when ``mode`` (``quantize_frozen``) is ``None``."""
     return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype)
+
+
+@contextmanager
+def given_back_on_error(frozen: Optional[FrozenQuantization]) -> Iterator[None]:
+    """Gives the quantized matrices their values back if what runs inside fails (the run does not start)."""
+    try:
+        yield
+    except BaseException:
+        if frozen is not None:
+            frozen.detach()
+        raise
 
 
 def _dequantized_entries(names: list[str], module: nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -45,7 +45,11 @@ from lightning_superpipe.streaming.distributed import (
     ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.frozen_quantization import check_quantize_frozen, quantize_frozen
+from lightning_superpipe.streaming.frozen_quantization import (
+    check_quantize_frozen,
+    given_back_on_error,
+    quantize_frozen,
+)
 from lightning_superpipe.streaming.hooks import attach_hooks
 from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.packed_state import clone_packed_entries
@@ -126,7 +130,7 @@ def start_streaming(
     clone_packed_entries(model, {param for params in block_params for param in params if packed_format(param)})
     # Last before the homes, once nothing else can refuse the run; given back if building them fails.
     frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype)
-    try:
+    with given_back_on_error(frozen):
         if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
             ready_on_every_rank("start streaming")
         homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype,
@@ -135,10 +139,6 @@ def start_streaming(
             block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes,
             link=options.link, activations=modes,
         )
-    except BaseException:
-        if frozen is not None:
-            frozen.detach()
-        raise
     if ranks > 1:
         engine.gradients.averager = averager_for(block_params, trunk_params, device, options, ranks, node)
     hooks = attach_hooks(engine, model, blocks)
