@@ -40,35 +40,37 @@ def is_params4bit(param: nn.Parameter) -> bool:
     )
 
 
-def _state_paths(state: Any, prefix: StatePath = ()) -> list[StatePath]:
+def state_paths(state: Any, prefix: StatePath = ()) -> list[StatePath]:
     """The paths to every tensor of ``state`` and of its nested states, in a fixed order (by attribute name)."""
     paths: list[StatePath] = []
     for name, value in sorted(vars(state).items()):
         if isinstance(value, Tensor):
             paths.append((*prefix, name))
         elif value is not None and type(value) is type(state):
-            paths += _state_paths(value, (*prefix, name))
+            paths += state_paths(value, (*prefix, name))
     return paths
 
 
-def _get(state: Any, path: StatePath) -> Any:
+def get_path(state: Any, path: StatePath) -> Any:
+    """The value at ``path`` in ``state`` (a tensor, or a nested state for a shorter path)."""
     for name in path:
         state = getattr(state, name)
     return state
 
 
-def _set(state: Any, path: StatePath, value: Tensor) -> None:
-    setattr(_get(state, path[:-1]), path[-1], value)
+def set_path(state: Any, path: StatePath, value: Tensor) -> None:
+    """Puts ``value`` at ``path`` in ``state``."""
+    setattr(get_path(state, path[:-1]), path[-1], value)
 
 
-def _copied(state: Any) -> Any:
+def copied_state(state: Any) -> Any:
     """A shallow copy of ``state`` and of its nested states (their tensors shared until replaced). Made without
     ``copy.copy``, which would consult ``QuantState.__getattr__``."""
     copy = object.__new__(type(state))
     copy.__dict__.update(vars(state))
     for name, value in vars(state).items():
         if value is not None and type(value) is type(state):
-            setattr(copy, name, _copied(value))
+            setattr(copy, name, copied_state(value))
     return copy
 
 
@@ -81,14 +83,14 @@ class Bnb4bitFormat:
         """The packed data, then the quantization state's tensors (absmax, code, and with double quantization the
         offset and the nested state's absmax and code)."""
         state = param.quant_state  # type: ignore[attr-defined]
-        return [param.data, *(_get(state, path) for path in _state_paths(state))]
+        return [param.data, *(get_path(state, path) for path in state_paths(state))]
 
     def rebuild(self, param: nn.Parameter, tensors: Sequence[Tensor]) -> Tensor:
         """A ``Params4bit`` on ``tensors`` with a copy of ``param``'s state pointed at them (``param`` unchanged)."""
         host_state = param.quant_state  # type: ignore[attr-defined]
-        state = _copied(host_state)
-        for path, tensor in zip(_state_paths(host_state), tensors[1:]):
-            _set(state, path, tensor)
+        state = copied_state(host_state)
+        for path, tensor in zip(state_paths(host_state), tensors[1:]):
+            set_path(state, path, tensor)
         return type(param)(
             data=tensors[0],
             requires_grad=False,
@@ -105,14 +107,18 @@ class Bnb4bitFormat:
         """Points ``param``'s data and its state's tensors (shared with its layer's ``quant_state``) at
         ``tensors``."""
         state = param.quant_state  # type: ignore[attr-defined]
-        paths = _state_paths(state)
+        paths = state_paths(state)
         param.data = tensors[0]
         for path, tensor in zip(paths, tensors[1:]):
-            _set(state, path, tensor)
+            set_path(state, path, tensor)
 
     def logical_numel(self, param: nn.Parameter) -> int:
         """The weights of the unpacked matrix (``quant_state.shape``)."""
         return math.prod(param.quant_state.shape)  # type: ignore[attr-defined]
+
+    def materialized_bytes(self, param: nn.Parameter) -> int:
+        """Nothing: the rebuilt ``Params4bit`` is views of the slot, and bitsandbytes' kernel reads them as they are."""
+        return 0
 
 
 #: The one instance: the format holds no state.

@@ -43,6 +43,11 @@ class ParamSlice:
     def view_of(self, flat: Tensor) -> Tensor:
         return flat[self.offset : self.offset + self.numel].view(self.shape)
 
+    @property
+    def materialized_bytes(self) -> int:
+        """Device bytes :meth:`view_of` allocates beyond the buffer: none, it is a view (see :class:`.PackedSlice`)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class DeviceLayout:

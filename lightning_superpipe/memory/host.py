@@ -220,8 +220,21 @@ class BlockHome:
 
     @property
     def trainable(self) -> list[ParamSlice]:
-        """The pieces whose parameters require gradients now (the flag may change between steps)."""
-        return [piece for piece in self.slices if piece.param.requires_grad]
+        """The pieces whose parameters require gradients now (the flag may change between steps).
+
+        Raises:
+            RuntimeError: A packed weight requires gradients (unfrozen during the run): it streams as 4-bit bytes.
+        """
+        pieces = [piece for piece in self.slices if piece.param.requires_grad]
+        packed = next((piece for piece in pieces if isinstance(piece, PackedSlice)), None)
+        if packed is not None:
+            raise RuntimeError(
+                f"A streamed {packed.format.name if packed.format else 'packed'} weight of shape {tuple(packed.shape)}"
+                " was set to require gradients during the run; SuperpipeStrategy streams it as the frozen 4-bit bytes"
+                " it set up with. Choose what trains before `Trainer.fit` (quantize_frozen quantizes only what is"
+                " frozen then)."
+            )
+        return pieces
 
     @property
     def transfer_dtype(self) -> torch.dtype:
@@ -289,10 +302,10 @@ class HostHomes(Homes):
 
     def memory_report(self) -> dict[str, Any]:
         """``streamed_block_bytes``: the blocks' bytes copied to the device over the run. Where blocks hold packed
-        weights (bitsandbytes 4-bit): ``streamed_packed_weight_bytes``, their share of it, ``packed_weight_bytes``,
-        their bytes in the homes (alignment included), which is also what of them crosses the link per copy of
-        every block, and ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take
-        twice that)."""
+        weights (bitsandbytes 4-bit, or frozen matrices ``quantize_frozen`` quantized):
+        ``streamed_packed_weight_bytes``, their share of it, ``packed_weight_bytes``, their bytes in the homes
+        (alignment included), which is also what of them crosses the link per copy of every block, and
+        ``packed_weight_numel``, the weights they hold unpacked (a 16-bit copy of them would take twice that)."""
         homes = [home for home in self.homes if isinstance(home, BlockHome)]
         streamed = {"streamed_block_bytes": sum(home.copied_bytes for home in homes)}
         packed = [piece for home in homes for piece in home.packed]

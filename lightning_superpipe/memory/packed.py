@@ -12,8 +12,10 @@ the engine and the hooks stay generic: a :class:`PackedSlice` is a :class:`~.hom
 buffer is the rebuilt weight rather than a plain view.
 
 Which weights are packed, and how to take one apart and rebuild it, is a *format*'s business (:class:`PackedFormat`);
-:func:`packed_format` finds the format of a parameter (bitsandbytes' 4-bit: :mod:`.bnb4bit`), importing none of the
-formats' packages: a model without such weights never loads them.
+:func:`packed_format` finds the format of a parameter (bitsandbytes' 4-bit: :mod:`.bnb4bit`; a plain frozen matrix the
+strategy quantized itself carries its own under :data:`PACKED_ATTR`: :mod:`.frozen4bit`), importing none of the
+formats' packages: a model without such weights never loads them. A rebuilt weight need not be views only: a format
+may dequantize into a dense tensor (:meth:`PackedFormat.materialized_bytes` says how many bytes that allocates).
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class PackedFormat(Protocol):
 
     def logical_numel(self, param: nn.Parameter) -> int:
         """How many weights ``param`` holds (its unpacked matrix's elements)."""
+        ...
+
+    def materialized_bytes(self, param: nn.Parameter) -> int:
+        """Device bytes :meth:`rebuild` allocates beyond the views it is given (0: views only; a dense dequantized
+        copy: its bytes), which the engine counts for as long as they live."""
         ...
 
 
@@ -102,6 +109,12 @@ class PackedSlice(ParamSlice):
                 view.copy_(tensor.detach())
         self.format.rehome(self.param, views)
 
+    @property
+    def materialized_bytes(self) -> int:
+        """Device bytes :meth:`view_of` allocates beyond views of the buffer (a dense dequantized copy), or 0."""
+        assert self.format is not None
+        return self.format.materialized_bytes(self.param)
+
     def holds(self, flat: Tensor) -> bool:
         """Whether the weight's tensors are still the views of ``flat`` it was pointed at (nothing replaced them)."""
         assert self.format is not None
@@ -111,8 +124,16 @@ class PackedSlice(ParamSlice):
         )
 
 
+#: The attribute of a plain ``nn.Parameter`` that the strategy packed itself (quantized a frozen matrix): its format,
+#: which also holds its packed tensors. Gone again when the parameter gets its values back.
+PACKED_ATTR = "_superpipe_packed"
+
+
 def packed_format(param: nn.Parameter) -> Optional[PackedFormat]:
     """The format of ``param`` if it is a packed weight that streams as bytes, else ``None``."""
+    own = getattr(param, PACKED_ATTR, None)
+    if own is not None:
+        return own
     if type(param).__module__.startswith("bitsandbytes"):
         from lightning_superpipe.memory.bnb4bit import BNB_4BIT, is_params4bit
 

@@ -87,6 +87,12 @@ class SuperpipeStrategy(CheckpointingStrategy):
             ``"node"``, or where the run refuses it (a weight-averaging callback, no ``/dev/shm`` or too little of
             it) ``True``, or where that is refused too (``16-mixed``, the disk tier) ``False``, with an info line
             saying why. Nothing on one device.
+        quantize_frozen: ``"nf4"``, ``"nf4-dq"``, ``"fp4"`` or ``"fp4-dq"`` (Lightning's ``BitsandbytesPrecision``
+            4-bit modes; bitsandbytes installed): every frozen matrix of the blocks (``requires_grad=False`` when the
+            run starts) is quantized once with bitsandbytes' quantizer, kept in host memory and streamed as its 4-bit
+            codes and scales, and dequantized on the device for each use; trainable parameters stay as they are.
+            After the run the matrices hold their dequantized values (:mod:`lightning_superpipe.memory.frozen4bit`).
+            ``None`` (default): streamed as they are.
         device: The compute device; by default the one the Trainer resolves.
         accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
             :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
@@ -112,6 +118,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
         shard_optimizer: Union[bool, str] = "auto",
+        quantize_frozen: Optional[str] = None,
         device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -125,6 +132,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
             memory_budget=memory_budget, resident_blocks=resident_blocks, prefetch=prefetch, activations=activations,
             overlap_optimizer=overlap_optimizer, blocks=blocks, link=link, offload_device=offload_device,
             offload_path=offload_path, host_buffer_bytes=host_buffer_bytes, shard_optimizer=shard_optimizer,
+            quantize_frozen=quantize_frozen,
         )
         super().__init__(
             accelerator=accelerator, parallel_devices=[torch.device(device)] if device is not None else None,
@@ -153,6 +161,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
     host_buffer_bytes = _knob("host_buffer_bytes")
     #: As written (``"auto"`` by default); the run's resolved value is in :attr:`run_options`.
     shard_optimizer = _knob("shard_optimizer")
+    quantize_frozen = _knob("quantize_frozen")
 
     @property
     def run_options(self) -> SuperpipeOptions:

@@ -126,7 +126,8 @@ class ActivationPlacement:
         address = tensor.untyped_storage().data_ptr()
         flat = self.engine.held_flat(index)
         held = flat is not None and address == flat.untyped_storage().data_ptr()
-        return not held and not self.engine.is_persistent(address)
+        # Dense weights dequantized from packed ones are weights, counted as such (``quantize_frozen``).
+        return not held and not self.engine.is_persistent(address) and not self.engine.materialized.holds(address)
 
     def pack(self, index: int, offload: bool, tensor: Tensor) -> Any:
         if not self.is_activation(index, tensor):

@@ -43,7 +43,7 @@ from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
-from lightning_superpipe.streaming.ledger import DeviceLedger, engine_report
+from lightning_superpipe.streaming.ledger import DeviceLedger, MaterializedWeights, engine_report
 from lightning_superpipe.streaming.overlap import OverlappedStep
 from lightning_superpipe.streaming.pipelined import PipelinedStep
 from lightning_superpipe.streaming.placement import choose_resident, clamp
@@ -101,6 +101,7 @@ class StreamingEngine:
         self._trunk: dict[nn.Parameter, Tensor] = {}
         try:
             self.ledger = DeviceLedger()
+            self.materialized = MaterializedWeights(self.ledger)
             resident = choose_resident(resident_blocks, len(block_params))
             self.prefetch = clamp(
                 "prefetch", prefetch, len(block_params) - len(resident), "the number of streamed blocks"
@@ -374,8 +375,7 @@ class StreamingEngine:
         The block stays in its slot until another block is acquired or the pass ends, since in backward the
         autograd engine still reads its recomputed weights after the recomputation returns.
         """
-        flat = self.acquire_flat(index)
-        return [piece.view_of(flat) for piece in self.streamed_slices(index)]
+        return self.materialized.weights_in(self.streamed_slices(index), self.acquire_flat(index))
 
     @torch.compiler.disable
     def acquire_flat(self, index: int) -> Tensor:
@@ -410,7 +410,7 @@ class StreamingEngine:
         """Block ``index``'s weights where they are for the current computation (see :meth:`held_flat`)."""
         flat = self.held_flat(index)
         assert flat is not None, f"block {index} is not on the device"
-        return [piece.view_of(flat) for piece in self.streamed_slices(index)]
+        return self.materialized.weights_in(self.streamed_slices(index), flat)
 
     def held_flat(self, index: int) -> Optional[Tensor]:
         """Block ``index``'s flat device buffer if it is on the device for the current computation (resident, or in

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from lightning_superpipe.memory.home import ParamSlice
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.engine import StreamingEngine
 
 #: What the strategy puts on the device: slots and resident blocks, the resident copies of the parameters outside
-#: blocks, the gradients of each while they wait to leave, and the activations blocks save for backward when they
-#: are kept or brought back rather than recomputed.
-CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients", "activations")
+#: blocks, the gradients of each while they wait to leave, the activations blocks save for backward when they
+#: are kept or brought back rather than recomputed, and the dense weights made from packed ones
+#: (``quantize_frozen``'s dequantized matrices) while they live.
+CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients", "activations",
+              "dequantized_weights")
 
 
 class DeviceLedger:
@@ -44,6 +52,47 @@ class DeviceLedger:
         assert self.held[category] >= 0, f"the device ledger's {category} went negative"
 
 
+class MaterializedWeights:
+    """Counts the dense weights the engine rebuilds from packed ones (:attr:`.PackedSlice.materialized_bytes`: a
+    ``quantize_frozen`` matrix dequantized on the device) for as long as each lives: from its rebuild until nothing
+    holds it any more (the module's binding ends with the block's call; in backward, autograd drops what the
+    recomputation saved once the block's backward is done).
+
+    Args:
+        ledger: The engine's ledger (category ``"dequantized_weights"``).
+    """
+
+    def __init__(self, ledger: DeviceLedger) -> None:
+        self.ledger = ledger
+        self._live: dict[int, int] = {}  # storage address -> bytes
+
+    def weights_in(self, pieces: Sequence[ParamSlice], flat: Tensor) -> list[Tensor]:
+        """A block's weights made from its device buffer ``flat``: views, or for packed weights whatever their format
+        rebuilds (dense dequantized matrices, counted from now on)."""
+        tensors = [piece.view_of(flat) for piece in pieces]
+        for piece, tensor in zip(pieces, tensors):
+            if piece.materialized_bytes:
+                self.hold(tensor)
+        return tensors
+
+    def hold(self, tensor: Tensor) -> None:
+        """Counts ``tensor``'s storage until it is freed."""
+        storage = tensor.untyped_storage()
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        self._live[address] = nbytes
+        self.ledger.add("dequantized_weights", nbytes)
+        # A storage keeps one Python object for as long as it lives, so the finalizer runs as the memory goes.
+        weakref.finalize(storage, self._release, address, nbytes)
+
+    def holds(self, address: int) -> bool:
+        """Whether a storage at ``address`` is a live dense weight (model memory, not an activation)."""
+        return address in self._live
+
+    def _release(self, address: int, nbytes: int) -> None:
+        self._live.pop(address, None)
+        self.ledger.remove("dequantized_weights", nbytes)
+
+
 def engine_report(engine: StreamingEngine) -> dict[str, Any]:
     """The engine's part of the strategy's memory report, from its ledger, its arena and its homes' kind.
 
@@ -51,7 +100,9 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
         ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
         blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held now),
         ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
-        once), ``largest_block_bytes``, ``num_blocks``, ``resident_blocks``, ``prefetch``,
+        once), ``peak_dequantized_weight_bytes`` (``quantize_frozen``'s dense matrices, most at once; held
+        inside ``device_bytes`` and ``peak_device_bytes`` too), ``largest_block_bytes``, ``num_blocks``,
+        ``resident_blocks``, ``prefetch``,
         ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
         the host: homes, transfer copies, staging), ``shared_host_bytes`` (the part of it every rank of the node
         maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
@@ -69,6 +120,7 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
         "device_bytes": engine.ledger.total_bytes,
         "peak_block_gradient_bytes": engine.ledger.peaks["block_gradients"],
         "peak_trunk_gradient_bytes": engine.ledger.peaks["trunk_gradients"],
+        "peak_dequantized_weight_bytes": engine.ledger.peaks["dequantized_weights"],
         "largest_block_bytes": engine.largest_block_bytes(),
         "num_blocks": len(engine.homes),
         "resident_blocks": len(engine.resident_indices),

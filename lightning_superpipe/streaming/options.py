@@ -17,6 +17,8 @@ from typing import Any, Optional, Union
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_superpipe.memory.disk import DiskSpaceError, DiskTierError, preflight
+from lightning_superpipe.memory.frozen4bit import MODES as QUANTIZE_MODES
+from lightning_superpipe.memory.frozen4bit import bitsandbytes_installed
 from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
 from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, _as_predicate
@@ -59,6 +61,9 @@ class SuperpipeOptions:
         host_buffer_bytes: Bound on the disk tier's pool of host buffers; ``None``: a few of the largest block's.
         shard_optimizer: On several ranks: ``False`` (every rank holds everything), ``True`` (gradients and optimizer
             state split across ranks), ``"node"`` (that, and one copy of the blocks per node) or ``"auto"``.
+        quantize_frozen: ``"nf4"``, ``"nf4-dq"``, ``"fp4"`` or ``"fp4-dq"`` (Lightning's ``BitsandbytesPrecision``
+            4-bit modes): the blocks' frozen matrices kept, streamed and computed with in 4 bits
+            (:mod:`~lightning_superpipe.memory.frozen4bit`); ``None``: as they are.
 
     Raises:
         KnobError: A value no model or run could accept (the message quotes the user's call).
@@ -75,6 +80,7 @@ class SuperpipeOptions:
     offload_path: Optional[Union[str, os.PathLike[str]]] = None
     host_buffer_bytes: Optional[int] = None
     shard_optimizer: Union[bool, str] = "auto"
+    quantize_frozen: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +94,7 @@ class SuperpipeOptions:
         try:
             self._check_streaming()
             self._check_offload()
+            self._check_quantize_frozen()
             if self.shard_optimizer not in SHARD_MODES:
                 raise ValueError(
                     f"SuperpipeStrategy(shard_optimizer={self.shard_optimizer!r}) must be True, False or 'node' (or"
@@ -140,6 +147,29 @@ class SuperpipeOptions:
         size = self.host_buffer_bytes
         if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
             raise ValueError(f"{call}: host_buffer_bytes must be a positive number of bytes, or None for the default.")
+
+    def _check_quantize_frozen(self) -> None:
+        mode = self.quantize_frozen
+        if mode is None:
+            return
+        call = f"SuperpipeStrategy(quantize_frozen={mode!r})"
+        if not isinstance(mode, str) or mode not in QUANTIZE_MODES:
+            raise ValueError(
+                f"{call} must be 'nf4', 'nf4-dq', 'fp4' or 'fp4-dq' (the 4-bit modes of Lightning's"
+                " `BitsandbytesPrecision`; '-dq' quantizes the scales too), or None (the default) to stream the frozen"
+                " matrices as they are."
+            )
+        if not bitsandbytes_installed():
+            raise ValueError(
+                f"{call} quantizes the frozen matrices with bitsandbytes, which is not installed:"
+                " `pip install bitsandbytes` (it runs on the CPU too)."
+            )
+        if self.offload_device == "disk":
+            raise ValueError(
+                f"SuperpipeStrategy(quantize_frozen={mode!r}, offload_device='disk'): the disk tier does not store"
+                " 4-bit weights yet. Use offload_device='cpu' (the default): the 4-bit base takes about 0.28x of its"
+                " bfloat16 bytes in host memory."
+            )
 
     @property
     def offload_call(self) -> str:

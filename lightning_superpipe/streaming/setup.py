@@ -45,6 +45,11 @@ from lightning_superpipe.streaming.distributed import (
     ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.frozen_quantization import (
+    check_quantize_frozen,
+    given_back_on_error,
+    quantize_frozen,
+)
 from lightning_superpipe.streaming.hooks import attach_hooks
 from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.packed_state import clone_packed_entries
@@ -91,8 +96,9 @@ def start_streaming(
     """Finds the blocks, checks what of the knobs needs the model and the run, builds the homes and the engine, and
     hooks the blocks.
 
-    Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier). With
-    ``ranks`` above one, the engine averages the gradients across them (with ``options.shard_optimizer``, resolved
+    Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier), with
+    ``options.quantize_frozen`` the blocks' frozen matrices in 4 bits (their values given back when the run stops).
+    With ``ranks`` above one, the engine averages the gradients across them (with ``options.shard_optimizer``, resolved
     from ``"auto"`` by the strategy, each block's to its owner rank only; with ``node``, ``"node"``, the homes shared
     by the node's ranks); the disk tier of global rank ``rank`` keeps its files in a folder of its own, beside those
     of the node's ``local_ranks``.
@@ -100,13 +106,15 @@ def start_streaming(
     Raises:
         MisconfigurationException: A knob the user gave does not suit the model or the run (the message quotes it),
             or the model holds quantized layers it cannot stream, or bitsandbytes 4-bit ones under knobs they do not
-            support yet (:class:`.QuantizedLayerError`); nothing was allocated.
+            support yet, or ``quantize_frozen`` meets what it does not support (:class:`.QuantizedLayerError`);
+            nothing was allocated.
     """
     blocks = find_blocks(model, options.blocks)
     check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
     check_quantized_layers(model, block_params, options)
+    check_quantize_frozen(options, model, block_params)
     planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
                                                         fitting)
     disk = options.offload_device == "disk"
@@ -118,18 +126,24 @@ def start_streaming(
         tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
                           ranks=ranks, rank=rank, local_ranks=local_ranks)
     move_the_rest(model, device, deferred, tier)
-    if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
-        ready_on_every_rank("start streaming")
-    homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype, node=node)
-    engine = StreamingEngine(
-        block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes, link=options.link,
-        activations=modes,
-    )
+    # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
+    clone_packed_entries(model, {param for params in block_params for param in params if packed_format(param)})
+    # Last before the homes, once nothing else can refuse the run; given back if building them fails.
+    frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype)
+    with given_back_on_error(frozen):
+        if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
+            ready_on_every_rank("start streaming")
+        homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype,
+                                                                        node=node)
+        engine = StreamingEngine(
+            block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes,
+            link=options.link, activations=modes,
+        )
     if ranks > 1:
         engine.gradients.averager = averager_for(block_params, trunk_params, device, options, ranks, node)
     hooks = attach_hooks(engine, model, blocks)
-    # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
-    clone_packed_entries(model, {param for params in block_params for param in params if packed_format(param)})
+    if frozen is not None:  # detached with the hooks when the run ends, before the engine closes
+        hooks.append(frozen)
     if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
         hooks.append(BlockValuesHook(tier, model))
         hooks[-1].attach()
