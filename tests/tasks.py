@@ -376,7 +376,7 @@ def once(key: Any, run: Callable[[], Task]) -> Finished:
     cases of a test (its emulated-link modes, its strategy knobs) compare against. A plain run does not depend on
     the case (the ``emulated_link`` fixture changes only ``SuperpipeStrategy``), and two plain runs are bitwise the
     same, so the cases compare against what each would have run itself. ``key`` must name everything ``run``
-    depends on."""
+    depends on (the ``emulated_link`` case too, for a run through the strategy)."""
     if key not in _PLAIN_RUNS:
         _PLAIN_RUNS[key] = Finished(run())
     return _PLAIN_RUNS[key]
