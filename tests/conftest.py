@@ -49,12 +49,43 @@ def _emulated_mode_of_case(function: str, case: int) -> str:
     return _EMULATED_MODES[(zlib.crc32(function.encode()) + case) % len(_EMULATED_MODES)]
 
 
+# The files that take longest (after each, its seconds in a loaded 2-core run), longest first. pytest-xdist hands whole
+# files to its workers in collection order (pyproject turns off its reordering by number of tests, which put the
+# files of a few long tests, such as the kill -9 chain, last: one worker then ran them alone for minutes), so these
+# start first and the many short files fill in the end.
+_LONGEST_FIRST = (
+    "test_strategy_disk.py",  # 338
+    "test_strategy_ddp.py",  # 245, two processes a run
+    "test_recipes_cli.py",  # 150
+    "test_disk_crash.py",  # 146, nine processes one after the other
+    "test_step_modes.py",  # 139
+    "test_strategy_lifecycle.py",  # 130
+    "test_strategy_activations.py",  # 120
+    "test_strategy_families.py",  # 110
+    "test_recipes_resume.py",  # 107
+    "test_planner_solver.py",  # 105
+    "test_moe_families.py",  # 105
+    "test_optimizer_overlap.py",  # 96
+    "test_moe_paging.py",  # 96
+    "test_strategy_habits.py",  # 83
+    "test_strategy_exactness.py",  # 82
+    "test_strategy_disk_families.py",  # 66
+    "test_moe_streaming.py",  # 60
+    "test_moe_callback.py",  # 50, one test
+    "test_strategy_memory.py",  # 40
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-k`/`-m` deselect, so a case's position does not depend on them
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With `SUPERPIPE_TEST_LINKS=one`, keeps each case of an `emulated_link` test on the CPU link and on one
+    """Puts the files of :data:`_LONGEST_FIRST` first, in that order (each file's tests in their own order).
+
+    With `SUPERPIPE_TEST_LINKS=one`, keeps each case of an `emulated_link` test on the CPU link and on one
     emulated mode. The two modes find the same ordering bugs through the checker (which tracks events, not timing);
     `lazy` also runs every copy as late as possible and `thread` runs them concurrently, so each test function still
     meets both across its cases."""
+    rank = {name: position for position, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest in collection order
     if _ALL_LINKS:
         return
     cases: dict[str, list[str]] = {}

@@ -1,4 +1,5 @@
-"""Runs on two CPU processes (gloo) for tests/test_strategy_ddp.py: ``python tests/ddp_script.py MODE OUT_DIR``.
+"""Runs on two CPU processes (gloo) for tests/test_strategy_ddp.py: ``python tests/ddp_script.py MODE OUT_DIR``
+(``MODE`` may join modes with ``+``: they run one after the other in the same processes).
 
 Lightning's subprocess launcher starts this script again for rank 1 at the first ``fit``; both processes then run
 every fit below in the same process group. Each rank saves what it saw to ``OUT_DIR/<name>_rank<r>.pt``.
@@ -356,7 +357,10 @@ def disagree(out: Path) -> None:
 if __name__ == "__main__":
     mode, folder = sys.argv[1], Path(sys.argv[2])
     try:
-        {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes, "disk": disk, "modes": modes}[mode](folder)
+        for part in mode.split("+"):  # "exact+modes": one mode after the other, in the same processes
+            {"exact": exact, "disagree": disagree, "node": node, "nodes": nodes, "disk": disk, "modes": modes}[part](
+                folder
+            )
     except BaseException:
         traceback.print_exc()
         raise

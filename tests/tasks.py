@@ -351,6 +351,47 @@ def fit_family(
     return fit_task(make, strategy, f.data(micro_batches, seed), val, seed=seed, **options)
 
 
+# ------------------------------------------------------------------------------------------------- the plain runs
+
+
+class Finished:
+    """What a finished run leaves to compare against: its losses, its validation losses and its final state (a
+    detached copy), read like a :class:`Task` by the comparisons (``losses``, ``val_losses``, ``state_dict()``)."""
+
+    def __init__(self, task: Task) -> None:
+        self.losses = list(task.losses)
+        self.val_losses = list(task.val_losses)
+        self._state = {key: value.detach().clone() for key, value in task.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The final weights and buffers."""
+        return self._state
+
+
+_PLAIN_RUNS: dict[Any, Finished] = {}
+
+
+def once(key: Any, run: Callable[[], Task]) -> Finished:
+    """``run()``'s result, run once per test process for each ``key``: for the plain Lightning runs that several
+    cases of a test (its emulated-link modes, its strategy knobs) compare against. A plain run does not depend on
+    the case (the ``emulated_link`` fixture changes only ``SuperpipeStrategy``), and two plain runs are bitwise the
+    same, so the cases compare against what each would have run itself. ``key`` must name everything ``run``
+    depends on (the ``emulated_link`` case too, for a run through the strategy)."""
+    if key not in _PLAIN_RUNS:
+        _PLAIN_RUNS[key] = Finished(run())
+    return _PLAIN_RUNS[key]
+
+
+def plain_fit(example: str, **overrides: Any) -> Finished:
+    """``fit(example, "auto", **overrides)``, run once per test process (``overrides`` hashable)."""
+    return once(("fit", example, tuple(sorted(overrides.items()))), lambda: fit(example, "auto", **overrides))
+
+
+def plain_fit_family(name: str, **options: Any) -> Finished:
+    """``fit_family(name, "auto", **options)``, run once per test process (``options`` hashable)."""
+    return once(("fit_family", name, tuple(sorted(options.items()))), lambda: fit_family(name, "auto", **options))
+
+
 # ------------------------------------------------------------------------------------------------------ the probes
 
 

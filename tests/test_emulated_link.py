@@ -174,7 +174,7 @@ def test_the_engine_takes_its_asynchronous_paths_and_stays_exact(mode: str) -> N
         original(self, *args)
 
     link = EmulatedLink(mode=mode)
-    plain = tasks.fit("gpt2", "auto")
+    plain = tasks.plain_fit("gpt2")  # once for both modes
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gradients_module.GradientReturn, "_accumulate", recording)
         streamed = tasks.fit("gpt2", SuperpipeStrategy(resident_blocks=0, prefetch=1, link=link))
@@ -225,7 +225,7 @@ def _streamed_fit(link: Any) -> tasks.Task:
 
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_seeded_ordering_bug_fails_under_the_emulator_and_passes_on_the_plain_cpu(mutation: str) -> None:
-    plain = tasks.fit("llama", "auto", max_steps=3)
+    plain = tasks.plain_fit("llama", max_steps=3)  # once for the four mutations
     with _mutated(*MUTATIONS[mutation]):
         # The synchronous CPU link cannot see it: this is the bug class the emulator is for.
         unnoticed = _streamed_fit(None)

@@ -157,8 +157,10 @@ def test_full_recipe_trains_every_weight_with_clipping(tmp_path: Path, monkeypat
 def test_eval_moe_recipe_keeps_the_experts_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
-    def smaller(settings: dict[str, Any]) -> None:  # the shipped recipe at half its depth and length, for time
-        settings["model"]["config"]["num_hidden_layers"] = 2
+    def smaller(settings: dict[str, Any]) -> None:
+        # The shipped recipe at half its depth, width and length, for time: calibration runs GPTQ over every expert's
+        # columns (56 of the 65 s the run took at full width).
+        settings["model"]["config"].update(num_hidden_layers=2, hidden_size=128, intermediate_size=256)
         settings["data"]["seq_len"] = 64
 
     recipe = write_recipe(tmp_path / "eval_moe_paged.yaml", MOE, smaller)
@@ -321,8 +323,9 @@ def test_the_console_script_runs_a_recipe_and_reports_bad_input_in_one_line(tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(cli.TRACEBACK_ENV, None)
     command = [superpipe_command(), "fit", "--config", LORA]
-    done = subprocess.run(
-        [*command, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0"],
+    done = subprocess.run(  # shorter rows and batches than the recipe's, for time: the command is what is tested
+        [*command, "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--data.seq_len", "32",
+         "--data.batch_size", "4"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -347,8 +350,14 @@ def test_the_full_recipe_runs_on_two_devices_with_the_disk_tier(tmp_path: Path) 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tier = tmp_path / "tier"
     tier.mkdir()
+
+    def smaller(settings: dict[str, Any]) -> None:  # the shipped recipe's model and rows shrunk: two ranks, for time
+        settings["model"]["config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        settings["data"].update(seq_len=32, batch_size=4)
+
+    recipe = write_recipe(tmp_path / "finetune_full.yaml", FULL, smaller)
     done = subprocess.run(
-        [superpipe_command(), "fit", "--config", FULL, *FEW_STEPS, *QUIET, "--trainer.devices", "2",
+        [superpipe_command(), "fit", "--config", recipe, *FEW_STEPS, *QUIET, "--trainer.devices", "2",
          "--trainer.strategy.init_args.memory_budget", "null", "--trainer.strategy.init_args.offload_device", "disk",
          "--trainer.strategy.init_args.offload_path", str(tier)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,

@@ -37,8 +37,9 @@ def _load(out: Path, name: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def exact_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``exact`` runs and, in the same two processes (one start-up fewer), the ``modes`` runs."""
     out = tmp_path_factory.mktemp("ddp_exact")
-    _launch("exact", out)
+    _launch("exact+modes", out)
     return out
 
 
@@ -74,10 +75,8 @@ def disk_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def modes_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ddp_modes")
-    _launch("modes", out)
-    return out
+def modes_run(exact_run: Path) -> Path:
+    return exact_run  # launched with the exact runs: their names do not overlap
 
 
 @pytest.fixture(scope="module")

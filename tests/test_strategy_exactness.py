@@ -23,7 +23,7 @@ def _relative(a: list[float], b: list[float]) -> float:
 def test_losses_and_weights_match_plain_lightning(family: str) -> None:
     """10 optimizer steps of AdamW with two parameter groups, an LR warm-up, clipping by norm, accumulation over
     two micro-batches and dropout on."""
-    plain = tasks.fit(family, "auto")
+    plain = tasks.plain_fit(family)  # once for the three links
     streamed = tasks.fit(family, "superpipe")
     assert len(plain.losses) == 20  # 10 steps x 2 micro-batches
     assert _relative(streamed.losses, plain.losses) < 1e-5
@@ -34,7 +34,7 @@ def test_losses_and_weights_match_plain_lightning(family: str) -> None:
 
 @pytest.mark.parametrize(("resident_blocks", "prefetch"), [(0, 0), (0, 2), (2, 1), (4, 0)])
 def test_knobs_do_not_change_results(resident_blocks: int, prefetch: int) -> None:
-    plain = tasks.fit("sequential", "auto", gradient_clip_algorithm="value")
+    plain = tasks.plain_fit("sequential", gradient_clip_algorithm="value")  # once for every knob and link
     streamed = tasks.fit(
         "sequential",
         SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=prefetch),
@@ -46,7 +46,7 @@ def test_knobs_do_not_change_results(resident_blocks: int, prefetch: int) -> Non
 
 def test_sgd_with_momentum_and_no_accumulation() -> None:
     options = dict(optimizer="sgd", accumulate_grad_batches=1, gradient_clip_val=None)
-    plain = tasks.fit("llama", "auto", **options)
+    plain = tasks.plain_fit("llama", **options)
     streamed = tasks.fit("llama", "superpipe", **options)
     assert len(plain.losses) == 10
     assert _relative(streamed.losses, plain.losses) < 1e-5

@@ -18,8 +18,8 @@ from tests import batches, families, tasks
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
 
-def _plain_and_streamed(name: str, **options: Any) -> tuple[tasks.Task, tasks.Task]:
-    plain = tasks.fit_family(name, "auto", **options)
+def _plain_and_streamed(name: str, **options: Any) -> tuple[tasks.Finished, tasks.Task]:
+    plain = tasks.plain_fit_family(name, **options)  # once for the three links
     streamed = tasks.fit_family(name, SuperpipeStrategy(resident_blocks=1, prefetch=1), **options)
     return plain, streamed
 
@@ -122,7 +122,7 @@ def test_bf16_mixed_is_plain_bf16_mixed_for_dense_families(name: str) -> None:
     """Matrices stream in bf16 (what autocast casts them to before each matmul); norms, biases and embedding tables
     stay fp32 and resident, as autocast keeps them. (Fused MoE experts stream in bf16 too, where plain autocast may
     compute them in fp32, so MoE families are close, not equal: see the README.)"""
-    plain = tasks.fit_family(name, "auto", precision="bf16-mixed")
+    plain = tasks.plain_fit_family(name, precision="bf16-mixed")
     streamed = tasks.fit_family(name, SuperpipeStrategy(), precision="bf16-mixed")
     assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-6
     assert tasks.max_relative_difference(streamed, plain) < 1e-6

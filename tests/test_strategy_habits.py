@@ -3,7 +3,7 @@ exactly what plain Lightning trains (fp32, relative difference below 1e-5)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -18,13 +18,14 @@ from tests import batches, tasks
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
 pytestmark = pytest.mark.usefixtures("emulated_link")
 
-def _strategies() -> list[Any]:
-    # Resident blocks and the trunk keep device copies across steps; streamed blocks are copied at every use: both
-    # must see every change.
-    return ["auto", SuperpipeStrategy(resident_blocks=1, prefetch=1)]
+def _plain_and_streamed(key: Any, run: Callable[[Any], tasks.Task]) -> tuple[tasks.Finished, tasks.Task]:
+    """``run("auto")`` (once per ``key`` for the three links) and ``run`` with the strategy. Resident blocks and the
+    trunk keep device copies across steps; streamed blocks are copied at every use: both must see every change."""
+    plain = tasks.once(("habits", key), lambda: run("auto"))
+    return plain, run(SuperpipeStrategy(resident_blocks=1, prefetch=1))
 
 
-def _assert_same(streamed: tasks.Task, plain: tasks.Task) -> None:
+def _assert_same(streamed: tasks.Task, plain: tasks.Finished) -> None:
     assert len(streamed.losses) == len(plain.losses) > 0
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
     assert tasks.max_relative_difference(streamed, plain) < 1e-5
@@ -50,7 +51,9 @@ class _ClipWeights(tasks.pl.Callback):
 
 @pytest.mark.parametrize("idiom", ["data", "no_grad"])
 def test_weights_clipped_in_a_callback_are_what_the_next_step_computes_with(idiom: str) -> None:
-    plain, streamed = (tasks.fit("llama", s, callbacks=[_ClipWeights(idiom)]) for s in _strategies())
+    plain, streamed = _plain_and_streamed(
+        ("clip", idiom), lambda s: tasks.fit("llama", s, callbacks=[_ClipWeights(idiom)])
+    )
     _assert_same(streamed, plain)
     assert all(p.abs().max() <= 0.05 for p in streamed.parameters())
 
@@ -59,13 +62,10 @@ def test_an_ema_swapped_in_for_validation_is_what_validation_sees() -> None:
     """Lightning's EMA callback swaps the averaged weights in with ``param.data.copy_`` for validation and back."""
     options = dict(max_steps=-1, max_epochs=2, limit_train_batches=6, limit_val_batches=2, accumulate_grad_batches=1)
 
-    plain, streamed = (
-        tasks.fit_task(
-            lambda: tasks.Task(tasks.llama, "lm"), s, batches.data("lm"), batches.data("lm", batches=2, seed=1),
-            callbacks=[EMAWeightAveraging(decay=0.5)], **options,
-        )
-        for s in _strategies()
-    )
+    plain, streamed = _plain_and_streamed("ema", lambda s: tasks.fit_task(
+        lambda: tasks.Task(tasks.llama, "lm"), s, batches.data("lm"), batches.data("lm", batches=2, seed=1),
+        callbacks=[EMAWeightAveraging(decay=0.5)], **options,
+    ))
     _assert_same(streamed, plain)  # the final weights are the average, copied in at the end of training
     np.testing.assert_allclose(streamed.val_losses, plain.val_losses, rtol=1e-5)
     assert len(streamed.val_losses) == 4
@@ -85,7 +85,9 @@ def test_load_state_dict_by_hand_mid_run() -> None:
                 self.done = True
                 pl_module.load_state_dict(self.initial)
 
-    plain, streamed = (tasks.fit("llama", s, callbacks=[Rewind()], accumulate_grad_batches=1) for s in _strategies())
+    plain, streamed = _plain_and_streamed(
+        "rewind", lambda s: tasks.fit("llama", s, callbacks=[Rewind()], accumulate_grad_batches=1)
+    )
     _assert_same(streamed, plain)
     assert streamed.losses[3] == pytest.approx(streamed.losses[0], rel=0.05)  # back at the start (other batch)
 
@@ -98,10 +100,9 @@ def test_lbfgs_evaluates_its_closure_with_the_weights_it_just_set() -> None:
             return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=5, history_size=4)
 
     options = dict(max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
-    plain, streamed = (
-        tasks.fit_task(lambda: LBFGSTask(tasks.sequential, "vector"), s, batches.data("vector"), **options)
-        for s in _strategies()
-    )
+    plain, streamed = _plain_and_streamed("lbfgs", lambda s: tasks.fit_task(
+        lambda: LBFGSTask(tasks.sequential, "vector"), s, batches.data("vector"), **options
+    ))
     assert len(plain.losses) > 4  # several closure evaluations per step
     _assert_same(streamed, plain)
 
@@ -119,8 +120,8 @@ def test_manual_optimization_with_two_backwards_per_step() -> None:
             return torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
 
     options = dict(max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
-    plain, streamed = (
-        tasks.fit_task(lambda: Manual(tasks.gpt2, "lm"), s, batches.data("lm"), **options) for s in _strategies()
+    plain, streamed = _plain_and_streamed(
+        "manual", lambda s: tasks.fit_task(lambda: Manual(tasks.gpt2, "lm"), s, batches.data("lm"), **options)
     )
     assert len(plain.losses) == 8
     _assert_same(streamed, plain)
@@ -143,13 +144,10 @@ def test_base_finetuning_unfreezes_layers_at_epoch_one() -> None:
 
     tasks.pl.seed_everything(7, verbose=False)
     initial = tasks.HeadFirstTask(tasks.llama, "lm")
-    plain, streamed = (
-        tasks.fit_task(
-            lambda: tasks.HeadFirstTask(tasks.llama, "lm"), s, batches.data("lm"),
-            callbacks=[tasks.UnfreezeLayersAtEpochOne()], **options
-        )
-        for s in _strategies()
-    )
+    plain, streamed = _plain_and_streamed("unfreeze", lambda s: tasks.fit_task(
+        lambda: tasks.HeadFirstTask(tasks.llama, "lm"), s, batches.data("lm"),
+        callbacks=[tasks.UnfreezeLayersAtEpochOne()], **options
+    ))
     _assert_same(streamed, plain)
     # The layers trained in epoch 1 (they moved 0.0 when the strategy read `requires_grad` only at set-up).
     assert tasks.max_relative_difference(streamed.model.model.layers, initial.model.model.layers) > 1e-3
@@ -172,10 +170,9 @@ def test_parameters_frozen_mid_run_stop_moving() -> None:
             if trainer.global_step == 2:
                 pl_module.frozen = {n: p.clone() for n, p in pl_module.named_parameters() if ".mlp." in n}
 
-    plain, streamed = (
-        tasks.fit("llama", s, callbacks=[FreezeMlpAtStep2()], accumulate_grad_batches=1, gradient_clip_val=None)
-        for s in _strategies()
-    )
+    plain, streamed = _plain_and_streamed("freeze", lambda s: tasks.fit(
+        "llama", s, callbacks=[FreezeMlpAtStep2()], accumulate_grad_batches=1, gradient_clip_val=None
+    ))
     _assert_same(streamed, plain)
     for name, param in streamed.named_parameters():
         if ".mlp." in name:
@@ -220,7 +217,9 @@ def test_unused_parameters_get_no_gradient_and_are_not_moved_by_weight_decay() -
         task.initial = {k: v.clone() for k, v in task.state_dict().items()}  # type: ignore[attr-defined]
         return task
 
-    plain, streamed = (tasks.fit_task(make, s, batches.data("vector"), max_steps=4) for s in _strategies())
+    plain, streamed = _plain_and_streamed(
+        "unused", lambda s: tasks.fit_task(make, s, batches.data("vector"), max_steps=4)
+    )
     _assert_same(streamed, plain)
     unused = [n for n in streamed.state_dict() if ".unused." in n or n.startswith("model.model.3.")]
     assert len(unused) == 8
@@ -252,10 +251,9 @@ def _conv_net() -> nn.Module:
 
 def test_batchnorm_statistics_in_streamed_blocks_update_once_per_forward() -> None:
     options = dict(max_steps=-1, max_epochs=1, limit_train_batches=6, limit_val_batches=2)
-    plain, streamed = (
-        tasks.fit_task(lambda: tasks.Task(_conv_net, "vector"), s, _images(), _images(batches=2, seed=1), **options)
-        for s in _strategies()
-    )
+    plain, streamed = _plain_and_streamed("batchnorm", lambda s: tasks.fit_task(
+        lambda: tasks.Task(_conv_net, "vector"), s, _images(), _images(batches=2, seed=1), **options
+    ))
     _assert_same(streamed, plain)  # includes running_mean, running_var and num_batches_tracked
     tracked = [int(b) for n, b in streamed.named_buffers() if n.endswith("num_batches_tracked")]
     assert tracked == [6] * 4  # 6 micro-batches; the recomputation in backward did not count again

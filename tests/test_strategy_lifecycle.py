@@ -26,7 +26,7 @@ def test_validation_between_epochs_and_sanity_check_match_plain() -> None:
         tasks.trainer(strategy, **options).fit(task, batches.data("lm"), batches.data("lm", batches=3, seed=1))
         return task
 
-    plain, streamed = run("auto"), run("superpipe")
+    plain, streamed = tasks.once("lifecycle-validation", lambda: run("auto")), run("superpipe")  # plain: once
     assert len(streamed.val_losses) == 2 + 2 * 3
     np.testing.assert_allclose(streamed.val_losses, plain.val_losses, rtol=1e-5)
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
@@ -86,7 +86,7 @@ def test_lora_trains_adapters_only_and_matches_plain() -> None:
         task.frozen_before = frozen  # type: ignore[attr-defined]
         return task
 
-    plain, streamed = run("auto"), run("superpipe")
+    plain, streamed = tasks.once("lifecycle-lora", lambda: run("auto")), run("superpipe")  # plain: once
     np.testing.assert_allclose(streamed.losses, plain.losses, rtol=1e-5)
     assert tasks.max_relative_difference(streamed, plain) < 1e-5
     for name, param in streamed.named_parameters():
@@ -105,7 +105,7 @@ def test_bf16_mixed_streams_bf16_and_keeps_fp32_masters() -> None:
             transfer_dtypes.update(slot.flat.dtype for slot in trainer.strategy.engine._slots)
 
     options = dict(precision="bf16-mixed", gradient_clip_val=1.0)
-    plain = tasks.fit("llama", "auto", **options)
+    plain = tasks.plain_fit("llama", **options)  # once for the three links
     streamed = tasks.fit("llama", SuperpipeStrategy(resident_blocks=0), callbacks=[Spy()], **options)
     assert transfer_dtypes == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in streamed.parameters())
@@ -117,8 +117,8 @@ def test_bf16_mixed_streams_bf16_and_keeps_fp32_masters() -> None:
 
 def test_fused_adamw_clips_under_bf16_mixed() -> None:
     """bf16-mixed uses no gradient scaler, so the fastest host optimizer (fused AdamW) can clip; Lightning 2.6's
-    mixed-precision plugin refuses it, the strategy lets it."""
-    options = dict(precision="bf16-mixed", gradient_clip_val=0.5)
+    mixed-precision plugin refuses it, the strategy lets it (four steps, each clipped by norm)."""
+    options = dict(precision="bf16-mixed", gradient_clip_val=0.5, max_steps=4)
     loop = tasks.fit("llama", "superpipe", **options)
     fused = tasks.fit("llama", "superpipe", optimizer="adamw-fused", **options)
     np.testing.assert_allclose(fused.losses, loop.losses, rtol=1e-2)
