@@ -493,3 +493,48 @@ def self_check() -> None:
 if __name__ == "__main__":
     self_check()
     print("self-check passed;", len(FAMILIES), "families:", ", ".join(FAMILIES))
+
+
+def fit_lm(build: Callable[[], nn.Module], strategy: Any, steps: int = 3, **overrides: Any) -> Task:
+    """Trains the causal LM ``build`` makes ``steps`` AdamW steps of two micro-batches of the ``llama`` family's token
+    ids (the same for every architecture here), no clipping, seeded as :func:`fit_task` seeds; ``overrides`` go to
+    the Trainer."""
+    from tests import families
+
+    data = families.get("llama").data(2 * steps, SEED)
+    make = lambda: Task(build, "causal_lm", lr=1e-2, schedule=False, loss=families.hf_loss)  # noqa: E731
+    return fit_task(make, strategy, data, max_steps=steps, gradient_clip_val=None, **overrides)
+
+
+def state_differences(a: nn.Module, b: nn.Module) -> list[str]:
+    """The entries of two models' state dicts that are not bitwise equal (dtype, shape and values: ``torch.equal``
+    alone compares values across dtypes), or present in one only."""
+    x, y = a.state_dict(), b.state_dict()
+    same = lambda u, v: u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v)  # noqa: E731
+    return sorted(set(x) ^ set(y)) + [key for key in x if key in y and not same(x[key], y[key])]
+
+
+def resume_after_an_epoch(make: Callable[[], Task], strategy: Callable[[], Any], folder: Any) -> dict[str, Any]:
+    """Two epochs of two steps each uninterrupted (``whole``); the first alone with a ``last.ckpt`` in ``folder``
+    (``first``, ``checkpoint``), saved again after ``fit`` (``after``); the second resumed from ``last.ckpt`` into a
+    model ``make`` builds afresh (``resumed``). Checks that the checkpoint holds the trainable parameters' optimizer
+    state only, and that the one saved after ``fit`` holds the same values."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests import families
+
+    data = lambda: families.get("llama").data(4, SEED)  # noqa: E731  an epoch: two steps of two micro-batches
+    epochs = dict(max_steps=-1, gradient_clip_val=None)
+    whole = fit_task(make, strategy(), data(), max_epochs=2, **epochs)
+    saving = ModelCheckpoint(dirpath=folder, save_last=True)
+    first = fit_task(make, strategy(), data(), max_epochs=1, enable_checkpointing=True, callbacks=[saving], **epochs)
+    checkpoint = torch.load(folder / "last.ckpt", weights_only=False)
+    assert len(checkpoint["optimizer_states"][0]["state"]) == len([p for p in first.parameters() if p.requires_grad])
+    first.trainer.save_checkpoint(folder / "after.ckpt")
+    after = torch.load(folder / "after.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(value, checkpoint["state_dict"][key]) for key, value in after.items())
+    pl.seed_everything(SEED, verbose=False)
+    resumed = make()
+    pl.seed_everything(SEED + 1, verbose=False)
+    trainer(strategy(), max_epochs=2, **epochs).fit(resumed, data(), ckpt_path=folder / "last.ckpt")
+    return dict(whole=whole, first=first, checkpoint=checkpoint, resumed=resumed)

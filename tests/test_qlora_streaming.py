@@ -70,25 +70,8 @@ def qlora(folder: Path, quant_type: str = "nf4", double_quant: bool = False, pre
     return model.train()
 
 
-def fit_qlora(build: Callable[[], nn.Module], strategy: Any, steps: int = 3, **overrides: Any) -> tasks.Task:
-    """Trains the model ``build`` makes ``steps`` AdamW steps of two micro-batches (the loader of the ``llama``
-    family: the same token ids for every architecture here), seeded as :func:`tests.tasks.fit_task` seeds;
-    ``overrides`` go to the Trainer."""
-    data = families.get("llama").data(2 * steps, tasks.SEED)
-    make = lambda: tasks.Task(build, "causal_lm", lr=1e-2, schedule=False, loss=families.hf_loss)  # noqa: E731
-    return tasks.fit_task(make, strategy, data, max_steps=steps, gradient_clip_val=None, **overrides)
-
-
-def differences(a: nn.Module, b: nn.Module) -> list[str]:
-    """The entries of two models' state dicts (LoRA weights, norms, the 4-bit weights and their quantization state)
-    that are not bitwise equal, or present in one only."""
-    x, y = a.state_dict(), b.state_dict()
-    return sorted(set(x) ^ set(y)) + [key for key in x if key in y and not _same(x[key], y[key])]
-
-
-def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Same dtype, shape and values (``torch.equal`` alone compares values across dtypes)."""
-    return x.dtype == y.dtype and torch.equal(x, y)
+fit_qlora = tasks.fit_lm
+differences = tasks.state_differences
 
 
 def test_the_comparison_sees_one_ulp_and_one_4bit_code(saved: Callable[..., Path]) -> None:
@@ -273,8 +256,6 @@ def test_a_checkpoint_resumes_as_the_uninterrupted_run(saved: Callable[..., Path
     4-bit base is no trainable state), and ``fit(ckpt_path=...)`` continues as the run that was never stopped; one
     written after ``fit`` (the 4-bit tensors still views of their homes) saves too. The task loads non-strictly:
     torch's strict load does not know bitsandbytes' quantization-state keys, in plain Lightning neither."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     build = lambda: qlora(saved("qwen2"), "nf4", True, prepare=True)  # noqa: E731
 
     def make() -> tasks.Task:
@@ -282,24 +263,6 @@ def test_a_checkpoint_resumes_as_the_uninterrupted_run(saved: Callable[..., Path
         task.strict_loading = False
         return task
 
-    def data() -> Any:
-        return families.get("llama").data(4, tasks.SEED)  # an epoch: two steps of two micro-batches
-
-    epochs = dict(max_steps=-1, gradient_clip_val=None)
-    whole = tasks.fit_task(make, SuperpipeStrategy(), data(), max_epochs=2, **epochs)
-    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = tasks.fit_task(make, SuperpipeStrategy(), data(), max_epochs=1, enable_checkpointing=True,
-                           callbacks=[saving], **epochs)
-    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    adapters = [p for p in first.parameters() if p.requires_grad]
-    assert len(checkpoint["optimizer_states"][0]["state"]) == len(adapters)
-    first.trainer.save_checkpoint(tmp_path / "after.ckpt")
-    after = torch.load(tmp_path / "after.ckpt", weights_only=False)["state_dict"]
-    assert all(torch.equal(value, checkpoint["state_dict"][key]) for key, value in after.items())
-    tasks.pl.seed_everything(tasks.SEED, verbose=False)
-    resumed = make()
-    tasks.pl.seed_everything(tasks.SEED + 1, verbose=False)
-    resuming = tasks.trainer(SuperpipeStrategy(), max_epochs=2, **epochs)
-    resuming.fit(resumed, data(), ckpt_path=tmp_path / "last.ckpt")
-    assert resumed.losses == whole.losses[4:]
-    assert differences(resumed, whole) == []
+    runs = tasks.resume_after_an_epoch(make, SuperpipeStrategy, tmp_path)
+    assert runs["resumed"].losses == runs["whole"].losses[4:]
+    assert differences(runs["resumed"], runs["whole"]) == []

@@ -10,7 +10,7 @@ shape is right (see :mod:`lightning_superpipe.memory.frozen4bit`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -77,19 +77,8 @@ def rounded(model: nn.Module, blocks: str, mode: str = "nf4") -> nn.Module:
     return model
 
 
-def differences(a: nn.Module, b: nn.Module) -> list[str]:
-    """The entries of two models' state dicts that are not bitwise equal (dtype, shape, values), or in one only."""
-    x, y = a.state_dict(), b.state_dict()
-    same = lambda u, v: u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v)  # noqa: E731
-    return sorted(set(x) ^ set(y)) + [key for key in x if key in y and not same(x[key], y[key])]
-
-
-def fit_lm(build: Callable[[], nn.Module], strategy: Any, steps: int = 3, **overrides: Any) -> tasks.Task:
-    """``steps`` AdamW steps of two micro-batches of the ``llama`` family's token ids, seeded as
-    :func:`tests.tasks.fit_task` seeds."""
-    data = families.get("llama").data(2 * steps, tasks.SEED)
-    make = lambda: tasks.Task(build, "causal_lm", lr=1e-2, schedule=False, loss=families.hf_loss)  # noqa: E731
-    return tasks.fit_task(make, strategy, data, max_steps=steps, gradient_clip_val=None, **overrides)
+differences = tasks.state_differences
+fit_lm = tasks.fit_lm
 
 
 BLOCKS = {"llama": ".layers.", "qwen2": ".layers.", "gpt2": ".h."}
@@ -237,31 +226,13 @@ def test_a_checkpoint_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     """A ``.ckpt`` of the first epoch holds the adapters' optimizer state and the frozen base's dequantized values
     (plain Lightning's checkpoint of the rounded model); ``fit(ckpt_path=...)`` continues as the run never stopped
     (the values quantize to themselves). One written after ``fit`` holds the same values."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     def make() -> tasks.Task:
         return tasks.Task(lambda: lora("qwen2"), "causal_lm", lr=1e-2, schedule=False, loss=families.hf_loss)
 
-    data = lambda: families.get("llama").data(4, tasks.SEED)  # noqa: E731  an epoch: two steps
-    epochs = dict(max_steps=-1, gradient_clip_val=None)
-    whole = tasks.fit_task(make, SuperpipeStrategy(quantize_frozen="nf4"), data(), max_epochs=2, **epochs)
-    saving = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    first = tasks.fit_task(make, SuperpipeStrategy(quantize_frozen="nf4"), data(), max_epochs=1,
-                           enable_checkpointing=True, callbacks=[saving], **epochs)
-    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
-    adapters = [p for p in first.parameters() if p.requires_grad]
-    assert len(checkpoint["optimizer_states"][0]["state"]) == len(adapters)
-    assert all(torch.isfinite(value).all() for value in checkpoint["state_dict"].values())
-    first.trainer.save_checkpoint(tmp_path / "after.ckpt")
-    after = torch.load(tmp_path / "after.ckpt", weights_only=False)["state_dict"]
-    assert all(torch.equal(value, checkpoint["state_dict"][key]) for key, value in after.items())
-    tasks.pl.seed_everything(tasks.SEED, verbose=False)
-    resumed = make()
-    tasks.pl.seed_everything(tasks.SEED + 1, verbose=False)
-    tasks.trainer(SuperpipeStrategy(quantize_frozen="nf4"), max_epochs=2, **epochs).fit(
-        resumed, data(), ckpt_path=tmp_path / "last.ckpt")
-    assert resumed.losses == whole.losses[4:]
-    assert differences(resumed, whole) == []
+    runs = tasks.resume_after_an_epoch(make, lambda: SuperpipeStrategy(quantize_frozen="nf4"), tmp_path)
+    assert all(torch.isfinite(value).all() for value in runs["checkpoint"]["state_dict"].values())
+    assert runs["resumed"].losses == runs["whole"].losses[4:]
+    assert differences(runs["resumed"], runs["whole"]) == []
 
 
 @pytest.mark.parametrize(
