@@ -236,3 +236,17 @@ def test_the_default_sharding_falls_back_where_one_copy_per_node_is_refused() ->
     assert choose(shared_free=None) == (True, "this machine has no /dev/shm for the node's shared copy of the blocks")
     small = choose(shared_free=1 << 20, shared_needed=1 << 21)
     assert small[0] is True and "/dev/shm has 1 MiB free" in small[1]
+
+
+def test_a_block_of_two_dtypes_is_one_clear_error_and_the_model_is_untouched() -> None:
+    """A bfloat16 base under LoRA adapters peft made in float32 (its default `autocast_adapter_dtype`): one error
+    naming two parameters and the ways out, before anything is allocated, instead of a `TypeError` from the homes."""
+    peft = pytest.importorskip("peft")
+    task = tasks.build_task("llama")
+    task.model = peft.get_peft_model(task.model.to(torch.bfloat16), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    before = {name: (p.dtype, p.data_ptr()) for name, p in task.named_parameters()}
+    assert {dtype for dtype, _ in before.values()} == {torch.bfloat16, torch.float32}
+    with pytest.raises(MisconfigurationException, match=r"block 0 holds .*q_proj.* in torch\.bfloat16 and .*lora_A"
+                       r".* in torch\.float32.*autocast_adapter_dtype=False.*Nothing was allocated"):
+        tasks.trainer("superpipe", max_steps=1).fit(task, batches.data("lm"))
+    assert {name: (p.dtype, p.data_ptr()) for name, p in task.named_parameters()} == before

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
-from lightning_superpipe.memory.packed import packed_format
+from lightning_superpipe.memory.packed import packed_format, split_packed
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.streaming.blocks import assign_parameters, describe, describe_stacks, find_blocks
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
@@ -114,6 +114,7 @@ def start_streaming(
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
     check_quantized_layers(model, block_params, options)
+    check_block_dtypes(model, block_params)
     check_quantize_frozen(options, model, block_params)
     planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
                                                         fitting)
@@ -150,6 +151,33 @@ def start_streaming(
         if optimizer is not None:
             tier.manual_optimization = not trainer.lightning_module.automatic_optimization
     return StreamingSession(engine, hooks, planner, stacks, options.overlap_optimizer)
+
+
+def check_block_dtypes(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]]) -> None:
+    """Refuses, before anything is allocated, a block whose floating parameters do not share a dtype (a bf16 base
+    under adapters peft made in float32): each block streams from one flat buffer of one dtype.
+
+    Raises:
+        MisconfigurationException: Naming two of the parameters and what to do.
+    """
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    names = {p: name for name, p in model.named_parameters()}
+    for index, params in enumerate(block_params):
+        floating, _ = split_packed(params)
+        first = {}
+        for param in floating:
+            first.setdefault(param.dtype, param)
+        if len(first) > 1:
+            (a_dtype, a), (b_dtype, b) = list(first.items())[:2]
+            raise MisconfigurationException(
+                f"SuperpipeStrategy streams each block from one buffer of one dtype, but block {index} holds"
+                f" {names.get(a, 'a parameter')!r} in {a_dtype} and {names.get(b, 'another')!r} in {b_dtype} (a"
+                " 16-bit base under adapters peft made in float32, say). Give the block one dtype before `fit`:"
+                " `model.to(torch.bfloat16)` after `get_peft_model` (or `get_peft_model(...,"
+                " autocast_adapter_dtype=False)`), or load the base in float32 and train with"
+                " precision='bf16-mixed', which streams it in bfloat16. Nothing was allocated."
+            )
 
 
 def check_for_run(
