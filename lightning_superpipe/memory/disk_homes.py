@@ -421,7 +421,7 @@ class DiskTier(Homes):
         if self._found_inf or self._speculation is not None or self.store.pending:
             return None
         scale, clip_value, _ = self._take_step_settings()
-        spilled = [i for i in range(len(self.store.params)) if self.store.spilled(i)]
+        spilled = self._spilled_blocks()
         self._launched = spilled
         if not spilled:
             return None
@@ -476,10 +476,14 @@ class DiskTier(Homes):
                     " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
                 )
             self.store.commit()
-        spilled = [i for i in range(len(self.store.params)) if self.store.spilled(i)]
+        spilled = self._spilled_blocks()
         if spilled:
             self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value)
         return stepped + spilled
+
+    def _spilled_blocks(self) -> list[int]:
+        """The blocks whose gradients are in their files, in block order."""
+        return [i for i in range(len(self.store.params)) if self.store.spilled(i)]
 
     def _take_step_settings(self) -> tuple[Optional[Tensor], Optional[float], Optional[Any]]:
         """What this optimizer step applies to the blocks' gradients, taken for it (the next step starts afresh):

@@ -131,11 +131,15 @@ class DiskReads:
     def release_copied(self) -> None:
         """Waits for the copies in flight and gives their buffers back (before waiting for a pipelined step, which
         may need them)."""
-        assert self.copier is not None
         while self._in_flight:
-            event, lease = self._in_flight.popleft()
-            self.copier.wait_on_host(event)
-            lease.release()
+            self._release_oldest_copy()
+
+    def _release_oldest_copy(self) -> None:
+        """Waits for the oldest copy in flight and gives its buffer back."""
+        assert self.copier is not None
+        event, lease = self._in_flight.popleft()
+        self.copier.wait_on_host(event)
+        lease.release()
 
     def release_all(self) -> None:
         """Gives every buffer back to the pool (the copies are done: the caller synchronized)."""
@@ -153,9 +157,7 @@ class DiskReads:
         assert self.copier is not None
         while len(self._ahead) + len(self._in_flight) >= self._cap:
             if self._in_flight:
-                event, lease = self._in_flight.popleft()
-                self.copier.wait_on_host(event)
-                lease.release()
+                self._release_oldest_copy()
                 continue
             with self._lock:
                 if not self._ahead:

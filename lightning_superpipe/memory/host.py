@@ -202,6 +202,7 @@ class BlockHome:
         self._seen = {piece.param: master_state(piece.param) for piece in self.slices}
         #: Bytes copied to the device over the run, and the packed weights' share of them.
         self.copied_bytes = self.copied_packed_bytes = 0
+        self._packed_numel = sum(piece.numel for piece in self.packed)  # per copy, counted without a walk
 
     def copy_in(self, dst: Tensor, link: Link, after: Event, what: str, layout: Optional[DeviceLayout] = None) -> Event:
         """Copies the transfer buffer into the device buffer ``dst``: one copy, or with ``layout`` one per run of the
@@ -209,7 +210,7 @@ class BlockHome:
         itemsize = self.transfer.element_size()
         if layout is None:
             self.copied_bytes += self.numel * itemsize
-            self.copied_packed_bytes += sum(piece.numel for piece in self.packed) * itemsize
+            self.copied_packed_bytes += self._packed_numel * itemsize
             return link.to_device(dst, self.transfer, after, what)
         done = after  # nothing to copy: the buffer is ready when it is free
         for host, device, numel in layout.ranges:

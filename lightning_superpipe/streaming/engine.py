@@ -314,7 +314,7 @@ class StreamingEngine:
         """
         self.pending.wait_trunk()  # a pipelined step writes the trunk's masters first (but those used after blocks)
         self._deferred_trunk = set(self.pending.late_trunk)  # copied at their first use (trunk_tensor)
-        pending = self.pending.pending_blocks  # their homes are the optimizer thread's until their steps are done
+        pending = frozenset(self.pending.pending_blocks)  # the optimizer thread's homes for now
         changed = [(index, home, [] if index in pending else home.changed())
                    for index, home in enumerate(self.homes) if home is not None]
         synced, self._synced_in_backward = self._synced_in_backward, set()

@@ -19,7 +19,7 @@ end of the run.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Optional
 
@@ -71,9 +71,10 @@ class PipelinedStep:
         self.waited_s = 0.0
 
     @property
-    def pending_blocks(self) -> frozenset[int]:
-        """Blocks launched and not yet waited for (their homes are written by the optimizer thread)."""
-        return frozenset(self._blocks)
+    def pending_blocks(self) -> KeysView[int]:
+        """Blocks launched and not yet waited for (their homes are written by the optimizer thread): a live view, not
+        a copy, since the engine asks at every block it acquires."""
+        return self._blocks.keys()
 
     def launch(
         self,
