@@ -69,6 +69,9 @@ class Frozen4bit:
         self.data, self.state, self.mode = data, state, mode
         self.dtype, self.compute_dtype, self.shape = dtype, compute_dtype, shape
         self.name = f"quantize_frozen={mode!r}"
+        #: Stays in 4 bits when its run ends: its values were never whole in host memory (:func:`quantize`'s
+        #: ``values`` came from a deferred init), so giving them back could exhaust it.
+        self.kept = False
         self._paths = state_paths(state)  # fixed: the state's tensors, in the order :meth:`tensors` gives them
 
     def tensors(self, param: nn.Parameter) -> list[Tensor]:
@@ -118,7 +121,7 @@ def placeholder(shape: torch.Size, dtype: torch.dtype) -> Tensor:
     return torch.full((), float("nan"), dtype=dtype).expand(shape)
 
 
-def quantize(param: nn.Parameter, mode: str, compute_dtype: torch.dtype) -> Frozen4bit:
+def quantize(param: nn.Parameter, mode: str, compute_dtype: torch.dtype, values: Optional[Tensor] = None) -> Frozen4bit:
     """Quantizes ``param``'s values in 4 bits (``mode``, a key of :data:`MODES`), attaches the result to it as its
     packed format (:data:`~.packed.PACKED_ATTR`) and replaces its storage by a :func:`placeholder`.
 
@@ -126,6 +129,7 @@ def quantize(param: nn.Parameter, mode: str, compute_dtype: torch.dtype) -> Froz
         param: A frozen floating-point matrix (or higher-dimensional weight) in host memory.
         mode: ``"nf4"``, ``"nf4-dq"``, ``"fp4"`` or ``"fp4-dq"``.
         compute_dtype: The dtype its block computes in on the device (what it is dequantized into there).
+        values: Its values, where they are not in its own storage yet (a deferred init's, made apart from it).
 
     Returns:
         Its format.
@@ -133,7 +137,7 @@ def quantize(param: nn.Parameter, mode: str, compute_dtype: torch.dtype) -> Froz
     from bitsandbytes.functional import quantize_4bit
 
     quant_type, double = MODES[mode]
-    values = param.detach().reshape(-1)
+    values = (param.detach() if values is None else values).reshape(-1)
     if values.dtype not in QUANTIZABLE:
         values = values.float()
     data, state = quantize_4bit(values.contiguous(), blocksize=BLOCKSIZE, compress_statistics=double,
@@ -158,3 +162,14 @@ def restore(param: nn.Parameter) -> None:
         return
     param.data = format.dequantized()
     delattr(param, PACKED_ATTR)
+
+
+def quantized_bytes(numel: int, mode: str) -> int:
+    """The host bytes :func:`quantize` keeps for a matrix of ``numel`` elements in ``mode``: the codes (two per byte)
+    and the scales (one float32 per block of 64 weights, or with double quantization one byte per block plus a
+    float32 per 256 blocks and the 256-entry code of the scales' quantizer)."""
+    blocks = -(-numel // BLOCKSIZE)
+    codes = -(-numel // 2) + 16 * 4  # and the 16-entry code of NF4 or FP4
+    if not MODES[mode][1]:
+        return codes + 4 * blocks
+    return codes + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4

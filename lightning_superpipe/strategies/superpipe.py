@@ -141,7 +141,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         )
         self._run_options: Optional[SuperpipeOptions] = None  # the knobs of the last run: shard_optimizer resolved
         self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
-        self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` under the disk tier
+        self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` (model_sharded_context)
         self._streaming: Optional[StreamingSession] = None
         self._planner: Optional[BudgetPlanner] = None  # kept after the run, for `plan` and its profile
         self._fitting = False
@@ -175,9 +175,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        if self._deferred is not None and type(self.precision_plugin).convert_module is not Precision.convert_module:
-            self._deferred.materialize(self.model)  # it reads every value
-        self.model = self.precision_plugin.convert_module(self.model)
+        with self._deferred if self._deferred is not None else nullcontext():  # a cast runs the init calls it reads
+            self.model = self.precision_plugin.convert_module(self.model)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         self._run_options = self.resolve_sharding(self.options, trainer)
         # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
@@ -240,10 +239,11 @@ class SuperpipeStrategy(CheckpointingStrategy):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model`` (only there): with the disk tier, the init functions of the modules built in
-        it are recorded and replayed one block at a time as the blocks are written to their files, so that the model
-        never sits whole in host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
-        if self.offload_device != "disk":
+        """Around ``configure_model`` (only there): with the disk tier or ``quantize_frozen``, the init functions of
+        the modules built in it (and :func:`~lightning_superpipe.load_safetensors`' reads) are recorded and replayed
+        one block at a time as the blocks are written to their files or their frozen matrices quantized, so that the
+        model never sits whole in host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
+        if self.offload_device != "disk" and self.quantize_frozen is None:
             yield
             return
         self._deferred = self._deferred or DeferredInit()

@@ -47,7 +47,7 @@ _NO_READ = {
     "__get__", "__set__", "size", "dim", "stride", "storage_offset", "numel", "data_ptr", "untyped_storage",
     "is_contiguous", "element_size", "requires_grad_", "detach", "view", "view_as", "t", "transpose", "permute",
     "narrow", "select", "unsqueeze", "squeeze", "expand", "expand_as", "as_strided", "__len__", "__hash__",
-    "is_floating_point", "is_complex", "_make_subclass",
+    "is_floating_point", "is_complex", "_make_subclass", "_has_compatible_shallow_copy_type",
 }
 
 
@@ -120,6 +120,8 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
                 return target  # what the function itself does for a tensor transformers has loaded
             self._record(func, args, kwargs, target)
             return target
+        if name == "to" and args and isinstance(args[0], Tensor) and _same_tensor_after(args[0], args[1:], kwargs):
+            return args[0]  # a cast to its own dtype and device reads nothing (a precision plugin's convert_module)
         if name not in _NO_READ and not (name == "__getitem__" and _basic_index(args[1])):
             for value in tree_flatten((args, kwargs))[0]:
                 if isinstance(value, Tensor) and value.device.type == "cpu":
@@ -198,6 +200,12 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
         record), so that replaying them gives them whole."""
         records = self._pending.get(_storage_key(tensor))
         return records is not None and _covers_storage(tensor) and _covers_storage(records[0].target)
+
+    def pending_bytes(self, tensors: Iterable[Tensor]) -> int:
+        """Bytes of ``tensors``' storages that still wait for their records (each storage once): host memory that
+        running them in place will fill."""
+        storages = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors if _storage_key(t) in self._pending}
+        return sum(storages.values())
 
     def discard(self, tensors: Iterable[Tensor]) -> None:
         """Drops the records of ``tensors``' storages (values loaded from a checkpoint replace them)."""
@@ -425,6 +433,14 @@ def _covers_storage(tensor: Tensor) -> bool:
         and tensor.is_contiguous()
         and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
     )
+
+
+def _same_tensor_after(tensor: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``tensor.to(*args, **kwargs)`` returns ``tensor`` itself (asked of an empty tensor like it)."""
+    if kwargs.get("copy") or "memory_format" in kwargs:
+        return False
+    probe = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return probe.to(*args, **kwargs) is probe
 
 
 def _basic_index(index: Any) -> bool:

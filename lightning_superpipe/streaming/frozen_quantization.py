@@ -24,21 +24,22 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.memory.frozen4bit import quantize, quantized_format, restore
-from lightning_superpipe.memory.packed import packed_format
+from lightning_superpipe.memory.packed import PACKED_ATTR, packed_format
 from lightning_superpipe.streaming.activations import per_block_modes
+from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
 
 
 def frozen_matrices(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     """What ``quantize_frozen`` quantizes of a block's ``params``: the frozen floating-point ones of two or more
-    dimensions (biases, norms and anything trainable stay as they are)."""
-    return [p for p in params
-            if not p.requires_grad and p.is_floating_point() and p.dim() >= 2 and packed_format(p) is None]
+    dimensions (biases, norms and anything trainable stay as they are), and those an earlier run kept in 4 bits."""
+    return [p for p in params if not p.requires_grad and p.is_floating_point() and p.dim() >= 2
+            and (packed_format(p) is None or quantized_format(p) is not None)]
 
 
 def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]]) -> None:
@@ -52,7 +53,8 @@ def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_par
     if mode is None:
         return
     call = f"SuperpipeStrategy(quantize_frozen={mode!r})"
-    packed = next((name for name, param in model.named_parameters() if packed_format(param) is not None), None)
+    packed = next((name for name, param in model.named_parameters()
+                   if packed_format(param) is not None and quantized_format(param) is None), None)
     if packed is not None:
         raise QuantizedLayerError(
             f"{call}: the model holds bitsandbytes 4-bit weights already (`{packed}`): its frozen base is 4-bit, and"
@@ -80,26 +82,36 @@ def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_par
 class FrozenQuantization:
     """The frozen matrices of one run in 4 bits; a hook of the run whose :meth:`detach` gives them their values back.
 
+    With a ``deferred`` init (a model built in ``configure_model``, its weights read by
+    :func:`~lightning_superpipe.load_safetensors`), each matrix is quantized from values made apart from it, one at a
+    time (:meth:`.DeferredInit.initial_values`), so host memory never holds the full-precision base; such a matrix
+    stays in 4 bits when the run ends (:attr:`.Frozen4bit.kept`), and a later run streams it as it is.
+
     Args:
         model: The model (its modules get the state-dict hooks).
         block_params: The parameters that stream with each block: their frozen matrices are quantized.
         mode: ``quantize_frozen``'s value.
         transfer_dtype: The dtype the blocks' weights compute in on the device (``None``: each one's own).
+        deferred: The init calls ``configure_model`` recorded, if any.
     """
 
     def __init__(self, model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: str,
-                 transfer_dtype: Optional[torch.dtype]) -> None:
+                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None) -> None:
         self.params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
+        self._kept_before: set[nn.Parameter] = set()  # kept in 4 bits by an earlier run, which hooked them
+        #: What the matrices quantized from a deferred init held before: given back if the run does not start, for
+        #: the init calls (still pending) to fill, as they would have without the strategy.
+        self._originals: dict[nn.Parameter, Tensor] = {}
+        names = {param: name for name, param in model.named_parameters()}
         try:
             for params in block_params:
                 for param in frozen_matrices(params):
-                    quantize(param, mode, transfer_dtype or param.dtype)
-                    self.params.append(param)
+                    self._quantize(names.get(param, ""), param, mode, transfer_dtype or param.dtype, deferred)
         except BaseException:
             self.detach()  # the model as it was
             raise
-        quantized = set(self.params)
+        quantized = {param for param in self.params if param not in self._kept_before}
         for module in model.modules():
             names = [name for name, param in module._parameters.items() if param is not None and param in quantized]
             if names:
@@ -108,23 +120,63 @@ class FrozenQuantization:
                     module.register_load_state_dict_pre_hook(partial(_refuse_loading, names)),
                 ]
 
+    def _quantize(self, name: str, param: nn.Parameter, mode: str, compute_dtype: torch.dtype,
+                  deferred: Optional[DeferredInit]) -> None:
+        kept = quantized_format(param)
+        if kept is not None:  # kept in 4 bits by an earlier run (and hooked by it)
+            if kept.mode != mode:
+                raise QuantizedLayerError(
+                    f"SuperpipeStrategy(quantize_frozen={mode!r}): the model's frozen matrices stayed in 4 bits"
+                    f" ({kept.mode!r}) after an earlier run, which built them from a deferred init: use"
+                    f" quantize_frozen={kept.mode!r}, or build the model again."
+                )
+            self._kept_before.add(param)
+            self.params.append(param)
+            return
+        values = None
+        if deferred is not None and deferred.determines(param):
+            original = param.data
+            values = deferred.initial_values({name: param})[name]
+        elif deferred is not None:  # pending calls that write part of it, or a tensor shared: they run in place
+            deferred.materialize([param])
+        format = quantize(param, mode, compute_dtype, values)
+        self.params.append(param)
+        if values is not None:
+            format.kept = True
+            self._originals[param] = original
+
     def attach(self) -> None:
         """Nothing: the matrices were quantized when this was made."""
 
+    def started(self) -> None:
+        """The run started: what the matrices held before is not needed any more."""
+        self._originals.clear()
+
     def detach(self) -> None:
-        """Writes the dequantized values back into the parameters (their own dtype) and removes the state-dict hooks;
-        twice is harmless."""
-        for handle in self._handles:
-            handle.remove()
+        """Writes the dequantized values back into the parameters (their own dtype; those :attr:`.Frozen4bit.kept`
+        stay in 4 bits, with their state-dict hooks) and removes the state-dict hooks; twice is harmless. Before the
+        run started, matrices quantized from a deferred init get their own storage back instead, uninitialized, for
+        the init calls to fill."""
+        for param, original in self._originals.items():
+            delattr(param, PACKED_ATTR)
+            param.data = original
+        self.params = [param for param in self.params if param not in self._originals]
+        self._originals.clear()
+        kept = {param for param in self.params if (format := quantized_format(param)) is not None and format.kept}
+        if not kept:  # (a hook of a matrix given back does nothing: those of a module with a kept one may stay)
+            for handle in self._handles:
+                handle.remove()
         self._handles = []
         for param in self.params:
-            restore(param)
+            if param not in kept:
+                restore(param)
 
 
 def quantize_frozen(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: Optional[str],
-                    transfer_dtype: Optional[torch.dtype]) -> Optional[FrozenQuantization]:
+                    transfer_dtype: Optional[torch.dtype],
+                    deferred: Optional[DeferredInit] = None) -> Optional[FrozenQuantization]:
     """The run's :class:`FrozenQuantization`, or ``None`` when ``mode`` (``quantize_frozen``) is ``None``."""
-    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype)
+    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype, deferred)
 
 
 @contextmanager

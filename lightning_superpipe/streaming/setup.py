@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
+from lightning_superpipe.memory.frozen4bit import quantized_bytes, quantized_format
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
 from lightning_superpipe.memory.packed import packed_format, split_packed
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
@@ -47,6 +48,7 @@ from lightning_superpipe.streaming.distributed import (
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.frozen_quantization import (
     check_quantize_frozen,
+    frozen_matrices,
     given_back_on_error,
     quantize_frozen,
 )
@@ -121,17 +123,19 @@ def start_streaming(
     disk = options.offload_device == "disk"
     optimizer = optimizers[0] if disk and fitting else None
     check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
-                    ahead + 1)
-    tier = None
-    if disk:
-        tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
-                          ranks=ranks, rank=rank, local_ranks=local_ranks)
-    move_the_rest(model, device, deferred, tier)
-    # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
-    clone_packed_entries(model, {param for params in block_params for param in params if packed_format(param)})
-    # Last before the homes, once nothing else can refuse the run; given back if building them fails.
-    frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype)
+                    ahead + 1, _deferred_bytes(model, block_params, options, deferred))
+    packed = {p for params in block_params for p in params if packed_format(p) and not quantized_format(p)}
+    # Once nothing but building the homes can refuse the run; given back if that fails. Before the rest of a deferred
+    # init is run in place, so that its frozen matrices are quantized from values made apart from them.
+    frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype, deferred)
     with given_back_on_error(frozen):
+        tier = None
+        if disk:
+            tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
+                              ranks=ranks, rank=rank, local_ranks=local_ranks)
+        move_the_rest(model, device, deferred, tier)
+        # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
+        clone_packed_entries(model, packed)
         if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
             ready_on_every_rank("start streaming")
         homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype,
@@ -140,6 +144,8 @@ def start_streaming(
             block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes,
             link=options.link, activations=modes,
         )
+    if frozen is not None:
+        frozen.started()
     if ranks > 1:
         engine.gradients.averager = averager_for(block_params, trunk_params, device, options, ranks, node)
     hooks = attach_hooks(engine, model, blocks)
@@ -227,10 +233,11 @@ def first_placement(
 def check_host_room(
     options: SuperpipeOptions, what: str, block_params: list[list[nn.Parameter]], trunk_params: list[nn.Parameter],
     device: torch.device, transfer_dtype: Optional[torch.dtype], fitting: bool, optimizer: Optional[Optimizer],
-    slots: int,
+    slots: int, deferred_bytes: int = 0,
 ) -> None:
     """Refuses, before anything is allocated, a run whose host memory is too small: for the homes of the blocks
-    (``what``), gradients and optimizer state, or, with the disk tier, its buffers for ``slots`` device slots.
+    (``what``; with ``quantize_frozen`` their frozen matrices in 4 bits), gradients and optimizer state, or, with the
+    disk tier, its buffers for ``slots`` device slots; and ``deferred_bytes``, what a deferred init will fill.
 
     Raises:
         HostMemoryError: With the bytes needed and available.
@@ -238,9 +245,13 @@ def check_host_room(
     if options.offload_device == "disk":
         trunk_numel = sum(p.numel() for p in trunk_params if p.requires_grad) if fitting else 0
         needed = disk_host_bytes(block_params, optimizer, slots, options.host_buffer_bytes) + 12 * trunk_numel
-        check_host_memory(needed, "the disk tier's buffers, the trunk's gradients and optimizer state")
+        check_host_memory(needed + deferred_bytes, "the disk tier's buffers, the trunk's gradients and optimizer state")
     else:
-        needed = host_bytes_to_come(block_params, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda")
+        mode = options.quantize_frozen
+        frozen = {p for params in block_params for p in frozen_matrices(params)} if mode is not None else set()
+        streamed = [[p for p in params if p not in frozen] for params in block_params]
+        needed = host_bytes_to_come(streamed, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda")
+        needed += deferred_bytes + sum(quantized_bytes(p.numel(), mode) for p in frozen if not quantized_format(p))
         kept = ""
         if fitting and options.overlap_optimizer == "speculative":  # "auto" speculates only where memory allows
             params = [p for block in block_params for p in block] + list(trunk_params)
@@ -248,6 +259,19 @@ def check_host_room(
             kept = (" and the state a speculative optimizer step keeps while backward runs;"
                     " overlap_optimizer='pipelined' keeps none")
         check_host_memory(needed, f"homes for {what}, gradients and optimizer state{kept}")
+
+
+def _deferred_bytes(model: nn.Module, block_params: list[list[nn.Parameter]], options: SuperpipeOptions,
+                    deferred: Optional[DeferredInit]) -> int:
+    """Host bytes a deferred init will fill in place: all but what the disk tier writes to its files or
+    ``quantize_frozen`` quantizes from values made apart."""
+    if deferred is None:
+        return 0
+    if options.offload_device == "disk":
+        apart = {p for params in block_params for p in params}
+    else:
+        apart = {p for params in block_params for p in frozen_matrices(params)} if options.quantize_frozen else set()
+    return deferred.pending_bytes(t for t in [*model.parameters(), *model.buffers()] if t not in apart)
 
 
 def build_tier(
