@@ -321,3 +321,27 @@ def test_under_bf16_mixed_the_matrices_are_dequantized_into_bfloat16() -> None:
     assert report["peak_dequantized_weight_bytes"] == 2 * report["packed_weight_numel"] // 2  # bf16, one of 2 blocks
     frozen = streamed.model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight
     assert frozen.dtype == torch.float32 and torch.isfinite(frozen).all()
+
+
+@pytest.mark.parametrize("mode", ["nf4", "nf4-dq", "fp4-dq"])
+def test_quantizing_a_piece_at_a_time_gives_bitsandbytes_codes_and_state(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matrix larger than the piece (and not a multiple of it) is quantized into the codes, scales and nested
+    state bitsandbytes' own ``quantize_4bit`` gives the whole of it; a changed value shows."""
+    from lightning_superpipe.memory import frozen4bit
+
+    monkeypatch.setattr(frozen4bit, "CHUNK", 64 * 16)
+    quant_type, double = frozen4bit.MODES[mode]
+    values = torch.randn(64 * 16 * 5 + 64 * 3, dtype=torch.bfloat16)
+
+    def parts(data: Tensor, state: Any) -> list[Tensor]:
+        return [data, *(t for t in state.as_dict(packed=True).values() if isinstance(t, Tensor))]
+
+    expected = parts(*functional.quantize_4bit(values, blocksize=64, compress_statistics=double,
+                                               quant_type=quant_type))
+    assert all(torch.equal(a, b) for a, b in zip(parts(*frozen4bit.quantize_4bit(values, quant_type, double)),
+                                                 expected, strict=True))
+    values[64 * 16 * 3] += 1.0
+    changed = parts(*frozen4bit.quantize_4bit(values, quant_type, double))
+    assert not all(torch.equal(a, b) for a, b in zip(changed, expected, strict=True))
