@@ -94,8 +94,12 @@ class SuperpipeStrategy(CheckpointingStrategy):
             After the run the matrices hold their dequantized values (:mod:`lightning_superpipe.memory.frozen4bit`).
             ``None`` (default): streamed as they are.
         device: The compute device; by default the one the Trainer resolves.
-        accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
-            :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
+        accelerator: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`),
+            as are the next four.
+        checkpoint_io: DDP's.
+        precision_plugin: DDP's.
+        cluster_environment: DDP's.
+        process_group_backend: DDP's.
         timeout: How long a collective waits for the other ranks before it fails (DDP's ``timeout``).
 
     Raises:
