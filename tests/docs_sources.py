@@ -19,6 +19,7 @@ PACKAGE = ROOT / "lightning_superpipe"
 _FENCE = re.compile(r"<!-- docs-test: (run|run as a script) -->\n```python\n(.*?)\n```", re.DOTALL)
 #: A message's key is its longest stretch of literal text; shorter ones are assembled elsewhere (``f"{call}: {why}"``).
 MIN_KEY_CHARS = 15
+_ERROR_NAME = re.compile(r"(Error|Exception|Violation|Budget)$")
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,30 @@ def _error_name(call: ast.Call) -> str:
     return func.attr if isinstance(func, ast.Attribute) else ""
 
 
+def _error_call(node: ast.AST) -> ast.Call | None:
+    """The error built with a message by ``raise SomeError(message)``, or by ``return SomeError(message)`` in a
+    helper that makes an error for its callers to raise (its name ends in ``Error``, ``Violation`` or ``Budget``)."""
+    if isinstance(node, ast.Raise):
+        call = node.exc
+    elif isinstance(node, ast.Return) and isinstance(node.value, ast.Call):
+        call = node.value if _ERROR_NAME.search(_error_name(node.value)) else None
+    else:
+        return None
+    return call if isinstance(call, ast.Call) and call.args else None
+
+
 def raise_sites() -> list[RaiseSite]:
-    """Every ``raise Error("...")`` of the package whose message has a literal stretch of :data:`MIN_KEY_CHARS`."""
+    """Every error of the package raised (or made to be raised) with a message that has a literal stretch of
+    :data:`MIN_KEY_CHARS` characters."""
     sites = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+            call = _error_call(node)
+            if call is None:
                 continue
-            parts = [part.strip(" :;,.(") for part in _literal_parts(node.exc.args[0])]
+            parts = [part.strip(" :;,.(") for part in _literal_parts(call.args[0])]
             key = max(parts, key=len, default="")
             if len(key) >= MIN_KEY_CHARS:
                 module = str(path.relative_to(ROOT))
-                sites.append(RaiseSite(_error_name(node.exc), module, node.lineno, key))
+                sites.append(RaiseSite(_error_name(call), module, node.lineno, key))
     return sites
