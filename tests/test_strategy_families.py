@@ -121,7 +121,7 @@ def test_a_filled_cache_in_training_is_refused_with_a_clear_message() -> None:
 def test_bf16_mixed_is_plain_bf16_mixed_for_dense_families(name: str) -> None:
     """Matrices stream in bf16 (what autocast casts them to before each matmul); norms, biases and embedding tables
     stay fp32 and resident, as autocast keeps them. (Fused MoE experts stream in bf16 too, where plain autocast may
-    compute them in fp32, so MoE families are close, not equal: see the README.)"""
+    compute them in fp32, so MoE families are close, not equal: see docs/concepts/exactness.md.)"""
     plain = tasks.plain_fit_family(name, precision="bf16-mixed")
     streamed = tasks.fit_family(name, SuperpipeStrategy(), precision="bf16-mixed")
     assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-6

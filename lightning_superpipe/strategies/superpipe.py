@@ -59,7 +59,7 @@ def _knob(name: str) -> property:
 class SuperpipeStrategy(CheckpointingStrategy):
     """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
-    The knobs are described, with what each costs, in the README's table. Every argument is a keyword, the knobs
+    The knob reference (``docs/reference/knobs.md``) says what each knob costs. Every argument is a keyword, the knobs
     first; a knob's value is checked here, so a bad one fails in the constructor (what needs the model or the run,
     when streaming starts). With one device on one node it runs in this process, with no process group; with more,
     Lightning launches one process per device (its subprocess launcher, ``torchrun``, SLURM) and each streams its own
@@ -94,8 +94,12 @@ class SuperpipeStrategy(CheckpointingStrategy):
             After the run the matrices hold their dequantized values (:mod:`lightning_superpipe.memory.frozen4bit`).
             ``None`` (default): streamed as they are.
         device: The compute device; by default the one the Trainer resolves.
-        accelerator, checkpoint_io, precision_plugin, cluster_environment, process_group_backend: Passed to
-            :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`).
+        accelerator: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`),
+            as are the next four.
+        checkpoint_io: DDP's.
+        precision_plugin: DDP's.
+        cluster_environment: DDP's.
+        process_group_backend: DDP's.
         timeout: How long a collective waits for the other ranks before it fails (DDP's ``timeout``).
 
     Raises:

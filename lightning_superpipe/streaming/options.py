@@ -43,7 +43,7 @@ OVERLAP_MODES = ("auto", True, False, "speculative", "pipelined")
 @dataclass(frozen=True)
 class SuperpipeOptions:
     """Every knob of :class:`~lightning_superpipe.SuperpipeStrategy`, as the user wrote it (``None``: the default, or
-    the plan's). The README's table says what each costs and buys.
+    the plan's). The knob reference (``docs/reference/knobs.md``) says what each costs and buys.
 
     Attributes:
         memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a share of free device memory such as ``"90%"``,
