@@ -224,6 +224,8 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
             elif not self.determines(tensor):
                 self._run_pending(tensor)  # shared, or its first record writes only part: start from its values
                 values[name] = tensor.detach()
+            elif (read := _whole_read(records, tensor)) is not None:
+                values[name] = read  # a file's tensor as it was read: no second copy of it
             else:
                 fresh = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype)
                 for record in records:  # kept until `settled` ends: if the tier fails, the tensor still needs them
@@ -255,6 +257,15 @@ class DeferredInit(UnfilledNewTensors, TorchFunctionMode):
 
 def _copy_read(target: Tensor, read: Callable[[], Tensor]) -> None:
     target.copy_(read())
+
+
+def _whole_read(records: list[_Record], tensor: Tensor) -> Optional[Tensor]:
+    """The tensor a lone :meth:`DeferredInit.defer_load` record reads, as ``tensor``'s value (cast to its dtype where
+    the file's differs), or ``None`` where ``tensor`` has other records or is not contiguous."""
+    if len(records) != 1 or records[0].func is not _copy_read or not tensor.is_contiguous():
+        return None
+    read = records[0].args[1]().reshape(tensor.shape)
+    return read.to(dtype=tensor.dtype, memory_format=torch.contiguous_format)
 
 
 def load_safetensors(module: nn.Module, path: Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]],
