@@ -219,14 +219,27 @@ class DiskStore(GradientSpills, BlockSteps):
 
     # -- reading --------------------------------------------------------------------------------------------------
 
-    def prefetch_masters(self, index: int) -> MasterLease:
-        """Starts reading block ``index``'s masters into a pool buffer (what a forward streams to the device)."""
+    def prefetch_masters(self, index: int, chunk: int = 0) -> MasterLease:
+        """Starts reading block ``index``'s masters into a pool buffer (what a forward streams to the device): all of
+        them, or where they exceed a buffer, the byte range ``chunk`` of :meth:`master_chunks` (its
+        :meth:`MasterLease.flat` is that range of the flat masters)."""
         record = self._current(index)
         entries = record.masters()
+        chunks = self._master_chunks(index)
+        if len(chunks) > 1:
+            start, end = chunks[chunk]
+            buffer = self.pool.acquire(end - start)
+            future = self.files.read(self._slot_path(index, record.slot), buffer, end - start, offset=start)
+            return MasterLease(self.pool, buffer, future, [], self.clock)
         nbytes = page_rounded(max(max((e.offset + e.nbytes for e in entries), default=0), 1))
         buffer = self.pool.acquire(nbytes)
         future = self.files.read(self._slot_path(index, record.slot), buffer, nbytes)
         return MasterLease(self.pool, buffer, future, entries, self.clock)
+
+    def master_chunks(self, index: int) -> list[tuple[int, int]]:
+        """Block ``index``'s masters region as byte ranges each a pool buffer holds (one range where it holds them
+        all): what :meth:`prefetch_masters` reads as ``chunk``."""
+        return self._master_chunks(index)
 
     def map_masters(self, index: int) -> dict[str, Tensor]:
         """Block ``index``'s committed masters by name, as copy-on-write views of its committed file (a private
@@ -252,6 +265,8 @@ class DiskStore(GradientSpills, BlockSteps):
     def read_block(self, index: int) -> BlockState:
         """A copy of block ``index``'s masters and optimizer state (stepped since the last commit, or committed)."""
         record = self._current(index)
+        if record.file_bytes > self.pool.buffer_bytes:
+            return self._read_block_in_pieces(index, record)
         buffer = self.pool.acquire(record.file_bytes)
         try:
             self.files.read(self._slot_path(index, record.slot), buffer, record.file_bytes).result()
@@ -267,6 +282,19 @@ class DiskStore(GradientSpills, BlockSteps):
             return BlockState(masters, state)
         finally:
             self.pool.release(buffer)
+
+    def _read_block_in_pieces(self, index: int, record: Record) -> BlockState:
+        """:meth:`read_block` of a block larger than a buffer: each tensor read into memory of its own."""
+        names, path = self.names[index], self._slot_path(index, record.slot)
+        masters = {names[e.param]: self._read_entry(path, e) for e in record.masters()}
+        state: dict[str, dict[str, Any]] = {}
+        for entry in record.entries:
+            if entry.key is not None:
+                state.setdefault(names[entry.param], {})[entry.key] = self._read_entry(path, entry)
+        for param, values in record.values.items():
+            for key, value in values.items():
+                state.setdefault(names[param], {})[key] = _decode_value(value)
+        return BlockState(masters, state)
 
     def master_entries(self, index: int) -> list[Entry]:
         """Where block ``index``'s masters sit in its record (and in a :class:`MasterLease`'s buffer)."""
@@ -310,6 +338,10 @@ class DiskStore(GradientSpills, BlockSteps):
 
         def tensors() -> Iterator[Tensor]:
             for index in range(len(self.records)):
+                if len(self._master_chunks(index)) > 1:  # larger than a buffer: a tensor at a time
+                    path = self._slot_path(index, self.records[index].slot)
+                    yield from (self._read_entry(path, entry) for entry in self.records[index].masters())
+                    continue
                 lease = self.prefetch_masters(index)
                 try:
                     yield from lease.wait()

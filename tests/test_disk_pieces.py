@@ -1,0 +1,218 @@
+"""The disk tier's records in pieces: a pool smaller than one block's record (``host_buffer_bytes``) reads, steps and
+writes each block a parameter, or a slice of one, at a time, bitwise what stepping in memory gives, with the pool's
+host bytes within the bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from lightning_superpipe.memory.disk import DiskStore, DiskTierError
+from lightning_superpipe.memory.disk.pieces import SLICE_ELEMENTS, ParamCost, Part, plan_pieces, sliceable
+from lightning_superpipe.memory.param_groups import restricted
+from tests.test_disk_tier import assert_store_equals, disk_step, grads_for, make_optimizer, reference_step
+
+#: A pool of two buffers of 128 KiB: each block's record (up to 640 KiB with Adam) goes in pieces, the 200 x 200
+#: weight in slices of 4096 elements.
+SMALL_POOL = 256 << 10
+
+
+class WideModel(nn.Module):
+    """Four streamed blocks whose records exceed :data:`SMALL_POOL` (weights of 19 200 and 40 000 elements: many
+    slices) beside small ones, and a trunk parameter stepped in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            [
+                nn.Linear(96, 200),
+                nn.Sequential(nn.Linear(200, 200, bias=False), nn.LayerNorm(200)),
+                nn.Linear(200, 48),
+                nn.Linear(48, 64),
+            ]
+        )
+        self.head = nn.Linear(64, 8)
+
+    def block_params(self) -> list[dict[str, nn.Parameter]]:
+        return [dict(block.named_parameters(prefix=f"blocks.{i}")) for i, block in enumerate(self.blocks)]
+
+
+def _optimizer(kind: str, model: WideModel) -> tuple[torch.optim.Optimizer, Optional[Any]]:
+    if kind == "adamw-fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True), None
+    if kind == "adam-amsgrad":
+        return torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True, foreach=True), None
+    return make_optimizer(kind, model)  # type: ignore[arg-type]
+
+
+def _reference(kind: str, steps: int, micro_batches: int) -> tuple[WideModel, torch.optim.Optimizer]:
+    model = WideModel()
+    optimizer, scheduler = _optimizer(kind, model)
+    for step in range(steps):
+        reference_step(model, optimizer, scheduler, step, micro_batches)  # type: ignore[arg-type]
+    return model, optimizer
+
+
+@pytest.mark.parametrize(
+    "kind, spill, micro_batches, per_block",
+    [
+        pytest.param("adamw", False, 1, False, id="adamw"),
+        pytest.param("adamw-fused", True, 1, False, id="adamw-fused-spilled"),
+        pytest.param("sgd", False, 1, True, id="sgd-momentum-per-block"),
+        pytest.param("groups", True, 2, False, id="groups-spilled-accumulated"),
+        pytest.param("adam-amsgrad", True, 2, True, id="amsgrad-spilled-accumulated-per-block"),
+    ],
+)
+def test_a_pool_smaller_than_a_record_steps_in_pieces_bitwise(
+    tmp_path: Path, kind: str, spill: bool, micro_batches: int, per_block: bool
+) -> None:
+    steps = 3
+    reference, ref_optimizer = _reference(kind, steps, micro_batches)
+    model = WideModel()
+    optimizer, scheduler = _optimizer(kind, model)
+    store = DiskStore.create(
+        tmp_path, model.block_params(), optimizer, spill_grads=spill, host_buffer_bytes=SMALL_POOL, min_buffers=2
+    )
+    try:
+        assert all(store._in_pieces(i) for i in (0, 1))
+        assert any(part.numel < 40000 for piece in store._plan(1) for part in piece if part.param == 0)  # sliced
+        for step in range(steps):
+            disk_step(model, store, optimizer, scheduler, step, micro_batches, spill, per_block)  # type: ignore[arg-type]
+        assert store.step_count == steps
+        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
+        assert torch.equal(model.head.weight, reference.head.weight)
+        assert store.pool.peak_bytes <= SMALL_POOL
+    finally:
+        store.close()
+
+
+def test_clipping_and_norms_over_spilled_pieces_equal_clip_grad_norm(tmp_path: Path) -> None:
+    """Spilled in pieces over two micro-batches: each gradient's norm (of the accumulated whole) is what
+    ``clip_grad_norm_`` takes, and the step scaled by the clamped coefficient is bitwise the in-memory one; the
+    gradients taken back equal the accumulated ones."""
+    reference, model = WideModel(), WideModel()
+    ref_optimizer, _ = _optimizer("adamw", reference)
+    optimizer, _ = _optimizer("adamw", model)
+    blocks = [list(b.values()) for b in model.block_params()]
+    in_blocks = {p for block in blocks for p in block}
+    place = {p: (i, j) for i, block in enumerate(blocks) for j, p in enumerate(block)}
+    store = DiskStore.create(
+        tmp_path, model.block_params(), optimizer, spill_grads=True, host_buffer_bytes=SMALL_POOL, min_buffers=2
+    )
+    try:
+        for step in range(2):
+            ref_optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in range(2):
+                grads = grads_for(reference, step, micro)  # type: ignore[arg-type]
+                for param, grad in zip(reference.parameters(), grads):
+                    param.grad = grad.clone() if param.grad is None else param.grad + grad
+                by_param = dict(zip(model.parameters(), grads))
+                for param in model.parameters():
+                    if param not in in_blocks:
+                        param.grad = by_param[param].clone() if param.grad is None else param.grad + by_param[param]
+                for index, params in enumerate(blocks):
+                    store.spill_grads(index, [by_param[p] for p in params], accumulate=micro > 0, norms=micro == 1)
+            total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            ref_optimizer.step()
+            norms = []
+            for param in model.parameters():
+                if param in in_blocks:
+                    index, position = place[param]
+                    norms.append(store.grad_norms(index)[position])
+                else:
+                    norms.append(torch.linalg.vector_norm(param.grad, 2.0))
+            assert torch.equal(torch.linalg.vector_norm(torch.stack(norms), 2.0), total)
+            scale = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+            trunk = [p for p in model.parameters() if p not in in_blocks]
+            for param in trunk:
+                param.grad.mul_(scale)
+            store.step(optimizer, grads="disk", grad_scale=scale)
+            with restricted(optimizer, set(trunk)):
+                optimizer.step()
+        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
+        store.spill_grads(1, [torch.ones_like(p) for p in blocks[1]])
+        assert all(torch.equal(g, torch.ones_like(p)) for g, p in zip(store.take_grads(1), blocks[1]))
+    finally:
+        store.close()
+
+
+def test_pieces_survive_a_reopen_a_snapshot_and_the_export(tmp_path: Path) -> None:
+    """Stepped in pieces, closed, reopened with whole-block buffers (and the other way): the records read the same;
+    the masters read for the device in chunks and exported a tensor at a time equal the model's."""
+    reference, ref_optimizer = _reference("adamw", 2, 1)
+    model = WideModel()
+    optimizer, _ = _optimizer("adamw", model)
+    store = DiskStore.create(tmp_path, model.block_params(), optimizer, host_buffer_bytes=SMALL_POOL, min_buffers=2)
+    try:
+        disk_step(model, store, optimizer, None, 0)  # type: ignore[arg-type]
+    finally:
+        store.close()
+    store = DiskStore.open(tmp_path, model.block_params(), optimizer)  # whole blocks
+    try:
+        disk_step(model, store, optimizer, None, 1)  # type: ignore[arg-type]
+    finally:
+        store.close()
+    store = DiskStore.open(tmp_path, model.block_params(), optimizer, host_buffer_bytes=SMALL_POOL, min_buffers=2)
+    try:
+        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
+        for index, block in enumerate(reference.block_params()):
+            chunks = store.master_chunks(index)
+            flat = torch.empty(chunks[-1][1] // 4)
+            for number, (start, end) in enumerate(chunks):
+                lease = store.prefetch_masters(index, number)
+                flat[start // 4 : end // 4].copy_(lease.flat((end - start) // 4, torch.float32))
+                lease.release()
+            for entry, param in zip(store.master_entries(index), block.values()):
+                assert torch.equal(entry.view_of(flat.view(torch.uint8)), param.detach())
+        store.export_safetensors(tmp_path / "model.safetensors")
+        saved = load_file(str(tmp_path / "model.safetensors"))
+        for block in reference.block_params():
+            for name, param in block.items():
+                assert torch.equal(saved[name], param.detach())
+        assert store.pool.peak_bytes <= SMALL_POOL
+    finally:
+        store.close()
+
+
+def test_the_plan_slices_only_what_a_buffer_cannot_hold_and_names_the_least_bound() -> None:
+    costs = [ParamCost(100, 16.0, 4), ParamCost(50_000, 16.0, 4), ParamCost(10, 16.0, 4)]
+    pieces = plan_pieces(costs, 128 << 10, True, "Block 0")
+    assert pieces[0] == [Part(0, 0, 100)] and pieces[-1] == [Part(2, 0, 10)]
+    slices = [piece[0] for piece in pieces[1:-1]]
+    assert all(len(piece) == 1 for piece in pieces[1:-1])
+    assert [s.start for s in slices] == list(range(0, 50_000, slices[0].numel))
+    assert slices[0].numel % SLICE_ELEMENTS == 0 and slices[-1].stop == 50_000
+    with pytest.raises(DiskTierError, match="needs buffers of at least .* stepped whole"):
+        plan_pieces(costs, 128 << 10, False, "Block 0")
+    assert sliceable(torch.optim.AdamW([nn.Parameter(torch.zeros(1))]))
+
+    class Custom(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    assert not sliceable(Custom([nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_a_bound_below_two_pieces_is_one_error_naming_the_least(tmp_path: Path) -> None:
+    model = WideModel()
+    optimizer, _ = _optimizer("adamw", model)
+    with pytest.raises(DiskTierError, match=r"host_buffer_bytes=65536 .* cannot hold 2 buffers") as error:
+        DiskStore.create(tmp_path, model.block_params(), optimizer, host_buffer_bytes=64 << 10, min_buffers=2)
+    least = int(str(error.value).split("Give at least ")[1].split(" ")[0])
+    store = DiskStore.create(
+        tmp_path, model.block_params(), optimizer, host_buffer_bytes=least, min_buffers=2, overwrite=True
+    )
+    try:
+        disk_step(model, store, optimizer, None, 0)  # type: ignore[arg-type]
+        assert store.pool.peak_bytes <= least
+    finally:
+        store.close()
+    with pytest.raises(DiskTierError, match="cannot hold 2 buffers"):
+        DiskStore.open(tmp_path, model.block_params(), optimizer, host_buffer_bytes=least - 4096, min_buffers=2)
