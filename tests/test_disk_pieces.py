@@ -205,6 +205,7 @@ def test_a_bound_below_two_pieces_is_one_error_naming_the_least(tmp_path: Path) 
     optimizer, _ = _optimizer("adamw", model)
     with pytest.raises(DiskTierError, match=r"host_buffer_bytes=65536 .* cannot hold 2 buffers") as error:
         DiskStore.create(tmp_path, model.block_params(), optimizer, host_buffer_bytes=64 << 10, min_buffers=2)
+    assert not any(tmp_path.iterdir()), "refused before anything is written"
     least = int(str(error.value).split("Give at least ")[1].split(" ")[0])
     store = DiskStore.create(
         tmp_path, model.block_params(), optimizer, host_buffer_bytes=least, min_buffers=2, overwrite=True

@@ -75,62 +75,35 @@ class StoreOptionArgs(TypedDict, total=False):
     min_buffers: int
 
 
-class StoreCore:
-    """The state the parts of a store share (built by :class:`~lightning_superpipe.memory.disk.DiskStore`, whose
-    docstring describes it), and where a block's record, gradients and buffer sit.
+class Sizing:
+    """How large a store's buffers are, from its blocks' parameters, their records and the optimizer (nothing is
+    allocated: :meth:`pool_shape` checks ``host_buffer_bytes`` before a store writes a byte).
 
     Args:
-        path: The folder.
-        blocks: Each block's parameters by name (names unique across blocks).
-        manifest: The committed manifest.
-        optimizer: The optimizer that will step the blocks (sizes the buffers); may be ``None`` for inference.
+        params: Each block's parameters.
+        records: Each block's committed record.
+        optimizer: The optimizer that will step the blocks (sizes their state); may be ``None``.
         options: How the store holds the blocks.
-
-    Raises:
-        DiskTierError: ``options.host_buffer_bytes`` cannot hold one block's buffer.
     """
 
-    def __init__(self, path: Path, blocks: Sequence[Mapping[str, nn.Parameter]], manifest: Mapping[str, Any],
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], records: Sequence[Record],
                  optimizer: Optional[Optimizer], options: StoreOptions) -> None:
-        self.path = path
-        self.names = [list(block) for block in blocks]
-        self.params = [list(block.values()) for block in blocks]
-        self.records = [Record.from_json(data) for data in manifest["blocks"]]
-        self.step_count = int(manifest["step"])
+        self.params = [list(block) for block in params]
+        self.records = list(records)
         self.spills = options.spill_grads
         self.read_ahead = max(0, options.read_ahead)
-        self.direct_io = supports_direct_io(path) if options.direct_io is None else options.direct_io
-        self._grads_present: list[set[int]] = [set() for _ in blocks]
-        #: Blocks stepped since the last commit: their new record, its write, whether it consumed spilled gradients.
-        self._pending: dict[int, tuple[Record, Future[None], bool]] = {}
-        #: Gradient writes that may still be in flight, by block.
-        self._spill_writes: dict[int, Future[None]] = {}
-        #: Per-parameter gradient norms of each block's last spill (``None``: not kept).
-        self._grad_norms: dict[int, Optional[list[Optional[Tensor]]]] = {}
         self._state_size = probe_state_size(optimizer)
         self._sliceable = sliceable(optimizer)
-        self._plans: dict[int, list[list[Part]]] = {}
-        largest = max((self._buffer_need(i) for i in range(len(blocks))), default=PAGE)
-        buffer_bytes, count = self._pool_shape(largest, options)
-        #: Where the tier's time goes (:meth:`io_seconds`).
-        self.clock = IoClock()
-        pin = torch.cuda.is_available() if options.pin is None else options.pin
-        self.pool = BufferPool(buffer_bytes, count, pin=pin, bounded=options.host_buffer_bytes is not None,
-                               clock=self.clock)
-        self.files = _Files(self.direct_io, options.io_workers, options.chunk_bytes, self.clock,
-                            options.separate_io_kinds)
-        # The step's reads ahead wait here for their buffers, in block order, so that the thread stepping never
-        # waits for a buffer it does not need yet (a write behind gives one back).
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="superpipe-disk-ahead")
 
-    def _pool_shape(self, largest: int, options: StoreOptions) -> tuple[int, int]:
-        """The pool's buffer size and count: ``read_ahead + 2`` buffers of the largest block's ``largest`` bytes, or
+    def pool_shape(self, options: StoreOptions) -> tuple[int, int]:
+        """The pool's buffer size and count: ``read_ahead + 2`` buffers of the largest block's bytes, or
         as many as ``host_buffer_bytes`` holds; where it holds fewer than ``min_buffers``, up to
         :data:`PIECE_BUFFERS` buffers that share it, and the blocks larger than one go in pieces.
 
         Raises:
             DiskTierError: The bound cannot hold ``min_buffers`` (at least two) buffers of the smallest piece.
         """
+        largest = max((self._buffer_need(i) for i in range(len(self.params))), default=PAGE)
         bound = options.host_buffer_bytes
         if bound is None:
             return largest, self.read_ahead + 2
@@ -139,7 +112,7 @@ class StoreCore:
         if whole >= least_count:
             return largest, whole
         least_count = max(2, least_count)
-        least = least_piece_bytes(self._param_costs(), self._sliceable)
+        least = self.least_pool_bytes(options) // least_count
         count = max(least_count, min(PIECE_BUFFERS, int(bound) // (4 * least)))
         buffer_bytes = int(bound) // count // PAGE * PAGE
         if buffer_bytes < least:
@@ -152,6 +125,12 @@ class StoreCore:
                 f" {self.read_ahead + 2} whole blocks' buffers, so that reads ahead and writes behind overlap the step."
             )
         return buffer_bytes, count
+
+    def least_pool_bytes(self, options: StoreOptions) -> int:
+        """The least ``host_buffer_bytes`` a pool works with: ``min_buffers`` (two at least) buffers of the smallest
+        piece of every block (a slice of a parameter, or where the optimizer is not stepped in slices, the largest
+        parameter), whatever the blocks' sizes."""
+        return max(2, options.min_buffers) * least_piece_bytes(self._param_costs(), self._sliceable)
 
     def _param_costs(self, index: Optional[int] = None) -> list[ParamCost]:
         """What each parameter of block ``index`` (default: of every block) takes in a buffer, per element: its
@@ -168,6 +147,66 @@ class StoreCore:
                 costs.append(ParamCost(param.numel(), param.element_size() * (2 if self.spills else 1) + state,
                                        tensors))
         return costs
+
+    def _grad_bytes(self, index: int) -> int:
+        return page_rounded(max(_master_bytes(self.params[index]), 1))
+
+    def _grad_offset(self, index: int) -> int:
+        """Where spilled gradients go in a step's buffer: after the largest record the block may have."""
+        return page_rounded(max(self._record_estimate(index), self.records[index].file_bytes))
+
+    def _record_estimate(self, index: int) -> int:
+        params = self.params[index]
+        return page_rounded(_master_bytes(params) + sum(self._state_size.record_bytes(p.numel()) for p in params))
+
+    def _buffer_need(self, index: int) -> int:
+        need = max(self._record_estimate(index), self.records[index].file_bytes)
+        return need + (self._grad_bytes(index) if self.spills else 0)
+
+
+
+class StoreCore(Sizing):
+    """The state the parts of a store share (built by :class:`~lightning_superpipe.memory.disk.DiskStore`, whose
+    docstring describes it), and where a block's record, gradients and buffer sit.
+
+    Args:
+        path: The folder.
+        blocks: Each block's parameters by name (names unique across blocks).
+        manifest: The committed manifest.
+        optimizer: The optimizer that will step the blocks (sizes the buffers); may be ``None`` for inference.
+        options: How the store holds the blocks.
+
+    Raises:
+        DiskTierError: ``options.host_buffer_bytes`` cannot hold one block's buffer.
+    """
+
+    def __init__(self, path: Path, blocks: Sequence[Mapping[str, nn.Parameter]], manifest: Mapping[str, Any],
+                 optimizer: Optional[Optimizer], options: StoreOptions) -> None:
+        super().__init__([list(block.values()) for block in blocks],
+                         [Record.from_json(data) for data in manifest["blocks"]], optimizer, options)
+        self.path = path
+        self.names = [list(block) for block in blocks]
+        self.step_count = int(manifest["step"])
+        self.direct_io = supports_direct_io(path) if options.direct_io is None else options.direct_io
+        self._grads_present: list[set[int]] = [set() for _ in blocks]
+        #: Blocks stepped since the last commit: their new record, its write, whether it consumed spilled gradients.
+        self._pending: dict[int, tuple[Record, Future[None], bool]] = {}
+        #: Gradient writes that may still be in flight, by block.
+        self._spill_writes: dict[int, Future[None]] = {}
+        #: Per-parameter gradient norms of each block's last spill (``None``: not kept).
+        self._grad_norms: dict[int, Optional[list[Optional[Tensor]]]] = {}
+        self._plans: dict[int, list[list[Part]]] = {}
+        buffer_bytes, count = self.pool_shape(options)
+        #: Where the tier's time goes (:meth:`io_seconds`).
+        self.clock = IoClock()
+        pin = torch.cuda.is_available() if options.pin is None else options.pin
+        self.pool = BufferPool(buffer_bytes, count, pin=pin, bounded=options.host_buffer_bytes is not None,
+                               clock=self.clock)
+        self.files = _Files(self.direct_io, options.io_workers, options.chunk_bytes, self.clock,
+                            options.separate_io_kinds)
+        # The step's reads ahead wait here for their buffers, in block order, so that the thread stepping never
+        # waits for a buffer it does not need yet (a write behind gives one back).
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="superpipe-disk-ahead")
 
     def _in_pieces(self, index: int) -> bool:
         """Whether block ``index`` is read, stepped and written in pieces (its buffer need exceeds a pool buffer)."""
@@ -206,21 +245,6 @@ class StoreCore:
 
     def _slot_path(self, index: int, slot: int) -> Path:
         return self.path / _slot_name(index, slot)
-
-    def _grad_bytes(self, index: int) -> int:
-        return page_rounded(max(_master_bytes(self.params[index]), 1))
-
-    def _grad_offset(self, index: int) -> int:
-        """Where spilled gradients go in a step's buffer: after the largest record the block may have."""
-        return page_rounded(max(self._record_estimate(index), self.records[index].file_bytes))
-
-    def _record_estimate(self, index: int) -> int:
-        params = self.params[index]
-        return page_rounded(_master_bytes(params) + sum(self._state_size.record_bytes(p.numel()) for p in params))
-
-    def _buffer_need(self, index: int) -> int:
-        need = max(self._record_estimate(index), self.records[index].file_bytes)
-        return need + (self._grad_bytes(index) if self.spills else 0)
 
     def _manifest(self, step: int, records: Sequence[Record]) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "step": step, "names": self.names,

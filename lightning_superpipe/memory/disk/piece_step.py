@@ -28,6 +28,7 @@ from lightning_superpipe.memory.disk.folder import _grad_name
 from lightning_superpipe.memory.disk.lease import SharedBuffer
 from lightning_superpipe.memory.disk.pieces import Part, windows
 from lightning_superpipe.memory.disk.records import Entry, Record, _decode_value, _encode_value
+from lightning_superpipe.memory.param_groups import restricted
 from lightning_superpipe.memory.pinned import PAGE, page_rounded
 
 
@@ -193,8 +194,6 @@ class PieceSteps(StoreCore):
     ) -> None:
         """Steps the loaded piece in its buffer and starts writing it; the buffer goes back once the writes are
         done with it."""
-        from lightning_superpipe.memory.disk.step import _step_restricted
-
         record, params = self.records[index], self.params[index]
         buffer = loaded.buffer
         kept_grads: dict[int, Optional[Tensor]] = {}
@@ -354,3 +353,25 @@ def _give_back(pool: Any, loaded: _Loaded) -> None:
     for job in loaded.jobs:
         job.exception()
     pool.release(loaded.buffer)
+
+
+def _step_restricted(
+    optimizer: Optimizer,
+    params: Sequence[nn.Parameter],
+    owned: set[nn.Parameter],
+    grad_scale: Optional[Tensor],
+    grad_clip_value: Optional[float],
+) -> None:
+    """Steps ``optimizer`` over those of ``params`` it owns that have gradients, scaled by ``grad_scale`` and then
+    clamped to ``grad_clip_value`` first (as clipping would)."""
+    stepped = {p for p in params if p.grad is not None and p in owned}
+    if grad_scale is not None:
+        for param in params:
+            if param in stepped:
+                param.grad.mul_(grad_scale)  # type: ignore[union-attr]
+    if grad_clip_value is not None:
+        for param in params:
+            if param in stepped:
+                param.grad.clamp_(min=-grad_clip_value, max=grad_clip_value)  # type: ignore[union-attr]
+    with restricted(optimizer, stepped):
+        optimizer.step()

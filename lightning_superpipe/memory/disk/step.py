@@ -25,7 +25,7 @@ from lightning_superpipe.memory.disk.core import _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.folder import _grad_name
 from lightning_superpipe.memory.disk.lease import MasterLease, Releases, SharedBuffer
-from lightning_superpipe.memory.disk.piece_step import PieceSteps
+from lightning_superpipe.memory.disk.piece_step import PieceSteps, _step_restricted
 from lightning_superpipe.memory.disk.records import (
     Record,
     _decode_value,
@@ -34,7 +34,6 @@ from lightning_superpipe.memory.disk.records import (
     _signature,
     _tensor_of,
 )
-from lightning_superpipe.memory.param_groups import restricted
 from lightning_superpipe.units import format_bytes
 
 #: A block read ahead for the step: its index, its buffer, the read of its record and that of its spilled gradients.
@@ -362,23 +361,6 @@ class _ReadsAhead:
                     job.exception()  # never hand a buffer back while a read still fills it
             if buffer is not None:
                 self._store.pool.release(buffer)
-
-
-def _step_restricted(optimizer: Optimizer, params: Sequence[nn.Parameter], owned: set[nn.Parameter],
-                     grad_scale: Optional[Tensor], grad_clip_value: Optional[float]) -> None:
-    """Steps ``optimizer`` over those of ``params`` it owns that have gradients, scaled by ``grad_scale`` and then
-    clamped to ``grad_clip_value`` first (as clipping would)."""
-    stepped = {p for p in params if p.grad is not None and p in owned}
-    if grad_scale is not None:
-        for param in params:
-            if param in stepped:
-                param.grad.mul_(grad_scale)  # type: ignore[union-attr]
-    if grad_clip_value is not None:
-        for param in params:
-            if param in stepped:
-                param.grad.clamp_(min=-grad_clip_value, max=grad_clip_value)  # type: ignore[union-attr]
-    with restricted(optimizer, stepped):
-        optimizer.step()
 
 
 def _lay_out_in_place(record: Record, new: Record, buffer: Tensor, params: Sequence[Tensor],

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 # Commits and links through their module: the kill -9 tests interpose on them there.
 from lightning_superpipe.memory.disk import folder as disk_folder
 from lightning_superpipe.memory.disk.buffers import _aligned_buffer
-from lightning_superpipe.memory.disk.core import StoreOptionArgs, StoreOptions, _park
+from lightning_superpipe.memory.disk.core import Sizing, StoreOptionArgs, StoreOptions, _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.export import write_safetensors
 from lightning_superpipe.memory.disk.file_io import _check_length, _Files, _fsync_dir, _open
@@ -125,8 +125,28 @@ class DiskStore(GradientSpills, BlockSteps):
         states = [[_own_state(optimizer, p) for p in b.values()] for b in blocks]
         manifest = {"format": FORMAT, "version": VERSION, "step": 0, "names": [list(b) for b in blocks],
                     "blocks": [Record(1, *_layout(list(b.values()), s)).to_json() for b, s in zip(blocks, states)]}
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)  # a bound too small: before any write
         _write_step_zero(folder, blocks, states, manifest, optimizer, initial, settings)
         return cls(folder, blocks, manifest, optimizer, settings)
+
+    @staticmethod
+    def pool_for(
+        block_params: Sequence[Sequence[nn.Parameter]],
+        optimizer: Optional[Optimizer] = None,
+        **options: Unpack[StoreOptionArgs],
+    ) -> tuple[int, int, int]:
+        """The size and number of the pool buffers a new store of blocks of these parameters would hold, and the
+        least ``host_buffer_bytes`` it works with, allocating nothing (see
+        :class:`~lightning_superpipe.memory.disk.core.StoreOptions`).
+
+        Raises:
+            DiskTierError: ``host_buffer_bytes`` is below that least (the message names it).
+        """
+        settings = StoreOptions(**options)
+        records = [Record(1, *_layout(list(params), [_own_state(optimizer, p) for p in params]))
+                   for params in block_params]
+        sizing = Sizing(block_params, records, optimizer, settings)
+        return (*sizing.pool_shape(settings), sizing.least_pool_bytes(settings))
 
     @staticmethod
     def bytes_needed(
@@ -172,6 +192,7 @@ class DiskStore(GradientSpills, BlockSteps):
             if settings.spill_grads and not (folder / _grad_name(index)).exists():
                 needed += page_rounded(_master_bytes(list(block.values())))
         preflight(folder, needed, "the slots the next step writes")
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)
         return cls(folder, blocks, manifest, optimizer, settings)
 
     @classmethod
@@ -189,6 +210,8 @@ class DiskStore(GradientSpills, BlockSteps):
         source, folder = Path(snapshot), Path(path)
         manifest = _read_manifest(source)
         _check_manifest(source, manifest, blocks)
+        settings = StoreOptions(**options)
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)  # before the live folder changes
         preflight(folder, 0)
         if source.resolve() != folder.resolve():
             if (folder / MANIFEST).exists():
@@ -391,6 +414,12 @@ def _initial_values(index: int, block: Mapping[str, nn.Parameter], values: Mappi
                 f" {tuple(param.shape)} {param.dtype}."
             )
     return [values[name].detach() for name in block]
+
+
+def _sizing(blocks: Sequence[Mapping[str, nn.Parameter]], manifest: Mapping[str, Any], optimizer: Optional[Optimizer],
+            settings: StoreOptions) -> Sizing:
+    return Sizing([list(b.values()) for b in blocks], [Record.from_json(d) for d in manifest["blocks"]], optimizer,
+                  settings)
 
 
 def _check_blocks(blocks: Sequence[Mapping[str, nn.Parameter]]) -> None:
