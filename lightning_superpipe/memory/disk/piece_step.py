@@ -12,6 +12,7 @@ is written, and committed by the manifest as a whole block's is: crash consisten
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -200,9 +201,11 @@ class PieceSteps(StoreCore):
         holder = SharedBuffer(self.pool, holders=1)
         try:
             self._point_piece(optimizer, index, loaded, on_disk, fixed, kept_grads)
+            began = time.perf_counter()
             _step_restricted(
                 optimizer, [params[part.param] for part, *_ in loaded.places], owned, grad_scale, grad_clip_value
             )
+            self.clock.add("step_compute", time.perf_counter() - began)
             for part, master, _, _ in loaded.places:
                 self._write_part(index, part, master, loaded, dict(optimizer.state[params[part.param]]), new, holder)
         finally:
