@@ -14,33 +14,15 @@ from torch import nn
 
 from lightning_superpipe.memory.disk import DiskStore, DiskTierError
 from lightning_superpipe.memory.disk.pieces import SLICE_ELEMENTS, ParamCost, Part, plan_pieces, sliceable
-from lightning_superpipe.memory.param_groups import restricted
-from tests.test_disk_tier import assert_store_equals, disk_step, grads_for, make_optimizer, reference_step
-
-#: A pool of two buffers of 128 KiB: each block's record (up to 640 KiB with Adam) goes in pieces, the 200 x 200
-#: weight in slices of 4096 elements.
-SMALL_POOL = 256 << 10
-
-
-class WideModel(nn.Module):
-    """Four streamed blocks whose records exceed :data:`SMALL_POOL` (weights of 19 200 and 40 000 elements: many
-    slices) beside small ones, and a trunk parameter stepped in memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(
-            [
-                nn.Linear(96, 200),
-                nn.Sequential(nn.Linear(200, 200, bias=False), nn.LayerNorm(200)),
-                nn.Linear(200, 48),
-                nn.Linear(48, 64),
-            ]
-        )
-        self.head = nn.Linear(64, 8)
-
-    def block_params(self) -> list[dict[str, nn.Parameter]]:
-        return [dict(block.named_parameters(prefix=f"blocks.{i}")) for i, block in enumerate(self.blocks)]
+from tests.test_disk_tier import (
+    IN_PIECES,
+    SMALL_POOL,
+    WideModel,
+    assert_store_equals,
+    disk_step,
+    make_optimizer,
+    reference_step,
+)
 
 
 def _optimizer(kind: str, model: WideModel) -> tuple[torch.optim.Optimizer, Optional[Any]]:
@@ -48,14 +30,14 @@ def _optimizer(kind: str, model: WideModel) -> tuple[torch.optim.Optimizer, Opti
         return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True), None
     if kind == "adam-amsgrad":
         return torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True, foreach=True), None
-    return make_optimizer(kind, model)  # type: ignore[arg-type]
+    return make_optimizer(kind, model)
 
 
 def _reference(kind: str, steps: int, micro_batches: int) -> tuple[WideModel, torch.optim.Optimizer]:
     model = WideModel()
     optimizer, scheduler = _optimizer(kind, model)
     for step in range(steps):
-        reference_step(model, optimizer, scheduler, step, micro_batches)  # type: ignore[arg-type]
+        reference_step(model, optimizer, scheduler, step, micro_batches)
     return model, optimizer
 
 
@@ -83,62 +65,11 @@ def test_a_pool_smaller_than_a_record_steps_in_pieces_bitwise(
         assert all(store._in_pieces(i) for i in (0, 1))
         assert any(part.numel < 40000 for piece in store._plan(1) for part in piece if part.param == 0)  # sliced
         for step in range(steps):
-            disk_step(model, store, optimizer, scheduler, step, micro_batches, spill, per_block)  # type: ignore[arg-type]
+            disk_step(model, store, optimizer, scheduler, step, micro_batches, spill, per_block)
         assert store.step_count == steps
-        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
+        assert_store_equals(store, reference, ref_optimizer)
         assert torch.equal(model.head.weight, reference.head.weight)
         assert store.pool.peak_bytes <= SMALL_POOL
-    finally:
-        store.close()
-
-
-def test_clipping_and_norms_over_spilled_pieces_equal_clip_grad_norm(tmp_path: Path) -> None:
-    """Spilled in pieces over two micro-batches: each gradient's norm (of the accumulated whole) is what
-    ``clip_grad_norm_`` takes, and the step scaled by the clamped coefficient is bitwise the in-memory one; the
-    gradients taken back equal the accumulated ones."""
-    reference, model = WideModel(), WideModel()
-    ref_optimizer, _ = _optimizer("adamw", reference)
-    optimizer, _ = _optimizer("adamw", model)
-    blocks = [list(b.values()) for b in model.block_params()]
-    in_blocks = {p for block in blocks for p in block}
-    place = {p: (i, j) for i, block in enumerate(blocks) for j, p in enumerate(block)}
-    store = DiskStore.create(
-        tmp_path, model.block_params(), optimizer, spill_grads=True, host_buffer_bytes=SMALL_POOL, min_buffers=2
-    )
-    try:
-        for step in range(2):
-            ref_optimizer.zero_grad(set_to_none=True)
-            optimizer.zero_grad(set_to_none=True)
-            for micro in range(2):
-                grads = grads_for(reference, step, micro)  # type: ignore[arg-type]
-                for param, grad in zip(reference.parameters(), grads):
-                    param.grad = grad.clone() if param.grad is None else param.grad + grad
-                by_param = dict(zip(model.parameters(), grads))
-                for param in model.parameters():
-                    if param not in in_blocks:
-                        param.grad = by_param[param].clone() if param.grad is None else param.grad + by_param[param]
-                for index, params in enumerate(blocks):
-                    store.spill_grads(index, [by_param[p] for p in params], accumulate=micro > 0, norms=micro == 1)
-            total = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-            ref_optimizer.step()
-            norms = []
-            for param in model.parameters():
-                if param in in_blocks:
-                    index, position = place[param]
-                    norms.append(store.grad_norms(index)[position])
-                else:
-                    norms.append(torch.linalg.vector_norm(param.grad, 2.0))
-            assert torch.equal(torch.linalg.vector_norm(torch.stack(norms), 2.0), total)
-            scale = torch.clamp(1.0 / (total + 1e-6), max=1.0)
-            trunk = [p for p in model.parameters() if p not in in_blocks]
-            for param in trunk:
-                param.grad.mul_(scale)
-            store.step(optimizer, grads="disk", grad_scale=scale)
-            with restricted(optimizer, set(trunk)):
-                optimizer.step()
-        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
-        store.spill_grads(1, [torch.ones_like(p) for p in blocks[1]])
-        assert all(torch.equal(g, torch.ones_like(p)) for g, p in zip(store.take_grads(1), blocks[1]))
     finally:
         store.close()
 
@@ -149,19 +80,21 @@ def test_pieces_survive_a_reopen_a_snapshot_and_the_export(tmp_path: Path) -> No
     reference, ref_optimizer = _reference("adamw", 2, 1)
     model = WideModel()
     optimizer, _ = _optimizer("adamw", model)
-    store = DiskStore.create(tmp_path, model.block_params(), optimizer, host_buffer_bytes=SMALL_POOL, min_buffers=2)
+    store = DiskStore.create(tmp_path, model.block_params(), optimizer, **IN_PIECES)
     try:
-        disk_step(model, store, optimizer, None, 0)  # type: ignore[arg-type]
+        disk_step(model, store, optimizer, None, 0)
     finally:
         store.close()
     store = DiskStore.open(tmp_path, model.block_params(), optimizer)  # whole blocks
     try:
-        disk_step(model, store, optimizer, None, 1)  # type: ignore[arg-type]
+        disk_step(model, store, optimizer, None, 1)
     finally:
         store.close()
-    store = DiskStore.open(tmp_path, model.block_params(), optimizer, host_buffer_bytes=SMALL_POOL, min_buffers=2)
+    store = DiskStore.open(
+        tmp_path, model.block_params(), optimizer, spill_grads=True, host_buffer_bytes=SMALL_POOL, min_buffers=2
+    )
     try:
-        assert_store_equals(store, reference, ref_optimizer)  # type: ignore[arg-type]
+        assert_store_equals(store, reference, ref_optimizer)
         for index, block in enumerate(reference.block_params()):
             chunks = store.master_chunks(index)
             flat = torch.empty(chunks[-1][1] // 4)
@@ -171,6 +104,9 @@ def test_pieces_survive_a_reopen_a_snapshot_and_the_export(tmp_path: Path) -> No
                 lease.release()
             for entry, param in zip(store.master_entries(index), block.values()):
                 assert torch.equal(entry.view_of(flat.view(torch.uint8)), param.detach())
+        blocks = [list(b.values()) for b in model.block_params()]
+        store.spill_grads(1, [torch.ones_like(p) for p in blocks[1]])  # in pieces, and taken back whole
+        assert all(torch.equal(g, torch.ones_like(p)) for g, p in zip(store.take_grads(1), blocks[1]))
         store.export_safetensors(tmp_path / "model.safetensors")
         saved = load_file(str(tmp_path / "model.safetensors"))
         for block in reference.block_params():
@@ -211,9 +147,87 @@ def test_a_bound_below_two_pieces_is_one_error_naming_the_least(tmp_path: Path) 
         tmp_path, model.block_params(), optimizer, host_buffer_bytes=least, min_buffers=2, overwrite=True
     )
     try:
-        disk_step(model, store, optimizer, None, 0)  # type: ignore[arg-type]
+        disk_step(model, store, optimizer, None, 0)
         assert store.pool.peak_bytes <= least
     finally:
         store.close()
     with pytest.raises(DiskTierError, match="cannot hold 2 buffers"):
         DiskStore.open(tmp_path, model.block_params(), optimizer, host_buffer_bytes=least - 4096, min_buffers=2)
+
+
+def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before anything is allocated: the pool (within host_buffer_bytes), two blocks' gradients arriving, the cast's
+    staging and the trunk's gradients and moments are counted; a run that does not fit is refused with the
+    host_buffer_bytes that would fit, or, where even the least pool does not, says so; a bound below the least pool
+    names the least."""
+    from lightning_superpipe.memory import disk_budget
+    from lightning_superpipe.memory.host_memory import HostMemoryError
+
+    model = WideModel()
+    optimizer, _ = _optimizer("adamw", model)
+    blocks = [list(b.values()) for b in model.block_params()]
+    trunk = list(model.head.parameters())
+    largest = max(sum(p.numel() for p in block) for block in blocks)
+
+    def parts(bound: Optional[int]) -> disk_budget.DiskHostBytes:
+        return disk_budget.disk_host_bytes(blocks, trunk, optimizer, torch.bfloat16, 2, bound)
+
+    small = parts(SMALL_POOL)
+    assert small.least_pool <= small.pool <= SMALL_POOL
+    assert small.gradients == 2 * 4 * largest and small.staging == 3 * 2 * largest
+    assert small.trunk == 12 * sum(p.numel() for p in trunk)  # AdamW: a gradient and two moments
+    assert parts(None).pool > SMALL_POOL  # the default: whole blocks' buffers
+    monkeypatch.setattr(disk_budget, "available_host_bytes", lambda: small.total)
+    disk_budget.check_disk_host_room(small, SMALL_POOL)
+    room = small.others + small.least_pool + 3 * 4096
+    monkeypatch.setattr(disk_budget, "available_host_bytes", lambda: room)
+    refused = r"host_buffer_bytes=262144\) needs about .* Give host_buffer_bytes="
+    with pytest.raises(HostMemoryError, match=refused) as e:
+        disk_budget.check_disk_host_room(small, SMALL_POOL)
+    named = int(str(e.value).split("Give host_buffer_bytes=")[1].split(" ")[0])
+    assert small.least_pool <= named <= room - small.others
+    disk_budget.check_disk_host_room(parts(named), named)  # the bound it names fits
+    monkeypatch.setattr(disk_budget, "available_host_bytes", lambda: small.others)
+    with pytest.raises(HostMemoryError, match="Even the least pool that works"):
+        disk_budget.check_disk_host_room(small, SMALL_POOL)
+    with pytest.raises(DiskTierError, match=f"Give at least {small.least_pool} "):
+        parts(small.least_pool - 4096)
+
+
+def test_a_read_failing_mid_piece_gives_every_buffer_back_and_the_step_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piece of block 1 that cannot be read, half-way through its pieces (the next piece's read and the pieces'
+    writes in flight): the error names the file, nothing is committed, every buffer comes back, and the step repeated
+    equals training that never failed."""
+    import errno
+    import os
+
+    reference, ref_optimizer = _reference("adamw", 1, 1)
+    model = WideModel()
+    optimizer, _ = _optimizer("adamw", model)
+    store = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True, **IN_PIECES)
+    real_preadv = os.preadv
+    reads = [0]
+
+    def failing(fd: int, buffers: Any, offset: int) -> int:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("block00001"):
+            reads[0] += 1
+            if reads[0] == 6:
+                raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "preadv", failing)
+            with pytest.raises(DiskTierError, match="block00001"):
+                disk_step(model, store, optimizer, None, 0, spill=True)
+        assert reads[0] >= 6 and len(store._plan(1)) > 2  # it failed within the block's pieces
+        assert store.step_count == 0 and store.pending == []
+        with store.pool._cond:
+            assert len(store.pool._free) == store.pool._allocated  # every buffer is back
+        disk_step(model, store, optimizer, None, 0, spill=True)
+        assert store.step_count == 1
+        assert_store_equals(store, reference, ref_optimizer)
+    finally:
+        store.close()

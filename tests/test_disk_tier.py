@@ -52,6 +52,27 @@ class Model(nn.Module):
         return [dict(block.named_parameters(prefix=f"blocks.{i}")) for i, block in enumerate(self.blocks)]
 
 
+class WideModel(Model):
+    """Four streamed blocks whose records exceed a pool of :data:`SMALL_POOL` (weights of 19 200 and 40 000 elements:
+    many slices) beside small ones, and a trunk parameter stepped in memory."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            [nn.Linear(96, 200), nn.Sequential(nn.Linear(200, 200, bias=False), nn.LayerNorm(200)),
+             nn.Linear(200, 48), nn.Linear(48, 64)]
+        )
+        self.head = nn.Linear(64, 8)
+
+
+#: Two buffers of 128 KiB: each of :class:`WideModel`'s first blocks' records (up to 640 KiB with Adam) goes in
+#: pieces, the 200 x 200 weight in slices of 4096 elements.
+SMALL_POOL = 256 << 10
+#: A store's options that step :class:`WideModel` in pieces.
+IN_PIECES = {"host_buffer_bytes": SMALL_POOL, "min_buffers": 2}
+
+
 def make_optimizer(kind: str, model: Model) -> tuple[torch.optim.Optimizer, Optional[Any]]:
     """The optimizers of the exactness claim; ``groups`` splits weights and biases and adds an LR schedule."""
     if kind == "adamw":
@@ -199,18 +220,21 @@ def test_steps_over_files_equal_stepping_in_memory(tmp_path: Path, trained: Any,
         store.close()
 
 
-def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_class, options", [pytest.param(Model, {}, id="whole-blocks"),
+                                                   pytest.param(WideModel, IN_PIECES, id="in-pieces")])
+def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path, model_class: type[Model],
+                                                        options: dict[str, Any]) -> None:
     """Gradient accumulation over two micro-batches and clipping by global norm, the gradients spilled: the norms
     kept at the last spill and the trunk's give ``clip_grad_norm_``'s total, its coefficient scales the step, and
     weights and state equal Lightning's in-memory way bitwise."""
     max_norm, steps = 0.5, 3
-    reference = Model()
+    reference = model_class()
     ref_optimizer, ref_scheduler = make_optimizer("groups", reference)
-    model = Model()
+    model = model_class()
     optimizer, scheduler = make_optimizer("groups", model)
     block_params = [list(block.values()) for block in model.block_params()]
     in_blocks = {p for block in block_params for p in block}
-    store = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
+    store = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True, **options)
     try:
         for step in range(steps):
             ref_optimizer.zero_grad(set_to_none=True)

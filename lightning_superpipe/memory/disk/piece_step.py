@@ -111,12 +111,17 @@ class PieceSteps(StoreCore):
         try:
             for number, piece in enumerate(plan):
                 loaded = upcoming or self._load_piece(index, piece, on_disk, fixed, wait=True)
+                assert loaded is not None  # waited for a buffer
                 upcoming = None
-                if number + 1 < len(plan):  # the next piece's read, where a buffer is free now
-                    upcoming = self._load_piece(index, plan[number + 1], on_disk, fixed, wait=False)
-                for job in loaded.jobs:
-                    job.exception() if job.done() else self.clock.wait(job, "read_wait")
-                loaded.wait()
+                try:
+                    if number + 1 < len(plan):  # the next piece's read, where a buffer is free now
+                        upcoming = self._load_piece(index, plan[number + 1], on_disk, fixed, wait=False)
+                    for job in loaded.jobs:
+                        job.exception() if job.done() else self.clock.wait(job, "read_wait")
+                    loaded.wait()
+                except BaseException:
+                    _give_back(self.pool, loaded)  # the step of the piece gives it back from here on
+                    raise
                 self._step_piece(optimizer, index, loaded, on_disk, owned, grad_scale, grad_clip_value, fixed, new)
         except BaseException:
             if upcoming is not None:
