@@ -272,7 +272,7 @@ def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path, model_cl
     finally:
         store.close()
     with pytest.raises(DiskTierError, match="did not keep norms; pass norms=True"):
-        reopened = DiskStore.open(tmp_path, Model().block_params(), spill_grads=True)
+        reopened = DiskStore.open(tmp_path, model_class().block_params(), spill_grads=True, **options)
         try:
             reopened.grad_norms(0)
         finally:
@@ -716,8 +716,8 @@ def _die(*_: Any) -> None:
 
 def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Arms a kill -9 of this process at ``point`` (``chunk:N``: after N chunk writes, the file half written;
-    ``file:N``: after N whole block files are durable; ``replace:before`` / ``replace:after``: around the manifest's
-    rename, with block writes slowed down)."""
+    ``file:N``: after N block files are durable, written whole or in ranges and finished; ``replace:before`` /
+    ``replace:after``: around the manifest's rename, with block writes slowed down)."""
     what, _, when = point.partition(":")
     count = [0]
     if what == "chunk":
@@ -730,16 +730,17 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
                 _die()
 
         monkeypatch.setattr(file_io, "_write_chunk", chunk)
-    elif what == "file":
-        original_write = file_io._Files._write
+    elif what == "file":  # a file written whole, or in ranges and then finished
+        for method in ("_write", "_finish"):
+            original = getattr(file_io._Files, method)
 
-        def write(self: Any, *args: Any) -> None:
-            original_write(self, *args)
-            count[0] += 1
-            if count[0] == int(when):
-                _die()
+            def durable(self: Any, *args: Any, original: Any = original) -> None:
+                original(self, *args)
+                count[0] += 1
+                if count[0] == int(when):
+                    _die()
 
-        monkeypatch.setattr(file_io._Files, "_write", write)
+            monkeypatch.setattr(file_io._Files, method, durable)
     else:
         original_replace, original_chunk = disk_folder._replace, file_io._write_chunk
 

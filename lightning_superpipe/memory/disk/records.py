@@ -214,8 +214,3 @@ def _tensor_of(entry: Entry, params: Sequence[Tensor], states: Sequence[Mapping[
 
 def _signature(entry: Entry) -> tuple[Any, ...]:
     return entry.param, entry.key, entry.dtype, entry.shape, entry.offset
-
-
-def _fill(record: Record, buffer: Tensor, params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> None:
-    for entry in record.entries:
-        entry.view_of(buffer).copy_(_tensor_of(entry, params, states))

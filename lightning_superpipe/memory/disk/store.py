@@ -35,10 +35,10 @@ from lightning_superpipe.memory.disk.records import (
     Entry,
     Record,
     _decode_value,
-    _fill,
     _layout,
     _master_bytes,
     _own_state,
+    _tensor_of,
     probe_state_size,
 )
 from lightning_superpipe.memory.disk.space import PathLike, preflight, supports_direct_io
@@ -48,6 +48,10 @@ from lightning_superpipe.memory.pinned import page_rounded
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11 on; only checkers read it here
+
+
+#: Bytes of a block's record that writing step zero holds at a time.
+STEP_ZERO_WINDOW = 64 << 20
 
 
 @dataclass
@@ -386,20 +390,37 @@ def _write_step_zero(folder: Path, blocks: Sequence[Mapping[str, nn.Parameter]],
     try:
         for index, (block, state) in enumerate(zip(blocks, states)):
             record = Record.from_json(manifest["blocks"][index])
-            buffer = _aligned_buffer(record.file_bytes)
-            buffer.zero_()
             params = list(block.values())
             if initial is not None:
                 params = _initial_values(index, block, initial(index))
-            _fill(record, buffer, params, state)
+            _write_record(files, folder / _slot_name(index, record.slot), record, params, state)
             del params
-            files.write(folder / _slot_name(index, record.slot), buffer, record.file_bytes, durable=True).result()
             if optimizer is not None:
                 for param in block.values():
                     optimizer.state.pop(param, None)
         disk_folder._commit(folder, manifest)
     finally:
         files.close()
+
+
+def _write_record(files: _Files, path: Path, record: Record, params: Sequence[Tensor],
+                  states: Sequence[Mapping[str, Any]]) -> None:
+    """Writes ``record`` of these values as the new file ``path``, durably, :data:`STEP_ZERO_WINDOW` bytes at a
+    time: a block larger than that takes no copy of its whole record in host memory."""
+    window = min(record.file_bytes, STEP_ZERO_WINDOW)
+    scratch = _aligned_buffer(window)
+    sources = [(e, _tensor_of(e, params, states).detach().contiguous().reshape(-1).view(torch.uint8))
+               for e in record.entries]
+    files.begin(path, record.file_bytes)
+    for start in range(0, record.file_bytes, window):
+        end = min(start + window, record.file_bytes)
+        scratch[: end - start].zero_()  # the padding between tensors and at the end: defined
+        for entry, data in sources:
+            low, high = max(start, entry.offset), min(end, entry.offset + entry.nbytes)
+            if low < high:
+                scratch[low - start : high - start].copy_(data[low - entry.offset : high - entry.offset])
+        files.write_range(path, scratch, end - start, 0, start).result()
+    files.finish(path, record.file_bytes, [], durable=True).result()
 
 
 def _initial_values(index: int, block: Mapping[str, nn.Parameter], values: Mapping[str, Tensor]) -> list[Tensor]:
