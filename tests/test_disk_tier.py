@@ -171,8 +171,9 @@ def shm() -> Iterator[Path]:
 def trained() -> Callable[[str, int], tuple[Model, torch.optim.Optimizer, Optional[Any]]]:
     """The in-memory reference after ``steps`` steps."""
 
-    def run(kind: str, steps: int, micro_batches: int = 1) -> tuple[Model, torch.optim.Optimizer, Optional[Any]]:
-        model = Model()
+    def run(kind: str, steps: int, micro_batches: int = 1,
+            model_class: type[Model] = Model) -> tuple[Model, torch.optim.Optimizer, Optional[Any]]:
+        model = model_class()
         optimizer, scheduler = make_optimizer(kind, model)
         for step in range(steps):
             reference_step(model, optimizer, scheduler, step, micro_batches)
@@ -481,34 +482,44 @@ def test_a_buffer_takes_the_next_read_while_its_write_is_made_durable(tmp_path: 
         store.close()
 
 
-def test_a_read_failing_mid_step_gives_every_buffer_back_and_the_step_repeats(tmp_path: Path, trained: Any,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step over spilled gradients whose third block cannot be read, with two buffers (the reads behind it queued
-    for them on the reader thread): the error names the file, every buffer comes back and the spilled gradients'
-    writes are still waited for, so the step repeated afterwards equals training that never failed."""
-    reference, ref_optimizer, _ = trained("adamw", 1)
-    model = Model()
+@pytest.mark.parametrize("model_class, failing_file, nth", [
+    pytest.param(Model, "block00002", 1, id="whole-blocks"),
+    # Half-way through block 1's pieces: the next piece's read and the pieces' writes in flight.
+    pytest.param(WideModel, "block00001", 6, id="in-pieces"),
+])
+def test_a_read_failing_mid_step_gives_every_buffer_back_and_the_step_repeats(
+    tmp_path: Path, trained: Any, monkeypatch: pytest.MonkeyPatch, model_class: type[Model], failing_file: str,
+    nth: int,
+) -> None:
+    """A step over spilled gradients whose third block (in pieces: a piece of the second) cannot be read, with two
+    buffers (the reads behind it queued for them on the reader thread): the error names the file, every buffer comes
+    back and the spilled gradients' writes are still waited for, so the step repeated afterwards equals training
+    that never failed."""
+    reference, ref_optimizer, _ = trained("adamw", 1, model_class=model_class)
+    model = model_class()
     optimizer, _ = make_optimizer("adamw", model)
     probe = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
     buffer_bytes = probe.pool.buffer_bytes
     probe.close()
-    store = DiskStore.open(tmp_path, model.block_params(), optimizer, spill_grads=True,
-                           host_buffer_bytes=2 * buffer_bytes, read_ahead=3)
+    options = IN_PIECES if model_class is WideModel else {"host_buffer_bytes": 2 * buffer_bytes, "read_ahead": 3}
+    store = DiskStore.open(tmp_path, model.block_params(), optimizer, spill_grads=True, **options)
     monkeypatch.setattr(buffers, "ACQUIRE_TIMEOUT_S", 10.0)  # a buffer never given back fails the repeat, not hangs
     real_preadv = os.preadv
-    failures = [0]
+    reads, failures = [0], [0]
 
     def failing(fd: int, buffers: Any, offset: int) -> int:
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("block00002") and not failures[0]:
-            failures[0] += 1
-            time.sleep(0.05)  # the reads behind it are queued by now
-            raise OSError(errno.EIO, "Input/output error")
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(failing_file):
+            reads[0] += 1
+            if reads[0] == nth:
+                failures[0] += 1
+                time.sleep(0.05)  # the reads behind it are queued by now
+                raise OSError(errno.EIO, "Input/output error")
         return real_preadv(fd, buffers, offset)
 
     try:
         with monkeypatch.context() as patch:
             patch.setattr(os, "preadv", failing)
-            with pytest.raises(DiskTierError, match="block00002"):
+            with pytest.raises(DiskTierError, match=failing_file):
                 disk_step(model, store, optimizer, None, 0, spill=True)
         assert failures[0] == 1 and store.step_count == 0 and store.pending == []
         with store.pool._cond:
