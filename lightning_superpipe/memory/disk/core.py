@@ -36,6 +36,7 @@ class StoreOptions:
     Args:
         spill_grads: Reserve gradient files and buffer room for :meth:`DiskStore.spill_grads`.
         host_buffer_bytes: Bound on the pool's host bytes; default ``(read_ahead + 2)`` buffers of the largest block.
+            Where it holds fewer than ``min_buffers`` whole blocks' buffers, blocks go in pieces.
         read_ahead: Blocks read ahead of the one being stepped.
         io_workers: Threads issuing reads and writes.
         chunk_bytes: Size of one read or write request.
