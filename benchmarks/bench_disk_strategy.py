@@ -51,6 +51,7 @@ Usage:
     python benchmarks/bench_disk_strategy.py                                 # ~3.4 GB of state, files in /tmp
     python benchmarks/bench_disk_strategy.py --path /nvme/scratch --layers 48 --json results.json
     python benchmarks/bench_disk_strategy.py --fused-read --steps 6     # the step after backward vs pipelined
+    python benchmarks/bench_disk_strategy.py --pieces --json pieces.json   # host_buffer_bytes 256 MiB, 1 GiB vs whole
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     from lightning_superpipe import SuperpipeStrategy, load_safetensors
+    from lightning_superpipe.memory.host import rss_bytes
 
+    rss_after_imports = rss_bytes()[0]  # torch, Lightning, transformers: what any run holds before its model
     configured = args.role in ("configured", "loaded")
 
     class Task(pl.LightningModule):
@@ -241,7 +244,7 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
         "disk_seconds": probe.clock, "finish_step_s": probe.finish_step_s,
         "peak_rss_before_training_bytes": probe.rss_before_training,
         "peak_rss_training_bytes": probe.rss_training or None,
-        "peak_rss_bytes": peak_rss, **export,
+        "peak_rss_bytes": peak_rss, **export, "rss_after_imports_bytes": rss_after_imports,
         "disk_bytes": report.get("disk_bytes"), "peak_disk_pool_host_bytes": report.get("peak_disk_pool_host_bytes"),
         "disk_bytes_read": report.get("disk_bytes_read"), "disk_bytes_written": report.get("disk_bytes_written"),
         "direct_io": probe.direct_io, "batch_starts": probe.starts, "disk_fused_reads": report.get("disk_fused_reads"),
@@ -275,6 +278,56 @@ def fused_read(args: argparse.Namespace) -> dict[str, Any]:
     figures["step_time_ratio"] = (sum(pipelined) / len(pipelined)) / (sum(serial) / len(serial))
     figures["step_read_ratio"] = figures["step_read_bytes_pipelined"] / figures["step_read_bytes_serial"]
     figures["losses_equal"] = runs["serial"]["losses"] == runs["pipelined"]["losses"]
+    return figures
+
+
+def pieces(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk tier with a model built in ``configure_model`` (so that the peak is the tier's, not the model's
+    construction), with whole-block buffers (``--buffers`` of them: today's records) and with each bound of
+    ``--bounds`` (blocks larger than a buffer stepped in pieces), in alternating rounds (a shared machine drifts).
+    Per run: the peak RSS while training (``VmHWM`` reset when training starts) and over the whole process, each
+    minus the RSS after the imports, the pool's peak, and the mean step time (the steps after the first). Also:
+    what the report names beside the pool (two layers' gradients arriving, the trunk's masters, gradients and
+    moments), and whether every run's losses are equal."""
+    params, layer = count_params(args)
+    whole = args.host_buffer_bytes
+    bounds = {"whole": whole, **{f"bound_{b}": int(b) for b in args.bounds.split(",")}}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in bounds}
+    for _ in range(args.rounds):
+        for name, bound in bounds.items():
+            args.host_buffer_bytes = bound
+            runs[name].append(child("configured", args))
+            shutil.rmtree(args.folder)
+            args.folder.mkdir()
+    trunk = params - args.layers * layer
+    figures: dict[str, Any] = {
+        "params": params, "layer_params": layer, "layers": args.layers, "hidden": args.hidden,
+        "intermediate": args.intermediate, "training_state_bytes": 16 * params, "layer_record_bytes": 16 * layer,
+        "steps": args.steps, "rounds": args.rounds, "threads": args.threads,
+        # Beside the pool: two layers' fp32 gradients arriving from the device, the trunk's masters, gradients and
+        # AdamW moments (16 B a parameter; its masters are the model's), no staging (fp32: no cast).
+        "named_besides_pool_bytes": 2 * 4 * layer + 16 * trunk,
+        "losses_equal": len({json.dumps(r["losses"]) for rs in runs.values() for r in rs}) == 1,
+    }
+    for name, rs in runs.items():
+        imports = [r["rss_after_imports_bytes"] for r in rs]
+        figures[name] = {
+            "host_buffer_bytes": bounds[name],
+            "peak_disk_pool_host_bytes": [r["peak_disk_pool_host_bytes"] for r in rs],
+            "rss_after_imports_bytes": imports,
+            "peak_rss_training_bytes": [r["peak_rss_training_bytes"] for r in rs],
+            "peak_rss_training_minus_imports_bytes": [r["peak_rss_training_bytes"] - i for r, i in zip(rs, imports)],
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in rs],
+            "peak_rss_before_training_minus_imports_bytes": [
+                r["peak_rss_before_training_bytes"] - i for r, i in zip(rs, imports)],
+            "step_s": [sum(r["step_s"][1:]) / max(len(r["step_s"]) - 1, 1) for r in rs],
+            "disk_seconds_per_step": [
+                {k: round(sum(c[k] for c in r["disk_seconds"][1:]) / max(len(r["disk_seconds"]) - 1, 1), 3)
+                 for k in r["disk_seconds"][0]} for r in rs],
+        }
+    base = sum(figures["whole"]["step_s"]) / args.rounds
+    for name in bounds:
+        figures[name]["step_time_vs_whole"] = sum(figures[name]["step_s"]) / args.rounds / base
     return figures
 
 
@@ -321,6 +374,11 @@ def main() -> None:
     parser.add_argument("--fused-read", action="store_true",
                         help="only the disk tier, its step after backward against its step pipelined into the next"
                              " forward (which copies each block from the buffer the step left it in)")
+    parser.add_argument("--pieces", action="store_true",
+                        help="only the disk tier (model built in configure_model): whole-block buffers (--buffers)"
+                             " against each host_buffer_bytes of --bounds, in --rounds alternating rounds")
+    parser.add_argument("--bounds", default=f"{256 << 20},{1 << 30}", help="--pieces: host_buffer_bytes values")
+    parser.add_argument("--rounds", type=int, default=2, help="--pieces: rounds of the runs")
     parser.add_argument("--overlap", choices=list(OVERLAP_KNOBS), default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "loaded", "save", "raw"],
                         default=None, help=argparse.SUPPRESS)
@@ -348,9 +406,9 @@ def main() -> None:
     if needed * 1.1 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
     args.folder = Path(tempfile.mkdtemp(prefix="superpipe-bench-disk-strategy-", dir=args.path))
-    if args.fused_read:
+    if args.fused_read or args.pieces:
         try:
-            figures = fused_read(args)
+            figures = (pieces if args.pieces else fused_read)(args)
         finally:
             shutil.rmtree(args.folder, ignore_errors=True)
         print(json.dumps(figures, indent=2))

@@ -11,7 +11,9 @@ Usage: ``python -m tests.disk_crash_worker CONFIG_JSON``, where the config holds
 * ``resume``: a ``.ckpt`` to ``fit(ckpt_path=...)`` from, or ``None``;
 * ``weights``: where to ``torch.save`` the model's state dict after an uninterrupted fit (``None``: not saved);
 * ``mutate``: ``"shared-inode"`` disables the store's unlinking of a hard-linked file before it is rewritten
-  (the seeded bug: later steps then write into a checkpoint's copy), else ``None``.
+  (the seeded bug: later steps then write into a checkpoint's copy), else ``None``;
+* ``host_buffer_bytes``, ``slice_elements``: a pool bound (``None``: the default) and the slice of a parameter a
+  piece holds (``None``: the default), for a tier that steps its blocks in pieces.
 
 Kill points (the hook wraps the store's module-level file functions, in this process only; the package has no
 test-only code path):
@@ -101,9 +103,9 @@ def install_kill(point: str, step: int, tier: Path, mutate: str | None) -> None:
 
         def stat(path: Any, *args: Any, **kwargs: Any) -> Any:
             caller = sys._getframe(1).f_code.co_name
-            return _OneLink() if caller == "_write" else real_stat(path, *args, **kwargs)
+            return _OneLink() if caller == "_unlink_unless_ours" else real_stat(path, *args, **kwargs)
 
-        os.stat = stat  # type: ignore[assignment]  # only _write's call sees one link
+        os.stat = stat  # type: ignore[assignment]  # only the check before a file is rewritten sees one link
 
 
 def main(config: dict[str, Any]) -> None:
@@ -115,6 +117,10 @@ def main(config: dict[str, Any]) -> None:
     from lightning_superpipe import SuperpipeStrategy
     from tests import batches, tasks
 
+    if config.get("slice_elements"):
+        from lightning_superpipe.memory.disk import pieces
+
+        pieces.SLICE_ELEMENTS = int(config["slice_elements"])
     tier, checkpoints = Path(config["tier"]), Path(config["checkpoints"])
     tier.mkdir(parents=True, exist_ok=True)
     if config.get("kill") or config.get("mutate"):
@@ -135,7 +141,8 @@ def main(config: dict[str, Any]) -> None:
     tasks.pl.seed_everything(8, verbose=False)
     callback = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_last=True)
     trainer = tasks.trainer(
-        SuperpipeStrategy(offload_device="disk", offload_path=tier), max_steps=MAX_STEPS, max_epochs=-1,
+        SuperpipeStrategy(offload_device="disk", offload_path=tier, host_buffer_bytes=config.get("host_buffer_bytes")),
+        max_steps=MAX_STEPS, max_epochs=-1,
         limit_train_batches=MICRO_BATCHES_PER_EPOCH, accumulate_grad_batches=ACCUMULATE, enable_checkpointing=True,
         callbacks=[callback],
     )

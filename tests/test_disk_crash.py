@@ -67,12 +67,24 @@ def assert_tier_loads(folder: Path, step: Optional[int] = None) -> None:
         store.close()
 
 
+#: A pool below one block's record of the worker's model (two buffers of 48 KiB, parameters sliced on 1024 elements),
+#: so that every block is read, stepped and written in pieces; ``None``: whole blocks.
+POOLS = {"whole-blocks": {}, "pieces": {"host_buffer_bytes": 96 << 10, "slice_elements": 1024}}
+
+
+@pytest.fixture(scope="module", params=list(POOLS))
+def pool(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return POOLS[request.param]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The losses and final weights of the run every interrupted one must reproduce."""
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory,
+                  pool: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses and final weights of the run every interrupted one must reproduce (whole blocks: the same losses
+    and weights as in pieces, which the host tier's equality makes them)."""
     root = tmp_path_factory.mktemp("uninterrupted")
     config = dict(tier=str(root / "tier"), checkpoints=str(root / "checkpoints"), losses=str(root / "losses.txt"),
-                  weights=str(root / "weights.pt"))
+                  weights=str(root / "weights.pt"), **pool)
     run_worker(config, expect_kill=False)
     losses = logged_losses(root / "losses.txt")
     assert len(losses) == worker.MAX_STEPS * worker.ACCUMULATE
@@ -80,7 +92,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float]
 
 
 def test_kill_9_mid_step_and_mid_checkpoint_then_resume_continues_the_same_losses(
-    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]]
+    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]], pool: dict[str, Any]
 ) -> None:
     """Five kills in a chain, each run resuming from ``last.ckpt`` the previous one left: half-way through a block's
     write in the optimizer step; after the live manifest of a checkpoint step is committed and before its
@@ -98,7 +110,7 @@ def test_kill_9_mid_step_and_mid_checkpoint_then_resume_continues_the_same_losse
         losses = tmp_path / f"losses{run}.txt"
         config = dict(tier=str(tier), checkpoints=str(checkpoints), losses=str(losses),
                       kill=None if point is None else [point, step], resume=None if resume is None else str(resume),
-                      weights=str(tmp_path / "weights.pt") if point is None else None)
+                      weights=str(tmp_path / "weights.pt") if point is None else None, **pool)
         start = 0 if resume is None else checkpoint_step(resume) * worker.ACCUMULATE  # before the run overwrites it
         run_worker(config, expect_kill=point is not None)
         logged = logged_losses(losses)
@@ -120,7 +132,7 @@ def test_kill_9_mid_step_and_mid_checkpoint_then_resume_continues_the_same_losse
 
 
 def test_a_checkpoint_sharing_inodes_with_the_live_files_would_be_caught(
-    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]]
+    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]], pool: dict[str, Any]
 ) -> None:
     """The seeded bug: the store rewrites a hard-linked slot in place instead of replacing it, so the steps after a
     checkpoint write into its copy. The chain's check (resume from the checkpoint after the live folder moved on)
@@ -128,12 +140,12 @@ def test_a_checkpoint_sharing_inodes_with_the_live_files_would_be_caught(
     reference, _ = uninterrupted
     tier, checkpoints = tmp_path / "tier", tmp_path / "checkpoints"
     config = dict(tier=str(tier), checkpoints=str(checkpoints), losses=str(tmp_path / "killed.txt"),
-                  kill=["after-commit", 4], mutate="shared-inode")
+                  kill=["after-commit", 4], mutate="shared-inode", **pool)
     run_worker(config, expect_kill=True)
     last = checkpoints / "last.ckpt"
     assert checkpoint_step(last) == 2
     resumed = dict(tier=str(tier), checkpoints=str(checkpoints), losses=str(tmp_path / "resumed.txt"),
-                   resume=str(last))
+                   resume=str(last), **pool)
     run_worker(resumed, expect_kill=False)
     logged = logged_losses(tmp_path / "resumed.txt")
     start = 2 * worker.ACCUMULATE

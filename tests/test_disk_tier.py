@@ -52,6 +52,27 @@ class Model(nn.Module):
         return [dict(block.named_parameters(prefix=f"blocks.{i}")) for i, block in enumerate(self.blocks)]
 
 
+class WideModel(Model):
+    """Four streamed blocks whose records exceed a pool of :data:`SMALL_POOL` (weights of 19 200 and 40 000 elements:
+    many slices) beside small ones, and a trunk parameter stepped in memory."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            [nn.Linear(96, 200), nn.Sequential(nn.Linear(200, 200, bias=False), nn.LayerNorm(200)),
+             nn.Linear(200, 48), nn.Linear(48, 64)]
+        )
+        self.head = nn.Linear(64, 8)
+
+
+#: Two buffers of 128 KiB: each of :class:`WideModel`'s first blocks' records (up to 640 KiB with Adam) goes in
+#: pieces, the 200 x 200 weight in slices of 4096 elements.
+SMALL_POOL = 256 << 10
+#: A store's options that step :class:`WideModel` in pieces.
+IN_PIECES = {"host_buffer_bytes": SMALL_POOL, "min_buffers": 2}
+
+
 def make_optimizer(kind: str, model: Model) -> tuple[torch.optim.Optimizer, Optional[Any]]:
     """The optimizers of the exactness claim; ``groups`` splits weights and biases and adds an LR schedule."""
     if kind == "adamw":
@@ -150,8 +171,9 @@ def shm() -> Iterator[Path]:
 def trained() -> Callable[[str, int], tuple[Model, torch.optim.Optimizer, Optional[Any]]]:
     """The in-memory reference after ``steps`` steps."""
 
-    def run(kind: str, steps: int, micro_batches: int = 1) -> tuple[Model, torch.optim.Optimizer, Optional[Any]]:
-        model = Model()
+    def run(kind: str, steps: int, micro_batches: int = 1,
+            model_class: type[Model] = Model) -> tuple[Model, torch.optim.Optimizer, Optional[Any]]:
+        model = model_class()
         optimizer, scheduler = make_optimizer(kind, model)
         for step in range(steps):
             reference_step(model, optimizer, scheduler, step, micro_batches)
@@ -171,7 +193,7 @@ def trained() -> Callable[[str, int], tuple[Model, torch.optim.Optimizer, Option
         pytest.param("sgd", False, 1, {}, id="sgd-momentum"),
         pytest.param("groups", False, 1, {}, id="two-groups-lr-schedule"),
         # Spilled gradients accumulated over two micro-batches; one buffer only (no overlap), many small chunks.
-        pytest.param("groups", True, 2, {"host_buffer_bytes": 64 << 10, "chunk_bytes": 4096, "io_workers": 3},
+        pytest.param("groups", True, 2, {"host_buffer_bytes": 72 << 10, "chunk_bytes": 4096, "io_workers": 3},
                      id="groups-spilled-accumulated-one-buffer"),
         pytest.param("adamw", True, 1, {"read_ahead": 3}, id="adamw-spilled-read-ahead-3"),
         pytest.param("groups", False, 1, {"per_block": True}, id="groups-per-block-then-commit"),
@@ -199,18 +221,21 @@ def test_steps_over_files_equal_stepping_in_memory(tmp_path: Path, trained: Any,
         store.close()
 
 
-def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model_class, options", [pytest.param(Model, {}, id="whole-blocks"),
+                                                   pytest.param(WideModel, IN_PIECES, id="in-pieces")])
+def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path, model_class: type[Model],
+                                                        options: dict[str, Any]) -> None:
     """Gradient accumulation over two micro-batches and clipping by global norm, the gradients spilled: the norms
     kept at the last spill and the trunk's give ``clip_grad_norm_``'s total, its coefficient scales the step, and
     weights and state equal Lightning's in-memory way bitwise."""
     max_norm, steps = 0.5, 3
-    reference = Model()
+    reference = model_class()
     ref_optimizer, ref_scheduler = make_optimizer("groups", reference)
-    model = Model()
+    model = model_class()
     optimizer, scheduler = make_optimizer("groups", model)
     block_params = [list(block.values()) for block in model.block_params()]
     in_blocks = {p for block in block_params for p in block}
-    store = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
+    store = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True, **options)
     try:
         for step in range(steps):
             ref_optimizer.zero_grad(set_to_none=True)
@@ -248,7 +273,7 @@ def test_clipping_by_global_norm_over_spilled_gradients(tmp_path: Path) -> None:
     finally:
         store.close()
     with pytest.raises(DiskTierError, match="did not keep norms; pass norms=True"):
-        reopened = DiskStore.open(tmp_path, Model().block_params(), spill_grads=True)
+        reopened = DiskStore.open(tmp_path, model_class().block_params(), spill_grads=True, **options)
         try:
             reopened.grad_norms(0)
         finally:
@@ -457,34 +482,44 @@ def test_a_buffer_takes_the_next_read_while_its_write_is_made_durable(tmp_path: 
         store.close()
 
 
-def test_a_read_failing_mid_step_gives_every_buffer_back_and_the_step_repeats(tmp_path: Path, trained: Any,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step over spilled gradients whose third block cannot be read, with two buffers (the reads behind it queued
-    for them on the reader thread): the error names the file, every buffer comes back and the spilled gradients'
-    writes are still waited for, so the step repeated afterwards equals training that never failed."""
-    reference, ref_optimizer, _ = trained("adamw", 1)
-    model = Model()
+@pytest.mark.parametrize("model_class, failing_file, nth", [
+    pytest.param(Model, "block00002", 1, id="whole-blocks"),
+    # Half-way through block 1's pieces: the next piece's read and the pieces' writes in flight.
+    pytest.param(WideModel, "block00001", 6, id="in-pieces"),
+])
+def test_a_read_failing_mid_step_gives_every_buffer_back_and_the_step_repeats(
+    tmp_path: Path, trained: Any, monkeypatch: pytest.MonkeyPatch, model_class: type[Model], failing_file: str,
+    nth: int,
+) -> None:
+    """A step over spilled gradients whose third block (in pieces: a piece of the second) cannot be read, with two
+    buffers (the reads behind it queued for them on the reader thread): the error names the file, every buffer comes
+    back and the spilled gradients' writes are still waited for, so the step repeated afterwards equals training
+    that never failed."""
+    reference, ref_optimizer, _ = trained("adamw", 1, model_class=model_class)
+    model = model_class()
     optimizer, _ = make_optimizer("adamw", model)
     probe = DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
     buffer_bytes = probe.pool.buffer_bytes
     probe.close()
-    store = DiskStore.open(tmp_path, model.block_params(), optimizer, spill_grads=True,
-                           host_buffer_bytes=2 * buffer_bytes, read_ahead=3)
+    options = IN_PIECES if model_class is WideModel else {"host_buffer_bytes": 2 * buffer_bytes, "read_ahead": 3}
+    store = DiskStore.open(tmp_path, model.block_params(), optimizer, spill_grads=True, **options)
     monkeypatch.setattr(buffers, "ACQUIRE_TIMEOUT_S", 10.0)  # a buffer never given back fails the repeat, not hangs
     real_preadv = os.preadv
-    failures = [0]
+    reads, failures = [0], [0]
 
     def failing(fd: int, buffers: Any, offset: int) -> int:
-        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("block00002") and not failures[0]:
-            failures[0] += 1
-            time.sleep(0.05)  # the reads behind it are queued by now
-            raise OSError(errno.EIO, "Input/output error")
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(failing_file):
+            reads[0] += 1
+            if reads[0] == nth:
+                failures[0] += 1
+                time.sleep(0.05)  # the reads behind it are queued by now
+                raise OSError(errno.EIO, "Input/output error")
         return real_preadv(fd, buffers, offset)
 
     try:
         with monkeypatch.context() as patch:
             patch.setattr(os, "preadv", failing)
-            with pytest.raises(DiskTierError, match="block00002"):
+            with pytest.raises(DiskTierError, match=failing_file):
                 disk_step(model, store, optimizer, None, 0, spill=True)
         assert failures[0] == 1 and store.step_count == 0 and store.pending == []
         with store.pool._cond:
@@ -692,8 +727,8 @@ def _die(*_: Any) -> None:
 
 def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Arms a kill -9 of this process at ``point`` (``chunk:N``: after N chunk writes, the file half written;
-    ``file:N``: after N whole block files are durable; ``replace:before`` / ``replace:after``: around the manifest's
-    rename, with block writes slowed down)."""
+    ``file:N``: after N block files are durable, written whole or in ranges and finished; ``replace:before`` /
+    ``replace:after``: around the manifest's rename, with block writes slowed down)."""
     what, _, when = point.partition(":")
     count = [0]
     if what == "chunk":
@@ -706,16 +741,17 @@ def _kill_hooks(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
                 _die()
 
         monkeypatch.setattr(file_io, "_write_chunk", chunk)
-    elif what == "file":
-        original_write = file_io._Files._write
+    elif what == "file":  # a file written whole, or in ranges and then finished
+        for method in ("_write", "_finish"):
+            original = getattr(file_io._Files, method)
 
-        def write(self: Any, *args: Any) -> None:
-            original_write(self, *args)
-            count[0] += 1
-            if count[0] == int(when):
-                _die()
+            def durable(self: Any, *args: Any, original: Any = original) -> None:
+                original(self, *args)
+                count[0] += 1
+                if count[0] == int(when):
+                    _die()
 
-        monkeypatch.setattr(file_io._Files, "_write", write)
+            monkeypatch.setattr(file_io._Files, method, durable)
     else:
         original_replace, original_chunk = disk_folder._replace, file_io._write_chunk
 
@@ -842,12 +878,14 @@ def test_preflight_names_the_folder_and_the_bytes(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(space, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskSpaceError) as error:
         DiskStore.create(tmp_path, model.block_params(), optimizer, spill_grads=True)
-    # Two slots of (masters + two moments + step) per block, plus a gradient file: from the model's own sizes.
+    # Two slots of (masters + two moments + step) per block, plus a gradient file: from the model's own sizes. The
+    # masters are on 256 bytes, each state tensor on a page of its own after them.
     needed = 0
     for block in model.block_params():
         masters = sum(-(-p.numel() * 4 // 256) * 256 for p in block.values())
-        record = 3 * masters + 256 * len(block)
-        needed += 2 * -(-record // 4096) * 4096 + -(-masters // 4096) * 4096
+        state = sum(2 * -(-p.numel() * 4 // 4096) * 4096 + 4096 for p in block.values())
+        record = -(-masters // 4096) * 4096 + state
+        needed += 2 * record + -(-masters // 4096) * 4096
     assert f"({needed} bytes: two slots" in str(error.value) and "only 1000 B (1000 bytes) are free" in str(error.value)
     assert not any(tmp_path.glob("block*")), "nothing is written before the check passes"
     monkeypatch.undo()
@@ -943,7 +981,7 @@ def test_opening_refuses_other_blocks_an_existing_tier_and_a_tiny_bound(tmp_path
     other.blocks[0] = nn.Linear(48, 41)
     with pytest.raises(DiskTierError, match=r"blocks.0.weight is \(41, 48\) torch.float32 in the model"):
         DiskStore.open(tmp_path, other.block_params())
-    with pytest.raises(DiskTierError, match="host_buffer_bytes=4096 .* cannot hold one block's buffer"):
+    with pytest.raises(DiskTierError, match="host_buffer_bytes=4096 .* cannot hold 2 buffers of the smallest piece"):
         DiskStore.open(tmp_path, Model().block_params(), host_buffer_bytes=4096)
 
 

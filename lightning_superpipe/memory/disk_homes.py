@@ -46,12 +46,10 @@ from lightning_superpipe.memory.disk import (
     DiskTierError,
     MasterLease,
     limit_heap_retention,
-    probe_state_size,
 )
 from lightning_superpipe.memory.disk.home import DiskHome
 from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
 from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
-from lightning_superpipe.memory.pinned import page_rounded
 
 #: Blocks whose masters are read ahead beyond the device slots.
 READ_AHEAD = 2
@@ -140,19 +138,13 @@ class DiskTier(Homes):
         limit_heap_retention()  # else glibc keeps freed block-sized buffers and gradients resident
         blocks = [{names[p]: p for p in params} for params in block_params]
         options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
-                       read_ahead=slots + READ_AHEAD)
+                       read_ahead=slots + READ_AHEAD, min_buffers=2)
         if resume is not None:
             store = DiskStore.restore(resume, path, blocks, optimizer, **options)
         else:
             initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
             store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
-        try:
-            if store.pool.count < 2:
-                raise DiskTierError(
-                    f"host_buffer_bytes={host_buffer_bytes} holds {store.pool.count} buffer of"
-                    f" {store.pool.buffer_bytes} bytes; the tier needs at least two (one read ahead, one for a"
-                    f" spill or step): give at least {2 * store.pool.buffer_bytes}, or leave it unset."
-                )
+        try:  # the store's pool holds two buffers at least (one read ahead, one for a spill or step)
             return cls(store, block_params, transfer_dtype, state_names)
         except BaseException:
             _unpark(store)
@@ -570,16 +562,3 @@ def _unpark(store: DiskStore) -> None:
             param.data = masters[name]
     if failure is not None:
         raise failure
-
-
-def disk_host_bytes(
-    block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer], slots: int,
-    host_buffer_bytes: Optional[int],
-) -> int:
-    """Host bytes the tier will allocate: its pool (``host_buffer_bytes`` or its default) and the gradients of two
-    blocks at once (one arriving, one being spilled or stepped)."""
-    size = probe_state_size(optimizer)
-    largest = max((sum(p.numel() for p in params) for params in block_params), default=0)
-    record = page_rounded(int(largest * (4 + size.per_element)) + (4 * largest if optimizer is not None else 0))
-    pool = host_buffer_bytes if host_buffer_bytes is not None else record * (slots + READ_AHEAD + 2)
-    return pool + (2 * 4 * largest if optimizer is not None else 0)

@@ -63,6 +63,9 @@ class DiskReads:
             if index in self._handed:
                 self._handed.discard(index)
                 self.fused_reads += 1
+        chunks = self.store.master_chunks(index)
+        if len(chunks) > 1:
+            return self._copy_in_chunks(dst, index, chunks, lease, numel, master_dtype, transfer_dtype, after, what)
         if lease is None:
             self._make_room()
             lease = self.store.prefetch_masters(index)
@@ -87,8 +90,47 @@ class DiskReads:
             lease.release()
             raise
 
+    def _copy_in_chunks(self, dst: Any, index: int, chunks: Sequence[tuple[int, int]], first: Optional[MasterLease],
+                        numel: int, master_dtype: Any, transfer_dtype: Any, after: Event, what: str) -> Event:
+        """:meth:`copy_in` of a block whose masters exceed a pool buffer: a buffer's worth at a time (``first``: the
+        first chunk, read ahead), each into its range of the slot, or of the staging buffer of the cast, which is
+        copied to the device whole."""
+        assert self.copier is not None
+        itemsize = master_dtype.itemsize
+        staging = None
+        if transfer_dtype != master_dtype:
+            staging = self._staging[self._next_staging]
+            self._next_staging = (self._next_staging + 1) % len(self._staging)
+            self.copier.wait_on_host(staging[1])  # the copy that last read this buffer is done
+        flat_dst = dst.view(-1)
+        event: Event = None
+        for number, (start, end) in enumerate(chunks):
+            lease = first if number == 0 else None
+            if lease is None:
+                self._make_room()
+                lease = self.store.prefetch_masters(index, number)
+            try:
+                low, high = start // itemsize, min(end // itemsize, numel)
+                source = lease.flat(high - low, master_dtype)
+                if staging is not None:
+                    staging[0][low:high].copy_(source)  # the cast on the fly
+                    lease.release()
+                    continue
+                event = self.copier.to_device(flat_dst[low:high], source, after, what)
+            except BaseException:
+                lease.release()
+                raise
+            if event is None:
+                lease.release()
+            else:  # the copy reads the pool buffer until its event
+                self._in_flight.append((event, lease))
+        if staging is not None:
+            staging[1] = event = self.copier.to_device(dst, staging[0][:numel], after, what)
+        return event
+
     def read_ahead(self, indices: Iterable[int]) -> None:
-        """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
+        """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows (of a
+        block whose masters exceed a buffer, the first buffer's worth)."""
         # Buffers whose copies are known done go back without waiting (CUDA events answer ``query``).
         while self._in_flight and getattr(self._in_flight[0][0], "query", lambda: False)():
             self._in_flight.popleft()[1].release()

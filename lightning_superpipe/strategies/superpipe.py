@@ -79,7 +79,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
         offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default) or
             ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
-        host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's).
+        host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's);
+            below two whole blocks' buffers, each block is stepped and read in pieces (a parameter, or a slice of one).
         shard_optimizer: On several ranks. ``True``: each block's gradients and optimizer state on one rank, which
             steps it and broadcasts the new weights (ZeRO stage 2); the masters stay on every rank. ``"node"``: that,
             and one copy of the blocks' masters per node, in shared memory that the node's ranks stream from, each

@@ -30,7 +30,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.memory.disk import DiskStore, DiskTierError, checkpoint_folder, preflight
-from lightning_superpipe.memory.disk_homes import READ_AHEAD, DiskHome, DiskTier, disk_host_bytes
+from lightning_superpipe.memory.disk_budget import check_disk_host_room, disk_host_bytes
+from lightning_superpipe.memory.disk_homes import READ_AHEAD, DiskHome, DiskTier
 from lightning_superpipe.streaming.optimizers import (
     REGISTER_HINT,
     has_step_hooks,
@@ -59,6 +60,7 @@ __all__ = [  # the tier itself is a kind of home (memory/); what Lightning sees 
     "check_optimizer_state",
     "check_training",
     "checkpoint_saved",
+    "check_disk_host_room",
     "disk_host_bytes",
     "disk_tier_of",
     "load_state_dict",

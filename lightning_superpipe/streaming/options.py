@@ -59,6 +59,7 @@ class SuperpipeOptions:
         offload_device: ``"cpu"`` (host memory) or ``"disk"`` (files under ``offload_path``).
         offload_path: The disk tier's folder.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers; ``None``: a few of the largest block's.
+            Below two whole blocks' buffers, blocks are stepped and read in pieces, whatever their size.
         shard_optimizer: On several ranks: ``False`` (every rank holds everything), ``True`` (gradients and optimizer
             state split across ranks), ``"node"`` (that, and one copy of the blocks per node) or ``"auto"``.
         quantize_frozen: ``"nf4"``, ``"nf4-dq"``, ``"fp4"`` or ``"fp4-dq"`` (Lightning's ``BitsandbytesPrecision``

@@ -30,6 +30,7 @@ from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNe
 from lightning_superpipe.streaming.disk_tier import (
     BlockValuesHook,
     DiskTier,
+    check_disk_host_room,
     check_training,
     disk_host_bytes,
     disk_tier_of,
@@ -243,9 +244,14 @@ def check_host_room(
         HostMemoryError: With the bytes needed and available.
     """
     if options.offload_device == "disk":
-        trunk_numel = sum(p.numel() for p in trunk_params if p.requires_grad) if fitting else 0
-        needed = disk_host_bytes(block_params, optimizer, slots, options.host_buffer_bytes) + 12 * trunk_numel
-        check_host_memory(needed + deferred_bytes, "the disk tier's buffers, the trunk's gradients and optimizer state")
+        from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+        try:  # the pool, the gradients arriving, the cast's staging and the trunk's state
+            parts = disk_host_bytes(block_params, trunk_params if fitting else [], optimizer, transfer_dtype, slots,
+                                    options.host_buffer_bytes)
+        except DiskTierError as error:  # a bound below the least pool
+            raise MisconfigurationException(f"{options.offload_call}: {error}") from error
+        check_disk_host_room(parts, options.host_buffer_bytes)
     else:
         mode = options.quantize_frozen
         frozen = {p for params in block_params for p in frozen_matrices(params)} if mode is not None else set()

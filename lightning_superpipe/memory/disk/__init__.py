@@ -58,6 +58,8 @@ Modules, by job (each imports only those listed after it):
 
 * :mod:`.store`: :class:`DiskStore`, tying the parts together (construction, reads, checkpoints, export);
 * :mod:`.step`: the optimizer step through the store, and its commit; :mod:`.spills`: the gradient files;
+* :mod:`.piece_step`: the step of a block too large for one pool buffer, piece by piece (:mod:`.pieces`: which
+  parameters, or slices of one, a piece holds); :mod:`.entry_io`: whole tensors of such a block through the pool;
 * :mod:`.core`: :class:`StoreOptions` and the state the store's parts share;
 * :mod:`.folder`: the files' names, the manifest and its atomic commit, links into a checkpoint's folder;
 * :mod:`.export`: safetensors written one tensor at a time; :mod:`.file_io`: whole files read and written in

@@ -92,15 +92,26 @@ class BufferPool:
                     )
             if waited and self._clock is not None:
                 self._clock.add("pool_wait", time.perf_counter() - began)
-            if self._free:
-                buffer, arena = self._free.pop()
-            else:
-                arena = HostArena(pin=self.pin)
-                buffer = arena.empty(self.buffer_bytes, torch.uint8)
-                self._allocated += 1
-                self.peak_bytes = max(self.peak_bytes, self._allocated * self.buffer_bytes)
-            self._owners[buffer.data_ptr()] = arena
-            return buffer
+            return self._take()
+
+    def try_acquire(self) -> Optional[Tensor]:
+        """A buffer if one is free (or may be allocated) now, else ``None`` (never waits)."""
+        with self._cond:
+            if not self._free and self._allocated >= self.count:
+                return None
+            return self._take()
+
+    def _take(self) -> Tensor:
+        """A free buffer, or a new one (under the lock, with room for it)."""
+        if self._free:
+            buffer, arena = self._free.pop()
+        else:
+            arena = HostArena(pin=self.pin)
+            buffer = arena.empty(self.buffer_bytes, torch.uint8)
+            self._allocated += 1
+            self.peak_bytes = max(self.peak_bytes, self._allocated * self.buffer_bytes)
+        self._owners[buffer.data_ptr()] = arena
+        return buffer
 
     def grow(self, nbytes: int) -> None:
         """Makes every buffer handed out from now on hold at least ``nbytes`` (an unbounded pool only)."""

@@ -22,7 +22,7 @@ from lightning_superpipe.memory.disk import space  # free_bytes through its modu
 from lightning_superpipe.memory.disk.buffers import _byte_view
 from lightning_superpipe.memory.disk.clock import IoClock
 from lightning_superpipe.memory.disk.errors import DiskSpaceError, DiskTierError
-from lightning_superpipe.memory.pinned import page_rounded
+from lightning_superpipe.memory.pinned import PAGE, page_rounded
 from lightning_superpipe.units import format_bytes
 
 #: Default size of one read or write request; a block's I/O is split into chunks spread over the worker threads.
@@ -183,9 +183,35 @@ class _Files:
         self._jobs.shutdown(wait=True)
         self._chunks.shutdown(wait=True)
 
-    def read(self, path: Path, buffer: Tensor, nbytes: int, start: int = 0) -> Future[None]:
-        """Reads the first ``nbytes`` (a multiple of the page size) of ``path`` into ``buffer[start:]``."""
-        return self._jobs.submit(self._read, path, buffer, nbytes, start)
+    def read(self, path: Path, buffer: Tensor, nbytes: int, start: int = 0, offset: int = 0) -> Future[None]:
+        """Reads ``nbytes`` (a multiple of the page size) of ``path`` from byte ``offset`` (a page boundary) into
+        ``buffer[start:]``."""
+        return self._jobs.submit(self._read, path, buffer, nbytes, start, offset)
+
+    def begin(self, path: Path, nbytes: int, scratch: bool = False) -> None:
+        """Makes ``path`` a file of ``nbytes`` with its blocks reserved, for :meth:`write_range` to fill (a new file,
+        as :meth:`write` makes one; a ``scratch`` file of this store's, such as a gradient file, is kept as is when
+        it has that size already). A full disk fails here, before any byte is written."""
+        if scratch and path in self._created and path.exists() and path.stat().st_size == nbytes:
+            return
+        self._unlink_unless_ours(path)
+        fd = _open(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            _reserve(fd, path, nbytes)
+        finally:
+            os.close(fd)
+
+    def write_range(self, path: Path, buffer: Tensor, nbytes: int, start: int, offset: int,
+                    written: Optional[Callable[[], None]] = None) -> Future[None]:
+        """Writes ``buffer[start : start + nbytes]`` at byte ``offset`` of ``path`` (made by :meth:`begin`), with
+        ``O_DIRECT`` where the store uses it and the range, its place in the buffer and its length are on pages,
+        else buffered; ``written`` is called once the bytes have left the buffer (or the write failed)."""
+        return self._jobs.submit(self._write_range, path, buffer, nbytes, start, offset, written)
+
+    def finish(self, path: Path, nbytes: int, ranges: list[Future[None]], durable: bool) -> Future[None]:
+        """Once the ``ranges`` written into ``path`` are done, sizes it to ``nbytes`` and ``fdatasync``s it when
+        ``durable`` (the future is done once it is; it raises the first failure of the ranges')."""
+        return self._jobs.submit(self._finish, path, nbytes, ranges, durable)
 
     def write(
         self, path: Path, buffer: Tensor, nbytes: int, durable: bool, written: Optional[Callable[[], None]] = None
@@ -209,13 +235,13 @@ class _Files:
         if gate and self._gate is not None:
             self._gate.leave()
 
-    def _read(self, path: Path, buffer: Tensor, nbytes: int, start: int) -> None:
+    def _read(self, path: Path, buffer: Tensor, nbytes: int, start: int, offset: int = 0) -> None:
         began = self._begin("read")
         try:
             fd = _open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             try:
-                _check_length(path, os.fstat(fd).st_size, nbytes)
-                self._chunked(_read_chunk, fd, path, buffer, nbytes, start)
+                _check_length(path, os.fstat(fd).st_size, offset + nbytes)
+                self._chunked(_read_chunk, fd, path, buffer, nbytes, start, offset)
             finally:
                 os.close(fd)
         finally:
@@ -238,15 +264,7 @@ class _Files:
         began = self._begin("write")
         gated = True
         try:
-            try:
-                if path not in self._created or os.stat(path).st_nlink > 1:
-                    # Not ours, or hard-linked into a checkpoint's folder: write a new file rather than into an inode
-                    # that a checkpoint's copy, or the parameters of an earlier run (a private mapping), still read.
-                    os.unlink(path)
-            except FileNotFoundError:
-                pass
-            with self._lock:
-                self._created.add(path)
+            self._unlink_unless_ours(path)
             fd = _open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if self.direct else 0))
             try:
                 _reserve(fd, path, nbytes)
@@ -270,6 +288,56 @@ class _Files:
             if self.intervals is not None:
                 self.intervals.append(("write", began, time.perf_counter(), nbytes))
 
+    def _unlink_unless_ours(self, path: Path) -> None:
+        """Unlinks ``path`` unless this instance made it and no checkpoint links it, and counts it as ours from now:
+        a write makes a new file rather than write into an inode that a checkpoint's copy, or the parameters of an
+        earlier run (a private mapping), still read."""
+        try:
+            if path not in self._created or os.stat(path).st_nlink > 1:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            self._created.add(path)
+
+    def _write_range(self, path: Path, buffer: Tensor, nbytes: int, start: int, offset: int,
+                     written: Optional[Callable[[], None]]) -> None:
+        aligned = not (offset % PAGE or nbytes % PAGE or (buffer.data_ptr() + start) % PAGE)
+        direct = self.direct and aligned
+        began = self._begin("write")
+        try:
+            fd = _open(path, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+            try:
+                self._chunked(_write_chunk, fd, path, buffer, nbytes, start, offset)
+            finally:
+                os.close(fd)
+        finally:
+            self._end("write")
+            if written is not None:
+                written()
+        with self._lock:
+            self.bytes_written += nbytes
+            if self.intervals is not None:
+                self.intervals.append(("write", began, time.perf_counter(), nbytes))
+
+    def _finish(self, path: Path, nbytes: int, ranges: list[Future[None]], durable: bool) -> None:
+        errors = [job.exception() for job in ranges]
+        for error in errors:
+            if error is not None:
+                raise error
+        fd = _open(path, os.O_WRONLY)
+        try:
+            if os.fstat(fd).st_size != nbytes:
+                try:
+                    os.ftruncate(fd, nbytes)
+                except OSError as error:
+                    raise _io_error("writing", path, error) from error
+            if durable:
+                self._make_durable(fd, path)
+            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # ranges written buffered, if any
+        finally:
+            os.close(fd)
+
     def _make_durable(self, fd: int, path: Path) -> None:
         """``fdatasync``s the file open as ``fd``, counting the time under ``fsync``."""
         synced = time.perf_counter()
@@ -283,12 +351,13 @@ class _Files:
         finally:
             self.clock.add("fsync", time.perf_counter() - synced)
 
-    def _chunked(self, function: Any, fd: int, path: Path, buffer: Tensor, nbytes: int, start: int) -> None:
+    def _chunked(self, function: Any, fd: int, path: Path, buffer: Tensor, nbytes: int, start: int,
+                 at: int = 0) -> None:
         def run(offset: int) -> None:
             length = min(self.chunk_bytes, nbytes - offset)
-            function(fd, _byte_view(buffer, length, start + offset), offset, path)
+            function(fd, _byte_view(buffer, length, start + offset), at + offset, path)
             if not self.direct and function is _read_chunk:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, at + offset, length, os.POSIX_FADV_DONTNEED)
 
         futures = [self._chunks.submit(run, offset) for offset in range(0, nbytes, self.chunk_bytes)]
         errors = [f.exception() for f in futures]

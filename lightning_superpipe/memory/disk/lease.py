@@ -33,6 +33,11 @@ class SharedBuffer:
         self._pool, self._holders = pool, holders
         self._lock = threading.Lock()
 
+    def add(self) -> None:
+        """One more holder (a write from the buffer, started before the first holder released it)."""
+        with self._lock:
+            self._holders += 1
+
     def release(self, buffer: Tensor) -> None:
         with self._lock:
             self._holders -= 1

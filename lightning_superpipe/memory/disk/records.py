@@ -18,23 +18,33 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.pinned import page_rounded
+from lightning_superpipe.memory.pinned import PAGE, page_rounded
 
-#: Every tensor of a record starts on this many bytes (64 fp32 elements, the host tier's alignment), so kernels take
-#: the same vectorized paths as for separately allocated tensors.
+#: Every master of a record starts on this many bytes (64 fp32 elements, the host tier's alignment), so kernels take
+#: the same vectorized paths as for separately allocated tensors and the masters' region is the host tier's flat
+#: layout of the block.
 ENTRY_ALIGNMENT = 256
+#: Every state tensor starts on a page (and the state after the masters' region on the next page), so that a piece of
+#: a record (a parameter, or a slice of one on :data:`~.pieces.SLICE_ELEMENTS` elements) reads and writes its state
+#: with ``O_DIRECT`` on pages of its own. Records written before used 256 bytes; their entries' offsets are in the
+#: manifest and are read as they are.
+STATE_ALIGNMENT = PAGE
 
 
 @dataclass(frozen=True)
 class StateSize:
-    """The optimizer state one parameter takes: ``per_element`` bytes per element of the parameter, plus
-    ``fixed_tensors`` small tensors (e.g. Adam's ``step``), each padded to :data:`ENTRY_ALIGNMENT` in a record."""
+    """The optimizer state one parameter takes: ``per_element`` bytes per element of the parameter in
+    ``element_tensors`` tensors, plus ``fixed_tensors`` small tensors (e.g. Adam's ``step``), each on its own
+    :data:`STATE_ALIGNMENT` in a record."""
 
     per_element: float
     fixed_tensors: int
+    element_tensors: int = 0
 
     def record_bytes(self, numel: int) -> int:
-        return _aligned(int(self.per_element * numel)) + self.fixed_tensors * ENTRY_ALIGNMENT
+        tensors = max(self.element_tensors, 1)
+        return (tensors * page_rounded(int(self.per_element * numel / tensors))
+                + self.fixed_tensors * STATE_ALIGNMENT)
 
 
 def probe_state_size(optimizer: Optional[Optimizer]) -> StateSize:
@@ -51,16 +61,17 @@ def probe_state_size(optimizer: Optional[Optimizer]) -> StateSize:
         probe.grad = torch.full((numel,), 1e-3)
         fresh = type(optimizer)([probe], **defaults)
         fresh.step()
-        per_element, fixed = 0.0, 0
+        per_element, fixed, tensors = 0.0, 0, 0
         for value in fresh.state[probe].values():
             if isinstance(value, Tensor):
                 if value.numel() == numel:
                     per_element += value.element_size()
+                    tensors += 1
                 else:
                     fixed += 1
-        return StateSize(per_element, fixed)
+        return StateSize(per_element, fixed, tensors)
     except Exception:  # an optimizer that needs a closure or other constructor arguments: assume Adam-like
-        return StateSize(8.0, 1)
+        return StateSize(8.0, 1, 2)
 
 
 @dataclass
@@ -124,12 +135,14 @@ class Record:
 
 
 def _layout(params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> tuple[list[Entry], dict[int, dict]]:
-    """The record of a block: masters first (so a forward reads a prefix), then each parameter's state tensors."""
+    """The record of a block: masters first (so a forward reads a prefix), then each parameter's state tensors, from
+    the page after the masters, each on a page."""
     entries: list[Entry] = []
     offset = 0
     for index, param in enumerate(params):
         entries.append(Entry(index, None, param.dtype, tuple(param.shape), offset))
         offset += _aligned(entries[-1].nbytes)
+    offset = page_rounded(offset)
     values: dict[int, dict[str, Any]] = {}
     for index, state in enumerate(states):
         for key, value in state.items():
@@ -144,7 +157,7 @@ def _layout(params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> tu
                         f"Optimizer state {key!r} is on {value.device}; the disk tier keeps host optimizer state only."
                     )
                 entries.append(Entry(index, key, value.dtype, tuple(value.shape), offset))
-                offset += _aligned(entries[-1].nbytes)
+                offset += page_rounded(entries[-1].nbytes)
             else:
                 values.setdefault(index, {})[key] = _encode_value(value)
     return entries, values
@@ -201,8 +214,3 @@ def _tensor_of(entry: Entry, params: Sequence[Tensor], states: Sequence[Mapping[
 
 def _signature(entry: Entry) -> tuple[Any, ...]:
     return entry.param, entry.key, entry.dtype, entry.shape, entry.offset
-
-
-def _fill(record: Record, buffer: Tensor, params: Sequence[Tensor], states: Sequence[Mapping[str, Any]]) -> None:
-    for entry in record.entries:
-        entry.view_of(buffer).copy_(_tensor_of(entry, params, states))

@@ -12,12 +12,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.disk.core import StoreCore
+from lightning_superpipe.memory.disk.entry_io import EntryIO
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.folder import _grad_name
 
 
-class GradientSpills(StoreCore):
+class GradientSpills(EntryIO):
     """The gradient files of a :class:`~lightning_superpipe.memory.disk.DiskStore` (one of its parts)."""
 
     def spill_grads(
@@ -53,6 +53,12 @@ class GradientSpills(StoreCore):
         nbytes = self._grad_bytes(index)
         path = self.path / _grad_name(index)
         present = self._grads_present[index]
+        if nbytes > self.pool.buffer_bytes:
+            future = self._spill_in_pieces(index, grads, accumulate, norms)
+            self._spill_writes[index] = future
+            if wait:
+                future.result()
+            return future
         buffer = self.pool.acquire(nbytes)
         try:
             if accumulate and present:
@@ -87,12 +93,16 @@ class GradientSpills(StoreCore):
         if not present:
             return [None] * len(entries)
         nbytes = self._grad_bytes(index)
-        buffer = self.pool.acquire(nbytes)
-        try:
-            self.files.read(self.path / _grad_name(index), buffer, nbytes).result()
-            grads = [entry.view_of(buffer).clone() if entry.param in present else None for entry in entries]
-        finally:
-            self.pool.release(buffer)
+        path = self.path / _grad_name(index)
+        if nbytes > self.pool.buffer_bytes:
+            grads = [self._read_entry(path, entry) if entry.param in present else None for entry in entries]
+        else:
+            buffer = self.pool.acquire(nbytes)
+            try:
+                self.files.read(path, buffer, nbytes).result()
+                grads = [entry.view_of(buffer).clone() if entry.param in present else None for entry in entries]
+            finally:
+                self.pool.release(buffer)
         present.clear()
         self._grad_norms.pop(index, None)
         return grads
@@ -140,6 +150,41 @@ class GradientSpills(StoreCore):
         present = self._grads_present[index]
         return [param for position, param in enumerate(self.params[index]) if position in present]
 
+    def _spill_in_pieces(self, index: int, grads: Sequence[Optional[Tensor]], accumulate: bool,
+                         norms: bool) -> Future[None]:
+        """:meth:`spill_grads` of a block whose gradients do not fit a buffer: each gradient (added to what was
+        spilled of it, read back into memory of its own) written a buffer at a time; its norm taken whole."""
+        entries = self.records[index].masters()
+        for entry, grad in zip(entries, grads):
+            if grad is not None:
+                _check_grad(self.names[index][entry.param], grad, entry.shape, entry.dtype)
+        path = self.path / _grad_name(index)
+        present = self._grads_present[index]
+        self.files.begin(path, self._grad_bytes(index), scratch=True)
+        writes: list[Future[None]] = []
+        kept: list[Optional[Tensor]] = []
+        try:
+            for entry, grad in zip(entries, grads):
+                had = accumulate and entry.param in present
+                value = None
+                if grad is not None:
+                    value = grad.detach().to("cpu").contiguous()
+                    if had:  # spilled + new, as the whole block's spill adds them
+                        value = self._read_entry(path, entry).add_(value)
+                    writes.extend(self._write_entry(path, entry, value))
+                elif had and norms:
+                    value = self._read_entry(path, entry)
+                kept.append(torch.linalg.vector_norm(value, 2.0) if norms and value is not None else None)
+        except BaseException:
+            for job in writes:
+                job.exception()
+            raise
+        if not accumulate:
+            present.clear()
+        present.update(i for i, g in enumerate(grads) if g is not None)
+        self._grad_norms[index] = kept if norms else None
+        return self.files.finish(path, self._grad_bytes(index), writes, durable=False)
+
     def _gather_grads(self, index: int, buffer: Tensor, grads: Sequence[Optional[Tensor]], accumulate: bool) -> None:
         """Copies block ``index``'s ``grads`` into ``buffer`` (which holds its spilled gradients when
         ``accumulate``), adding them to those already spilled when ``accumulate``.
@@ -154,12 +199,21 @@ class GradientSpills(StoreCore):
                 if not (accumulate and entry.param in present):
                     view.zero_()
                 continue
-            if grad.shape != view.shape or grad.dtype != view.dtype:
-                raise ValueError(
-                    f"The gradient of {self.names[index][entry.param]} has shape {tuple(grad.shape)} and dtype"
-                    f" {grad.dtype}; its parameter has {tuple(view.shape)} and {view.dtype}."
-                )
+            _check_grad(self.names[index][entry.param], grad, tuple(view.shape), view.dtype)
             if accumulate and entry.param in present:
                 view.add_(grad.detach().to("cpu"))
             else:
                 view.copy_(grad.detach())
+
+
+def _check_grad(name: str, grad: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Refuses a gradient whose shape or dtype differs from its parameter's.
+
+    Raises:
+        ValueError: Naming the parameter.
+    """
+    if tuple(grad.shape) != tuple(shape) or grad.dtype != dtype:
+        raise ValueError(
+            f"The gradient of {name} has shape {tuple(grad.shape)} and dtype {grad.dtype}; its parameter has"
+            f" {tuple(shape)} and {dtype}."
+        )

@@ -21,10 +21,11 @@ from torch.optim import Optimizer
 # The manifest commit through its module: the kill -9 tests interpose on it there.
 from lightning_superpipe.memory.disk import folder as disk_folder
 from lightning_superpipe.memory.disk.buffers import _aligned_buffer
-from lightning_superpipe.memory.disk.core import StoreCore, _park
+from lightning_superpipe.memory.disk.core import _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.folder import _grad_name
 from lightning_superpipe.memory.disk.lease import MasterLease, Releases, SharedBuffer
+from lightning_superpipe.memory.disk.piece_step import PieceSteps, _step_restricted
 from lightning_superpipe.memory.disk.records import (
     Record,
     _decode_value,
@@ -33,14 +34,14 @@ from lightning_superpipe.memory.disk.records import (
     _signature,
     _tensor_of,
 )
-from lightning_superpipe.memory.param_groups import restricted
 from lightning_superpipe.units import format_bytes
 
 #: A block read ahead for the step: its index, its buffer, the read of its record and that of its spilled gradients.
-_StepRead = tuple[int, Tensor, Future[None], Optional[Future[None]]]
+#: ``None`` for a block stepped in pieces, which reads its pieces itself.
+_StepRead = tuple[int, Optional[Tensor], Future[None], Optional[Future[None]]]
 
 
-class BlockSteps(StoreCore):
+class BlockSteps(PieceSteps):
     """The optimizer step of a :class:`~lightning_superpipe.memory.disk.DiskStore` (one of its parts)."""
 
     @property
@@ -98,6 +99,11 @@ class BlockSteps(StoreCore):
         try:
             for index in todo:
                 buffer, record_read, grad_read = reads.take(index)
+                if buffer is None:  # too large for a buffer: read, stepped and written in pieces
+                    self._step_in_pieces(optimizer, index, on_disk, owned, grad_scale, grad_clip_value)
+                    if stepped is not None:
+                        stepped(index, None)
+                    continue
                 self.clock.wait(record_read, "read_wait")
                 if grad_read is not None:
                     self.clock.wait(grad_read, "read_wait")
@@ -138,6 +144,7 @@ class BlockSteps(StoreCore):
             self.abort()
             raise
         self.records = records
+        self._plans = {}  # the state's size may have changed
         self.step_count += 1
         for index, (_, _, consumed_grads) in self._pending.items():
             if consumed_grads:
@@ -196,6 +203,12 @@ class BlockSteps(StoreCore):
     def _start_read(self, index: int, with_grads: bool, spilled: Optional[Future[None]]) -> _StepRead:
         """On the reader thread: takes a buffer for block ``index`` (waiting for one) and starts reading its record
         and, ``with_grads``, its spilled gradients (once their write ``spilled`` is done) into it."""
+        if self._in_pieces(index):
+            if with_grads and spilled is not None:
+                spilled.result()
+            done: Future[None] = Future()
+            done.set_result(None)
+            return index, None, done, None
         record = self.records[index]
         buffer = self.pool.acquire(self._buffer_need(index))
         record_read: Optional[Future[None]] = None
@@ -307,7 +320,7 @@ class _ReadsAhead:
         #: The buffer of the block being stepped, until its write takes it over.
         self._held: Optional[Tensor] = None
 
-    def take(self, index: int) -> tuple[Tensor, Future[None], Optional[Future[None]]]:
+    def take(self, index: int) -> tuple[Optional[Tensor], Future[None], Optional[Future[None]]]:
         """Block ``index``'s buffer and the reads filling it (the next in order), once the reader thread has a
         buffer for it; the reads of the blocks after it are started first."""
         while len(self._queue) < self._target:
@@ -346,24 +359,8 @@ class _ReadsAhead:
             for job in (record_read, grad_read):
                 if job is not None:
                     job.exception()  # never hand a buffer back while a read still fills it
-            self._store.pool.release(buffer)
-
-
-def _step_restricted(optimizer: Optimizer, params: Sequence[nn.Parameter], owned: set[nn.Parameter],
-                     grad_scale: Optional[Tensor], grad_clip_value: Optional[float]) -> None:
-    """Steps ``optimizer`` over those of ``params`` it owns that have gradients, scaled by ``grad_scale`` and then
-    clamped to ``grad_clip_value`` first (as clipping would)."""
-    stepped = {p for p in params if p.grad is not None and p in owned}
-    if grad_scale is not None:
-        for param in params:
-            if param in stepped:
-                param.grad.mul_(grad_scale)  # type: ignore[union-attr]
-    if grad_clip_value is not None:
-        for param in params:
-            if param in stepped:
-                param.grad.clamp_(min=-grad_clip_value, max=grad_clip_value)  # type: ignore[union-attr]
-    with restricted(optimizer, stepped):
-        optimizer.step()
+            if buffer is not None:
+                self._store.pool.release(buffer)
 
 
 def _lay_out_in_place(record: Record, new: Record, buffer: Tensor, params: Sequence[Tensor],

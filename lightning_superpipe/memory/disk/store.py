@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 # Commits and links through their module: the kill -9 tests interpose on them there.
 from lightning_superpipe.memory.disk import folder as disk_folder
 from lightning_superpipe.memory.disk.buffers import _aligned_buffer
-from lightning_superpipe.memory.disk.core import StoreOptionArgs, StoreOptions, _park
+from lightning_superpipe.memory.disk.core import Sizing, StoreOptionArgs, StoreOptions, _park
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.export import write_safetensors
 from lightning_superpipe.memory.disk.file_io import _check_length, _Files, _fsync_dir, _open
@@ -35,10 +35,10 @@ from lightning_superpipe.memory.disk.records import (
     Entry,
     Record,
     _decode_value,
-    _fill,
     _layout,
     _master_bytes,
     _own_state,
+    _tensor_of,
     probe_state_size,
 )
 from lightning_superpipe.memory.disk.space import PathLike, preflight, supports_direct_io
@@ -48,6 +48,10 @@ from lightning_superpipe.memory.pinned import page_rounded
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11 on; only checkers read it here
+
+
+#: Bytes of a block's record that writing step zero holds at a time.
+STEP_ZERO_WINDOW = 64 << 20
 
 
 @dataclass
@@ -125,8 +129,28 @@ class DiskStore(GradientSpills, BlockSteps):
         states = [[_own_state(optimizer, p) for p in b.values()] for b in blocks]
         manifest = {"format": FORMAT, "version": VERSION, "step": 0, "names": [list(b) for b in blocks],
                     "blocks": [Record(1, *_layout(list(b.values()), s)).to_json() for b, s in zip(blocks, states)]}
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)  # a bound too small: before any write
         _write_step_zero(folder, blocks, states, manifest, optimizer, initial, settings)
         return cls(folder, blocks, manifest, optimizer, settings)
+
+    @staticmethod
+    def pool_for(
+        block_params: Sequence[Sequence[nn.Parameter]],
+        optimizer: Optional[Optimizer] = None,
+        **options: Unpack[StoreOptionArgs],
+    ) -> tuple[int, int, int]:
+        """The size and number of the pool buffers a new store of blocks of these parameters would hold, and the
+        least ``host_buffer_bytes`` it works with, allocating nothing (see
+        :class:`~lightning_superpipe.memory.disk.core.StoreOptions`).
+
+        Raises:
+            DiskTierError: ``host_buffer_bytes`` is below that least (the message names it).
+        """
+        settings = StoreOptions(**options)
+        records = [Record(1, *_layout(list(params), [_own_state(optimizer, p) for p in params]))
+                   for params in block_params]
+        sizing = Sizing(block_params, records, optimizer, settings)
+        return (*sizing.pool_shape(settings), sizing.least_pool_bytes(settings))
 
     @staticmethod
     def bytes_needed(
@@ -172,6 +196,7 @@ class DiskStore(GradientSpills, BlockSteps):
             if settings.spill_grads and not (folder / _grad_name(index)).exists():
                 needed += page_rounded(_master_bytes(list(block.values())))
         preflight(folder, needed, "the slots the next step writes")
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)
         return cls(folder, blocks, manifest, optimizer, settings)
 
     @classmethod
@@ -189,6 +214,8 @@ class DiskStore(GradientSpills, BlockSteps):
         source, folder = Path(snapshot), Path(path)
         manifest = _read_manifest(source)
         _check_manifest(source, manifest, blocks)
+        settings = StoreOptions(**options)
+        _sizing(blocks, manifest, optimizer, settings).pool_shape(settings)  # before the live folder changes
         preflight(folder, 0)
         if source.resolve() != folder.resolve():
             if (folder / MANIFEST).exists():
@@ -219,14 +246,27 @@ class DiskStore(GradientSpills, BlockSteps):
 
     # -- reading --------------------------------------------------------------------------------------------------
 
-    def prefetch_masters(self, index: int) -> MasterLease:
-        """Starts reading block ``index``'s masters into a pool buffer (what a forward streams to the device)."""
+    def prefetch_masters(self, index: int, chunk: int = 0) -> MasterLease:
+        """Starts reading block ``index``'s masters into a pool buffer (what a forward streams to the device): all of
+        them, or where they exceed a buffer, the byte range ``chunk`` of :meth:`master_chunks` (its
+        :meth:`MasterLease.flat` is that range of the flat masters)."""
         record = self._current(index)
         entries = record.masters()
+        chunks = self._master_chunks(index)
+        if len(chunks) > 1:
+            start, end = chunks[chunk]
+            buffer = self.pool.acquire(end - start)
+            future = self.files.read(self._slot_path(index, record.slot), buffer, end - start, offset=start)
+            return MasterLease(self.pool, buffer, future, [], self.clock)
         nbytes = page_rounded(max(max((e.offset + e.nbytes for e in entries), default=0), 1))
         buffer = self.pool.acquire(nbytes)
         future = self.files.read(self._slot_path(index, record.slot), buffer, nbytes)
         return MasterLease(self.pool, buffer, future, entries, self.clock)
+
+    def master_chunks(self, index: int) -> list[tuple[int, int]]:
+        """Block ``index``'s masters region as byte ranges each a pool buffer holds (one range where it holds them
+        all): what :meth:`prefetch_masters` reads as ``chunk``."""
+        return self._master_chunks(index)
 
     def map_masters(self, index: int) -> dict[str, Tensor]:
         """Block ``index``'s committed masters by name, as copy-on-write views of its committed file (a private
@@ -252,6 +292,8 @@ class DiskStore(GradientSpills, BlockSteps):
     def read_block(self, index: int) -> BlockState:
         """A copy of block ``index``'s masters and optimizer state (stepped since the last commit, or committed)."""
         record = self._current(index)
+        if record.file_bytes > self.pool.buffer_bytes:
+            return self._read_block_in_pieces(index, record)
         buffer = self.pool.acquire(record.file_bytes)
         try:
             self.files.read(self._slot_path(index, record.slot), buffer, record.file_bytes).result()
@@ -267,6 +309,19 @@ class DiskStore(GradientSpills, BlockSteps):
             return BlockState(masters, state)
         finally:
             self.pool.release(buffer)
+
+    def _read_block_in_pieces(self, index: int, record: Record) -> BlockState:
+        """:meth:`read_block` of a block larger than a buffer: each tensor read into memory of its own."""
+        names, path = self.names[index], self._slot_path(index, record.slot)
+        masters = {names[e.param]: self._read_entry(path, e) for e in record.masters()}
+        state: dict[str, dict[str, Any]] = {}
+        for entry in record.entries:
+            if entry.key is not None:
+                state.setdefault(names[entry.param], {})[entry.key] = self._read_entry(path, entry)
+        for param, values in record.values.items():
+            for key, value in values.items():
+                state.setdefault(names[param], {})[key] = _decode_value(value)
+        return BlockState(masters, state)
 
     def master_entries(self, index: int) -> list[Entry]:
         """Where block ``index``'s masters sit in its record (and in a :class:`MasterLease`'s buffer)."""
@@ -310,6 +365,10 @@ class DiskStore(GradientSpills, BlockSteps):
 
         def tensors() -> Iterator[Tensor]:
             for index in range(len(self.records)):
+                if len(self._master_chunks(index)) > 1:  # larger than a buffer: a tensor at a time
+                    path = self._slot_path(index, self.records[index].slot)
+                    yield from (self._read_entry(path, entry) for entry in self.records[index].masters())
+                    continue
                 lease = self.prefetch_masters(index)
                 try:
                     yield from lease.wait()
@@ -331,20 +390,37 @@ def _write_step_zero(folder: Path, blocks: Sequence[Mapping[str, nn.Parameter]],
     try:
         for index, (block, state) in enumerate(zip(blocks, states)):
             record = Record.from_json(manifest["blocks"][index])
-            buffer = _aligned_buffer(record.file_bytes)
-            buffer.zero_()
             params = list(block.values())
             if initial is not None:
                 params = _initial_values(index, block, initial(index))
-            _fill(record, buffer, params, state)
+            _write_record(files, folder / _slot_name(index, record.slot), record, params, state)
             del params
-            files.write(folder / _slot_name(index, record.slot), buffer, record.file_bytes, durable=True).result()
             if optimizer is not None:
                 for param in block.values():
                     optimizer.state.pop(param, None)
         disk_folder._commit(folder, manifest)
     finally:
         files.close()
+
+
+def _write_record(files: _Files, path: Path, record: Record, params: Sequence[Tensor],
+                  states: Sequence[Mapping[str, Any]]) -> None:
+    """Writes ``record`` of these values as the new file ``path``, durably, :data:`STEP_ZERO_WINDOW` bytes at a
+    time: a block larger than that takes no copy of its whole record in host memory."""
+    window = min(record.file_bytes, STEP_ZERO_WINDOW)
+    scratch = _aligned_buffer(window)
+    sources = [(e, _tensor_of(e, params, states).detach().contiguous().reshape(-1).view(torch.uint8))
+               for e in record.entries]
+    files.begin(path, record.file_bytes)
+    for start in range(0, record.file_bytes, window):
+        end = min(start + window, record.file_bytes)
+        scratch[: end - start].zero_()  # the padding between tensors and at the end: defined
+        for entry, data in sources:
+            low, high = max(start, entry.offset), min(end, entry.offset + entry.nbytes)
+            if low < high:
+                scratch[low - start : high - start].copy_(data[low - entry.offset : high - entry.offset])
+        files.write_range(path, scratch, end - start, 0, start).result()
+    files.finish(path, record.file_bytes, [], durable=True).result()
 
 
 def _initial_values(index: int, block: Mapping[str, nn.Parameter], values: Mapping[str, Tensor]) -> list[Tensor]:
@@ -359,6 +435,12 @@ def _initial_values(index: int, block: Mapping[str, nn.Parameter], values: Mappi
                 f" {tuple(param.shape)} {param.dtype}."
             )
     return [values[name].detach() for name in block]
+
+
+def _sizing(blocks: Sequence[Mapping[str, nn.Parameter]], manifest: Mapping[str, Any], optimizer: Optional[Optimizer],
+            settings: StoreOptions) -> Sizing:
+    return Sizing([list(b.values()) for b in blocks], [Record.from_json(d) for d in manifest["blocks"]], optimizer,
+                  settings)
 
 
 def _check_blocks(blocks: Sequence[Mapping[str, nn.Parameter]]) -> None:

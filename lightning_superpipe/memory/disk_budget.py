@@ -1,0 +1,122 @@
+"""What the disk tier holds in host memory, counted before anything is allocated, and the one error that refuses a
+``host_buffer_bytes`` or a model that cannot fit.
+
+The tier's host memory is its pool of buffers (``host_buffer_bytes``, or by default a few buffers of the largest
+block's record, masters, optimizer state and gradients), the gradients of up to two blocks at once as they arrive
+from the device (one arriving, one being spilled or stepped), the staging buffers of the cast to the transfer dtype
+(one per device slot and one more, of the largest block, page-locked), and the trunk (the parameters outside the
+blocks, e.g. embeddings and an untied head), whose gradients and optimizer state stay in host memory beside its
+masters. With a bound, the pool is independent of the model: blocks larger than a buffer go in pieces
+(:mod:`~lightning_superpipe.memory.disk.pieces`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_superpipe.memory.disk import DiskStore, probe_state_size
+from lightning_superpipe.memory.disk_homes import READ_AHEAD
+from lightning_superpipe.memory.host_memory import HostMemoryError, available_host_bytes
+from lightning_superpipe.memory.pinned import PAGE
+from lightning_superpipe.units import format_bytes
+
+
+@dataclass(frozen=True)
+class DiskHostBytes:
+    """The disk tier's host bytes, by what holds them.
+
+    Attributes:
+        pool: The store's buffers (at most ``host_buffer_bytes``).
+        least_pool: The least ``host_buffer_bytes`` the store works with.
+        gradients: Two blocks' gradients arriving from the device.
+        staging: The staging buffers of the cast to the transfer dtype.
+        trunk: The trunk's gradients and optimizer state.
+    """
+
+    pool: int
+    least_pool: int
+    gradients: int
+    staging: int
+    trunk: int
+
+    @property
+    def others(self) -> int:
+        """Everything but the pool: what ``host_buffer_bytes`` does not bound."""
+        return self.gradients + self.staging + self.trunk
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.others
+
+    def describe(self) -> str:
+        return (
+            f"the pool's buffers {format_bytes(self.pool)}, two blocks' gradients arriving"
+            f" {format_bytes(self.gradients)}, the cast's staging {format_bytes(self.staging)}, the trunk's gradients"
+            f" and optimizer state {format_bytes(self.trunk)}"
+        )
+
+
+def disk_host_bytes(
+    block_params: Sequence[Sequence[nn.Parameter]],
+    trunk_params: Sequence[nn.Parameter],
+    optimizer: Optional[Optimizer],
+    transfer_dtype: Optional[torch.dtype],
+    slots: int,
+    host_buffer_bytes: Optional[int],
+) -> DiskHostBytes:
+    """The host bytes the disk tier will hold for these blocks (``slots`` device slots stream them) and trunk.
+
+    Raises:
+        DiskTierError: ``host_buffer_bytes`` is below the least pool the store works with (the message names it).
+    """
+    fitting = optimizer is not None
+    buffer_bytes, count, least = DiskStore.pool_for(
+        block_params,
+        optimizer,
+        spill_grads=fitting,
+        host_buffer_bytes=host_buffer_bytes,
+        read_ahead=slots + READ_AHEAD,
+        min_buffers=2,
+    )
+    largest = max((sum(p.numel() for p in params) for params in block_params), default=0)
+    dtypes = [params[0].dtype for params in block_params if params]
+    casts = transfer_dtype is not None and any(dtype != transfer_dtype for dtype in dtypes)
+    staging = (slots + 1) * largest * transfer_dtype.itemsize if casts and transfer_dtype is not None else 0
+    per_element = 4 + probe_state_size(optimizer).per_element if fitting else 0
+    trunk = int(per_element * sum(p.numel() for p in trunk_params if p.requires_grad))
+    return DiskHostBytes(buffer_bytes * count, least, 2 * 4 * largest if fitting else 0, staging, trunk)
+
+
+def check_disk_host_room(parts: DiskHostBytes, host_buffer_bytes: Optional[int]) -> None:
+    """Refuses, before anything is allocated, a disk tier whose host memory exceeds what is available, naming the
+    ``host_buffer_bytes`` that would fit (or that the model does not fit with the least pool).
+
+    Raises:
+        HostMemoryError: With the bytes by part, those available and what to give.
+    """
+    available = available_host_bytes()
+    if available is None or parts.total <= available:
+        return
+    room = (available - parts.others) // PAGE * PAGE
+    if room >= parts.least_pool:
+        advice = (
+            f"Give host_buffer_bytes={room} ({format_bytes(room)}) or less; the least that works is"
+            f" {parts.least_pool} ({format_bytes(parts.least_pool)})."
+        )
+    else:
+        advice = (
+            f"Even the least pool that works (host_buffer_bytes={parts.least_pool}) leaves"
+            f" {format_bytes(parts.others + parts.least_pool)} to hold: free host memory, train fewer parameters"
+            " (e.g. LoRA), or use a machine with more RAM."
+        )
+    given = "default" if host_buffer_bytes is None else f"host_buffer_bytes={host_buffer_bytes}"
+    raise HostMemoryError(
+        f"SuperpipeStrategy(offload_device='disk', {given}) needs about {format_bytes(parts.total)} of host memory"
+        f" ({parts.describe()}) but only {format_bytes(available)} is available. {advice}"
+    )
