@@ -255,6 +255,7 @@ class BudgetPlanner:
         plan, line = self.check.step_done(seconds)
         self.plan = self.check.plan
         if plan is not None:
+            engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
             engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
         if line is not None:
             rank_zero_info(line + (f"\n{plan.table()}" if plan is not None else ""))
