@@ -46,8 +46,11 @@ def test_a_correction_sets_the_term_the_plan_depends_on_so_that_it_predicts_what
     measured = 1.4 * plan.predicted_step_s
     corrected, words = correct(profile, plan, measured)
     assert _predicted(corrected, plan) == pytest.approx(measured, rel=1e-9)
-    changed = [name for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
-               if getattr(corrected, name) != getattr(profile, name)]
+    changed = [
+        name
+        for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
+        if getattr(corrected, name) != getattr(profile, name)
+    ]
     assert changed == [term] and words
     # Times only: every placement's bytes are what they were.
     assert predict(corrected, plan.resident, plan.prefetch, plan.activations).peak_bytes == plan.predicted_peak_bytes
@@ -80,15 +83,22 @@ def test_a_plan_within_the_tolerance_holds_and_one_as_far_off_as_the_issue_is_co
     _feed(missed, [1.26 * off.predicted_step_s] * STEPS)
     assert len(missed.corrections) == 1 and "+26%" in missed.corrections[0]
     assert missed.done and missed.plan.predicted_step_s == pytest.approx(1.26 * off.predicted_step_s, rel=1e-9)
+    # Faster than promised by more than the tolerance: the plan stays, and its prediction becomes what it measured.
+    fast = PlanCheck(profile, off, lambda p: pytest.fail("a plan faster than promised is not solved for again"))
+    assert _feed(fast, [0.7 * off.predicted_step_s] * STEPS) == []
+    assert fast.done and len(fast.corrections) == 1 and "-30%" in fast.corrections[0]
+    assert fast.plan.resident == off.resident and fast.plan.activations == off.activations
+    assert fast.plan.predicted_step_s == pytest.approx(0.7 * off.predicted_step_s, rel=1e-9)
 
 
 def test_corrections_are_bounded_and_the_run_ends_on_the_fastest_placement_measured() -> None:
     profile = make_profile(3, link=0.5)
-    placements = [dict(resident_blocks=r, prefetch=1, activations=mode) for r, mode in
-                  ((0, "offload"), (1, "keep"), (2, "recompute"), (0, "keep"))]
+    placements = [
+        dict(resident_blocks=r, prefetch=1, activations=mode)
+        for r, mode in ((0, "offload"), (1, "keep"), (2, "recompute"), (0, "keep"))
+    ]
     solved = iter(placements[1:])
-    plan_check = PlanCheck(profile, solve(profile, 2**40, **placements[0]),
-                           lambda p: solve(p, 2**40, **next(solved)))
+    plan_check = PlanCheck(profile, solve(profile, 2**40, **placements[0]), lambda p: solve(p, 2**40, **next(solved)))
     slowdowns = iter([2.0, 1.5, 3.0, 2.5])  # every plan misses; the second is the fastest measured
     applied = []
     while not plan_check.done:
@@ -178,7 +188,7 @@ def assert_never_slower(step_s_by_budget: dict[int, float], tolerance: float) ->
     """
     budgets = sorted(step_s_by_budget)
     for i, smaller in enumerate(budgets):
-        for larger in budgets[i + 1:]:
+        for larger in budgets[i + 1 :]:
             ratio = step_s_by_budget[larger] / step_s_by_budget[smaller]
             assert ratio <= 1 + tolerance, (
                 f"a budget of {larger} bytes ends on a step of {step_s_by_budget[larger] * 1e3:.1f} ms, {ratio:.2f}x"
@@ -200,8 +210,15 @@ def _wide_llama() -> torch.nn.Module:
     """6 blocks of about 0.8 MiB: a block's copy on the capped link takes about its forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=6,
-                         num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -209,10 +226,17 @@ def _timed_run(budget: int, bandwidth: float, steps: int) -> SuperpipeStrategy:
     # Timing only (no checker, no NaN fills): what the compute thread does is what a GPU run would do.
     link = EmulatedLink(mode="thread", bandwidth=bandwidth, max_delay_s=0.0, check=False, verify=False)
     strategy = SuperpipeStrategy(memory_budget=budget, link=link)
-    data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (2 * steps, 64), generator=torch.Generator().manual_seed(0))),
-                      batch_size=2)
-    tasks.fit_task(lambda: tasks.Task(_wide_llama, "lm", optimizer="adamw-fused"), strategy, data, max_steps=steps,
-                   accumulate_grad_batches=1, gradient_clip_val=None, deterministic=False)
+    ids = torch.randint(0, VOCAB, (2 * steps, 64), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(ids), batch_size=2)
+    tasks.fit_task(
+        lambda: tasks.Task(_wide_llama, "lm", optimizer="adamw-fused"),
+        strategy,
+        data,
+        max_steps=steps,
+        accumulate_grad_batches=1,
+        gradient_clip_val=None,
+        deterministic=False,
+    )
     return strategy
 
 

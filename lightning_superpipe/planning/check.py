@@ -7,7 +7,8 @@ compute and with the weights' copies, several copies sharing the link. So after 
 :class:`PlanCheck` times the steps that follow: ``SETTLE_STEPS`` (the first after a re-placement fills fresh buffers)
 and then ``TIMED_STEPS``, whose median is the plan's measured step. Where it exceeds the prediction by more than
 ``TOLERANCE``, :func:`correct` sets one term of the model (:class:`~.profile.Profile`) so that the model predicts
-what was measured, choosing by what the plan runs:
+what was measured (and where it is more than ``TOLERANCE`` below, the same way down, and the plan stays), choosing
+by what the plan runs:
 
 1. a plan that offloads activations: ``offload_compute_s_per_byte``, the compute each offloaded byte costs;
 2. else a plan whose copies can bind (streamed or refreshed blocks): ``link_slowdown``, every copy slower alike;
@@ -53,27 +54,33 @@ def _predicted(profile: Profile, plan: Plan) -> float:
 
 
 def _fit(profile: Profile, plan: Plan, measured_s: float, name: str) -> Optional[Profile]:
-    """``profile`` with the term ``name`` raised from its value so that ``plan`` is predicted at ``measured_s``, or
-    ``None`` where no value of it gets there (the plan does not depend on it enough)."""
-    low = getattr(profile, name)
+    """``profile`` with the term ``name`` moved from its value so that ``plan`` is predicted at ``measured_s``, or
+    ``None`` where no value of it gets there (the plan does not depend on it enough). The prediction rises with each
+    term, so a bisection finds it."""
+    current = getattr(profile, name)
     if name == "step_overhead_s":
-        return dataclasses.replace(profile, step_overhead_s=low + measured_s - _predicted(profile, plan))
+        return dataclasses.replace(profile, step_overhead_s=current + measured_s - _predicted(profile, plan))
 
     def at(value: float) -> float:
         return _predicted(dataclasses.replace(profile, **{name: value}), plan)
 
-    # Upward from the current value: a scale for the search (compute per offloaded byte: the measured step per
-    # offloaded byte; a slowdown: a factor of the current one).
-    offloaded = sum(b.offloaded_bytes for b, mode in zip(profile.blocks, plan.activations) if mode == "offload")
-    step = measured_s / max(offloaded, 1) if name == "offload_compute_s_per_byte" else low
-    high = low + step
-    for _ in range(30):
-        if at(high) >= measured_s:
-            break
-        high += step
-        step *= 2
+    if at(current) < measured_s:
+        # Upward, in growing steps (compute per offloaded byte: the measured step per offloaded byte; a slowdown: a
+        # factor of the current one).
+        offloaded = sum(b.offloaded_bytes for b, mode in zip(profile.blocks, plan.activations) if mode == "offload")
+        step = measured_s / max(offloaded, 1) if name == "offload_compute_s_per_byte" else current
+        low, high = current, current + step
+        for _ in range(30):
+            if at(high) >= measured_s:
+                break
+            low, high, step = high, high + 2 * step, 2 * step
+        else:
+            return None
     else:
-        return None
+        # Downward, to no cost (no compute per offloaded byte; copies a thousandth of their profiled time).
+        low, high = (0.0 if name == "offload_compute_s_per_byte" else current / 1024), current
+        if at(low) > measured_s:
+            return None
     for _ in range(_BISECTIONS):
         middle = (low + high) / 2
         low, high = (middle, high) if at(middle) < measured_s else (low, middle)
@@ -127,8 +134,10 @@ class PlanCheck:
     def cost() -> str:
         """The check's cost, in words."""
         checks = 1 + MAX_CORRECTIONS
-        return (f"{SETTLE_STEPS} + {TIMED_STEPS} steps per plan, at most {checks} plans"
-                f" ({checks * (SETTLE_STEPS + TIMED_STEPS)} steps)")
+        return (
+            f"{SETTLE_STEPS} + {TIMED_STEPS} steps per plan, at most {checks} plans"
+            f" ({checks * (SETTLE_STEPS + TIMED_STEPS)} steps)"
+        )
 
     def step_done(self, seconds: float) -> tuple[Optional[Plan], Optional[str]]:
         """Takes one step's time. Returns the plan to apply now, if it changed, and a line to say, if any."""
@@ -142,26 +151,39 @@ class PlanCheck:
         plan = self.plan
         self.checked.append(Checked(plan, measured))
         excess = measured / plan.predicted_step_s - 1
-        said = (f"measured {measured * 1e3:.1f} ms a step against {plan.predicted_step_s * 1e3:.1f} ms predicted"
-                f" ({excess:+.0%}, median of {TIMED_STEPS} steps)")
-        if excess <= TOLERANCE:
+        said = (
+            f"measured {measured * 1e3:.1f} ms a step against {plan.predicted_step_s * 1e3:.1f} ms predicted"
+            f" ({excess:+.0%}, median of {TIMED_STEPS} steps)"
+        )
+        if abs(excess) <= TOLERANCE:
             return self._finish(plan, measured, f"SuperpipeStrategy's plan holds: {said}.")
         self.profile, correction = correct(self.profile, plan, measured)
         self.corrections.append(f"{said}: {correction}")
+        if excess < 0:
+            # Faster than promised: the promise holds; the model now predicts what was measured, the plan stays.
+            return self._finish(
+                self._replan(plan),
+                measured,
+                f"SuperpipeStrategy's plan holds, faster than predicted: {said}; {correction}.",
+            )
         # Past the last correction allowed, the model keeps it (for the final plan's figures) but solves no more.
         again = self._solver(self.profile) if len(self.corrections) <= MAX_CORRECTIONS else None
         known = {_placement(c.plan) for c in self.checked}
         if again is None or _placement(again) in known:
             best = min(self.checked, key=lambda c: c.measured_s)
             final = self._replan(best.plan)
-            line = (f"SuperpipeStrategy corrected its cost model ({correction}) after {said}; it keeps the fastest"
-                    f" placement measured, {best.measured_s * 1e3:.1f} ms a step.")
+            line = (
+                f"SuperpipeStrategy corrected its cost model ({correction}) after {said}; it keeps the fastest"
+                f" placement measured, {best.measured_s * 1e3:.1f} ms a step."
+            )
             changed = _placement(final) != _placement(plan)
             self._finish(final, best.measured_s, line)
             return (self.plan if changed else None), line
         self.plan = self._with_history(again, None)
-        return self.plan, (f"SuperpipeStrategy corrected its cost model after {said}: {correction}. Solved again"
-                           f" (correction {len(self.corrections)} of at most {MAX_CORRECTIONS}):")
+        return self.plan, (
+            f"SuperpipeStrategy corrected its cost model after {said}: {correction}. Solved again"
+            f" (correction {len(self.corrections)} of at most {MAX_CORRECTIONS}):"
+        )
 
     def _replan(self, plan: Plan) -> Plan:
         """``plan``'s placement with the corrected model's figures."""
@@ -175,17 +197,25 @@ class PlanCheck:
 
     def _with_history(self, plan: Plan, measured: Optional[float]) -> Plan:
         history = [
-            {"resident": sorted(c.plan.resident), "prefetch": c.plan.prefetch, "activations": list(c.plan.activations),
-             "predicted_step_s": c.plan.predicted_step_s, "measured_step_s": c.measured_s}
+            {
+                "resident": sorted(c.plan.resident),
+                "prefetch": c.plan.prefetch,
+                "activations": list(c.plan.activations),
+                "predicted_step_s": c.plan.predicted_step_s,
+                "measured_step_s": c.measured_s,
+            }
             for c in self.checked
         ]
-        return dataclasses.replace(plan, measured_step_s=measured, corrections=tuple(self.corrections),
-                                   checks=tuple(history))
+        return dataclasses.replace(
+            plan, measured_step_s=measured, corrections=tuple(self.corrections), checks=tuple(history)
+        )
 
     def report(self) -> dict[str, Any]:
         """The corrected terms of the model."""
-        return {name: getattr(self.profile, name)
-                for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")}
+        return {
+            name: getattr(self.profile, name)
+            for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
+        }
 
 
 __all__ = ["MAX_CORRECTIONS", "TIMED_STEPS", "TOLERANCE", "PlanCheck", "correct"]

@@ -134,7 +134,8 @@ class Plan:
             f"prefetch        {self.prefetch}",
         ]
         if self.measured_step_s is not None:
-            lines.append(f"measured step   {self.measured_step_s * 1e3:.2f} ms (median of the steps timed once applied)")
+            measured = self.measured_step_s * 1e3
+            lines.append(f"measured step   {measured:.2f} ms (median of the steps timed once applied)")
         lines += [f"correction {n}    {text}" for n, text in enumerate(self.corrections, 1)]
         return "\n".join(lines)
 
