@@ -4,6 +4,8 @@ solved again (:mod:`lightning_superpipe.planning.check`), values unchanged, and 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy
-from lightning_superpipe.planning import check
+from lightning_superpipe.planning import check, planner
 from lightning_superpipe.planning.check import PlanCheck, correct
 from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.planner import BudgetPlanner
@@ -118,9 +120,19 @@ def test_corrections_are_bounded_and_the_run_ends_on_the_fastest_placement_measu
 
 @pytest.fixture
 def forced_replacements(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Every check corrects (a tolerance below zero), one step timed per plan, and each solve gives the next of three
-    placements unlike each other: the run re-places its blocks after every check."""
-    monkeypatch.setattr(check, "TOLERANCE", -1.0)
+    """Every check corrects (its clock says each step took ten times the one before, so every plan misses by far the
+    model fitted to the last), one step timed per plan, and each solve gives the next of three placements unlike each
+    other: the run re-places its blocks after every check."""
+
+    def clock() -> Iterator[float]:  # read at each checked step's start and end
+        now = 0.0
+        for took in itertools.count():
+            yield now
+            now += 10.0**took
+            yield now
+
+    ticks = clock()
+    monkeypatch.setattr(planner, "_clock", lambda engine: next(ticks))
     monkeypatch.setattr(check, "TIMED_STEPS", 1)
     placements = [
         dict(resident_blocks=1, prefetch=0, activations="offload"),
