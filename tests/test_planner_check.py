@@ -115,6 +115,20 @@ def test_corrections_are_bounded_and_the_run_ends_on_the_fastest_placement_measu
     assert "correction 3" in plan_check.plan.table() and "measured step" in plan_check.plan.table()
 
 
+def test_a_plan_that_holds_but_measured_slower_than_an_earlier_one_gives_way_to_it() -> None:
+    profile = make_profile(3, link=0.5)
+    first = solve(profile, 2**40, resident_blocks=0, prefetch=1, activations="offload")
+    missed = 2 * first.predicted_step_s
+    # The plan solved again promises a slow step and keeps that promise: slower than the first one measured.
+    slow = dataclasses.replace(solve(profile, 2**40, resident_blocks=0, prefetch=0), predicted_step_s=10 * missed)
+    plan_check = PlanCheck(profile, first, lambda p: slow)
+    applied = _feed(plan_check, [missed] * STEPS + [10 * missed] * STEPS)
+    assert [plan.prefetch for plan in applied] == [0, 1]  # the slow plan, then back to the first placement
+    assert plan_check.done and plan_check.plan.measured_step_s == missed
+    assert plan_check.plan.activations == first.activations and plan_check.plan.prefetch == first.prefetch
+    assert plan_check.plan.predicted_step_s == pytest.approx(missed, rel=1e-9)  # the corrected model's, as measured
+
+
 # ------------------------------------------------------------------ values unchanged through re-placements
 
 

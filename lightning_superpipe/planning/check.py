@@ -156,29 +156,19 @@ class PlanCheck:
             f" ({excess:+.0%}, median of {TIMED_STEPS} steps)"
         )
         if abs(excess) <= TOLERANCE:
-            return self._finish(plan, measured, f"SuperpipeStrategy's plan holds: {said}.")
+            return self._end(plan, f"SuperpipeStrategy's plan holds: {said}.")
         self.profile, correction = correct(self.profile, plan, measured)
         self.corrections.append(f"{said}: {correction}")
         if excess < 0:
             # Faster than promised: the promise holds; the model now predicts what was measured, the plan stays.
-            return self._finish(
-                self._replan(plan),
-                measured,
-                f"SuperpipeStrategy's plan holds, faster than predicted: {said}; {correction}.",
-            )
+            line = f"SuperpipeStrategy's plan holds, faster than predicted: {said}; {correction}."
+            return self._end(self._replan(plan), line)
         # Past the last correction allowed, the model keeps it (for the final plan's figures) but solves no more.
         again = self._solver(self.profile) if len(self.corrections) <= MAX_CORRECTIONS else None
-        known = {_placement(c.plan) for c in self.checked}
-        if again is None or _placement(again) in known:
-            best = min(self.checked, key=lambda c: c.measured_s)
-            final = self._replan(best.plan)
-            line = (
-                f"SuperpipeStrategy corrected its cost model ({correction}) after {said}; it keeps the fastest"
-                f" placement measured, {best.measured_s * 1e3:.1f} ms a step."
-            )
-            changed = _placement(final) != _placement(plan)
-            self._finish(final, best.measured_s, line)
-            return (self.plan if changed else None), line
+        if again is None or _placement(again) in {_placement(c.plan) for c in self.checked}:
+            why = "no more corrections" if again is None else "solved again, it gives a placement already measured"
+            line = f"SuperpipeStrategy corrected its cost model ({correction}) after {said}; {why}."
+            return self._end(self._replan(plan), line)
         self.plan = self._with_history(again, None)
         return self.plan, (
             f"SuperpipeStrategy corrected its cost model after {said}: {correction}. Solved again"
@@ -190,10 +180,17 @@ class PlanCheck:
         prediction = predict(self.profile, plan.resident, plan.prefetch, plan.activations)
         return Plan.from_prediction(plan.resident, plan.prefetch, plan.activations, plan.budget_bytes, prediction)
 
-    def _finish(self, plan: Plan, measured: float, line: str) -> tuple[None, str]:
-        self.plan = self._with_history(plan, measured)
+    def _end(self, plan: Plan, line: str) -> tuple[Optional[Plan], str]:
+        """Ends the check on ``plan`` (the placement just measured, with its figures), or on an earlier placement
+        that measured faster. Returns the plan to apply if the placement changes, and the line to say."""
+        current = self.checked[-1]
+        best = min(self.checked, key=lambda c: c.measured_s)
+        if best is not current:
+            plan = self._replan(best.plan)
+            line += f" It keeps the fastest placement measured, {best.measured_s * 1e3:.1f} ms a step."
+        self.plan = self._with_history(plan, best.measured_s)
         self.done = True
-        return None, line
+        return (self.plan if best is not current else None), line
 
     def _with_history(self, plan: Plan, measured: Optional[float]) -> Plan:
         history = [
