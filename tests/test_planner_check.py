@@ -111,6 +111,7 @@ def test_corrections_are_bounded_and_the_run_ends_on_the_fastest_placement_measu
     fastest = min(plan_check.checked, key=lambda c: c.measured_s)
     assert len(fastest.plan.resident) == 1 and applied[-1].resident == fastest.plan.resident
     assert plan_check.plan.measured_step_s == fastest.measured_s
+    assert plan_check.plan.predicted_step_s == pytest.approx(fastest.measured_s, rel=1e-9)  # refitted to it
     assert len(plan_check.plan.checks) == 1 + check.MAX_CORRECTIONS
     assert "correction 3" in plan_check.plan.table() and "measured step" in plan_check.plan.table()
 

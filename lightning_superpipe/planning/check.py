@@ -182,10 +182,12 @@ class PlanCheck:
 
     def _end(self, plan: Plan, line: str) -> tuple[Optional[Plan], str]:
         """Ends the check on ``plan`` (the placement just measured, with its figures), or on an earlier placement
-        that measured faster. Returns the plan to apply if the placement changes, and the line to say."""
+        that measured faster, with the model fitted to what it measured (its predicted step is what it measures).
+        Returns the plan to apply if the placement changes, and the line to say."""
         current = self.checked[-1]
         best = min(self.checked, key=lambda c: c.measured_s)
         if best is not current:
+            self.profile, _ = correct(self.profile, best.plan, best.measured_s)
             plan = self._replan(best.plan)
             line += f" It keeps the fastest placement measured, {best.measured_s * 1e3:.1f} ms a step."
         self.plan = self._with_history(plan, best.measured_s)
