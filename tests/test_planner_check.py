@@ -237,15 +237,8 @@ def _wide_llama() -> torch.nn.Module:
     """6 blocks of about 0.8 MiB: a block's copy on the capped link takes about its forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    sizes = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=6, num_attention_heads=4)
+    config = LlamaConfig(vocab_size=VOCAB, **sizes)
     return LlamaForCausalLM(config)
 
 
