@@ -75,8 +75,9 @@ def test_a_plan_within_the_tolerance_holds_and_one_as_far_off_as_the_issue_is_co
     profile = make_profile(3, link=0.5)
     plan = solve(profile, 2**40)
     within = PlanCheck(profile, plan, lambda p: solve(p, 2**40))
-    # A slow first step (settling), then steps within the tolerance: the median of the timed ones is measured.
-    assert _feed(within, [5 * plan.predicted_step_s] + [1.05 * plan.predicted_step_s] * check.TIMED_STEPS) == []
+    # A slow first step (settling), then steps slowed by other work but one: the fastest of the timed ones counts.
+    timed = [1.5] * (check.TIMED_STEPS - 1) + [1.05]
+    assert _feed(within, [5 * plan.predicted_step_s] + [slowdown * plan.predicted_step_s for slowdown in timed]) == []
     assert within.done and within.plan.measured_step_s == pytest.approx(1.05 * plan.predicted_step_s)
     assert within.plan.corrections == ()
     # Issue 30: measured 1.26x the prediction (the offloading mix). Corrected, with the new prediction its own.
@@ -223,7 +224,7 @@ def assert_never_slower(step_s_by_budget: dict[int, float], tolerance: float) ->
             )
 
 
-#: Noise on a shared machine moves a median of three steps by several percent; the issue's case was 1.26x.
+#: Noise on a shared machine moves the fastest of three steps by several percent; the issue's case was 1.26x.
 MONOTONE_TOLERANCE = 0.15
 
 
@@ -261,7 +262,7 @@ def _timed_run(budget: int, bandwidth: float, steps: int) -> SuperpipeStrategy:
 
 
 def _final_step_s(budget: int, bandwidth: float) -> float:
-    """The measured step of the plan a budget's run ends on (its check's median)."""
+    """The measured step of the plan a budget's run ends on (the fastest of its check's steps)."""
     checks = 1 + check.MAX_CORRECTIONS
     strategy = _timed_run(budget, bandwidth, BudgetPlanner.PROFILED_STEPS + checks * STEPS)
     assert strategy.plan.measured_step_s is not None, "the check did not end within its bounded steps"

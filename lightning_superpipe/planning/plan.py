@@ -37,8 +37,8 @@ class Plan:
         predicted_passes: The predicted step's parts in seconds (:attr:`.cost.Prediction.passes`):
             ``first_forward_s``, ``forward_s`` (each later micro-batch's), ``backward_s`` and ``optimizer_s`` (the
             exposed optimizer time).
-        measured_step_s: The median step time measured once the plan was applied (:mod:`.check`), or ``None``
-            before the check has timed it.
+        measured_step_s: The step time measured once the plan was applied (the fastest of the steps timed,
+            :mod:`.check`), or ``None`` before the check has timed it.
         corrections: Each correction of the cost model the check made, in words (what it measured against what was
             predicted, and the term it set), in order.
         checks: Each placement the check applied and timed: ``resident``, ``prefetch``, ``activations``,
@@ -135,7 +135,7 @@ class Plan:
         ]
         if self.measured_step_s is not None:
             measured = self.measured_step_s * 1e3
-            lines.append(f"measured step   {measured:.2f} ms (median of the steps timed once applied)")
+            lines.append(f"measured step   {measured:.2f} ms (the fastest of the steps timed once applied)")
         lines += [f"correction {n}    {text}" for n, text in enumerate(self.corrections, 1)]
         return "\n".join(lines)
 
