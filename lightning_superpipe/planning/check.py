@@ -18,15 +18,16 @@ by what the plan runs:
 
 The placement is then solved for again with the corrected model and applied, and checked in turn, at most
 ``MAX_CORRECTIONS`` times. The run ends on the fastest placement measured (the last one unless a correction made
-things worse): at most ``(1 + MAX_CORRECTIONS) * (SETTLE_STEPS + TIMED_STEPS)`` steps after the profiled ones. Every
-placement computes the same values (a re-placement moves buffers, not numbers), so the check changes no result.
+things worse), with the model refitted to it, so that its predicted step is what it measured: at most ``(1 +
+MAX_CORRECTIONS) * (SETTLE_STEPS + TIMED_STEPS)`` steps after the profiled ones. Every placement computes the same
+values (a re-placement moves buffers, not numbers), so the check changes no result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.plan import Plan
@@ -209,13 +210,6 @@ class PlanCheck:
         return dataclasses.replace(
             plan, measured_step_s=measured, corrections=tuple(self.corrections), checks=tuple(history)
         )
-
-    def report(self) -> dict[str, Any]:
-        """The corrected terms of the model."""
-        return {
-            name: getattr(self.profile, name)
-            for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
-        }
 
 
 __all__ = ["MAX_CORRECTIONS", "TIMED_STEPS", "TOLERANCE", "PlanCheck", "correct"]
