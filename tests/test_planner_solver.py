@@ -36,12 +36,15 @@ def make_profile(
     frozen: tuple[int, ...] = (),
     link: float = 1.0,
     noise: float = 0.0,
+    corrected: bool = False,
 ) -> Profile:
     """A synthetic profile whose trade-offs are close: a block's weights copy in about as long as it computes, and
     offloading costs about as much as recomputing. ``uniform=False`` scales each figure of each block by its own
     factor in [0.5, 1.5); ``noise`` scales each time by its own factor in [1 - noise, 1 + noise] (timing noise).
     ``trunk_update``: the trunk's weights change at every step (64 MiB each way); ``frozen``: blocks without
-    gradients (nor an optimizer step); ``link`` scales both link speeds (below 1 copy-bound, above compute-bound)."""
+    gradients (nor an optimizer step); ``link`` scales both link speeds (below 1 copy-bound, above compute-bound);
+    ``corrected``: with the terms a check of an applied plan sets (offloading costs compute, copies 1.3x slower, a
+    constant per step)."""
     rng = random.Random(seed)
 
     def scale() -> float:
@@ -79,6 +82,9 @@ def make_profile(
         block_gradient_bytes=40 * MiB,
         margin_bytes=16 * MiB,
         trunk_update_bytes=64 * MiB if trunk_update else 0,
+        offload_compute_s_per_byte=0.15e-9 if corrected else 0.0,
+        link_slowdown=1.3 if corrected else 1.0,
+        step_overhead_s=0.004 if corrected else 0.0,
     )
 
 
@@ -193,6 +199,11 @@ CONFIGURATIONS = [
         (False, True, False, 1, 4, False, (2,), 0.5),
         (False, True, True, 3, 3, False, (), 3.0),
     ]
+] + [
+    # With the terms a check of an applied plan corrects: the program must still be predict's model.
+    dict(blocks=3, uniform=False, asynchronous=True, overlap=True, micro_batches=3, corrected=True),
+    dict(blocks=4, uniform=True, asynchronous=True, overlap=False, micro_batches=1, corrected=True),
+    dict(blocks=3, uniform=False, asynchronous=False, overlap=True, micro_batches=1, corrected=True),
 ]
 
 

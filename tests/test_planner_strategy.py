@@ -126,9 +126,13 @@ def test_budgets_from_the_least_to_the_whole_model_hold_and_train_as_plain(emula
         plans.append(plan)
     # With room for everything nothing is recomputed; on the synchronous CPU link, where a copy adds its time to
     # the step, every block stays resident too (on an asynchronous link a copy faster than compute costs nothing).
-    assert "recompute" not in plans[2].activations
+    # That is the plan solved from the profile, the first applied: a check that finds copies slower than profiled
+    # (timing noise on a shared machine can) may make the gradients' copies bind, where every placement ties and
+    # the least memory is taken.
+    first = [plan.checks[0] if plan.checks else plan.as_dict() for plan in plans]
+    assert "recompute" not in first[2]["activations"]
     if emulated_link == "cpu":
-        assert len(plans[0].resident) < len(plans[2].resident) == len(profile.blocks)
+        assert len(first[0]["resident"]) < len(first[2]["resident"]) == len(profile.blocks)
 
 
 def test_knobs_the_user_sets_are_constraints_of_the_plan() -> None:

@@ -15,7 +15,11 @@ speeds are ``h2d`` and ``d2h``; ``a`` is ``profile.asynchronous``, ``m`` is ``pr
   The weights outside blocks that a step changes: to the device again after each optimizer step in ``t_tr =
   trunk_update_bytes / h2d``, their gradients off it at the end of each backward in ``t_tg = trunk_update_bytes /
   d2h``.
-* A block's backward computes ``Cb_i = B_i + c_i R_i``.
+* Corrections from a measured step (:mod:`.check`; none in a profile): every copy time above is multiplied by
+  ``profile.link_slowdown``; an offloaded block costs compute ``X_i = offloaded_bytes_i *
+  offload_compute_s_per_byte`` in its forward and again in its backward; the step takes ``profile.step_overhead_s``
+  more. Below, ``F_i`` stands for ``F_i + o_i X_i``.
+* A block's backward computes ``Cb_i = B_i + c_i R_i + o_i X_i``.
 
 The engine runs copies on their own streams, in the order they are issued. In forward, block ``i + 1``'s weights are
 copied while block ``i`` computes (``p >= 1``); block 0's copy hides behind nothing. Offloaded activations leave
@@ -62,7 +66,7 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
 * Exposed optimizer time: without ``overlap_optimizer``, ``E = trunk_optimizer_s + sum_i opt_i``. With it, ``E =
   trunk_optimizer_s + max(opt_0, sum_i opt_i - (bwd - Cb_{N-1}))``: a block is stepped on a host thread once its
   gradients are home, block 0's step is always exposed, and the others hide behind backward after its first block.
-* Step: ``T = fwd1 + (m - 1) fwd + m (trunk_s + bwd) + E``.
+* Step: ``T = fwd1 + (m - 1) fwd + m (trunk_s + bwd) + E + step_overhead_s``.
 
 Per block, :attr:`Prediction.per_block` (and the plan's table) show a time by the per-layer rule, for display only:
 its own compute and its own copies (forward: ``F_i``, ``s_i w_i``, ``o_i ao_i``; backward: ``Cb_i``, ``s_i w_i [i <
@@ -153,31 +157,39 @@ def slot_shape(profile: Profile, resident: Collection[int], prefetch: int) -> tu
 
 @dataclass(frozen=True)
 class LinkTimes:
-    """One block's copy times in seconds (``w_i``, ``ao_i``, ``ai_i``, ``g_i`` of the module's docstring), and
-    whether it changes at every optimizer step (``u_i``)."""
+    """One block's copy times in seconds (``w_i``, ``ao_i``, ``ai_i``, ``g_i`` of the module's docstring), the
+    compute time its offloaded activations cost in each pass (``X_i``), and whether it changes at every optimizer step
+    (``u_i``)."""
 
     weights: float
     offload_out: float
     offload_in: float
     gradients: float
     changes: bool
+    offload_compute: float = 0.0
 
 
 def link_times(profile: Profile, block: BlockCosts) -> LinkTimes:
-    """What each of ``block``'s copies takes on ``profile``'s link."""
+    """What each of ``block``'s copies takes on ``profile``'s link (its speeds, slowed by ``link_slowdown``)."""
+    h2d, d2h = profile.h2d_bytes_per_s / profile.link_slowdown, profile.d2h_bytes_per_s / profile.link_slowdown
     return LinkTimes(
-        weights=block.weight_bytes / profile.h2d_bytes_per_s,
-        offload_out=block.offloaded_bytes / profile.d2h_bytes_per_s,
-        offload_in=block.offloaded_bytes / profile.h2d_bytes_per_s,
-        gradients=block.gradient_bytes / profile.d2h_bytes_per_s,
+        weights=block.weight_bytes / h2d,
+        offload_out=block.offloaded_bytes / d2h,
+        offload_in=block.offloaded_bytes / h2d,
+        gradients=block.gradient_bytes / d2h,
         changes=block.gradient_bytes > 0,
+        offload_compute=block.offloaded_bytes * profile.offload_compute_s_per_byte,
     )
 
 
 def trunk_times(profile: Profile) -> tuple[float, float]:
     """``(t_tr, t_tg)``: the trunk's changed weights to the device after a step, their gradients off it in
     backward."""
-    return profile.trunk_update_bytes / profile.h2d_bytes_per_s, profile.trunk_update_bytes / profile.d2h_bytes_per_s
+    slowdown = profile.link_slowdown
+    return (
+        profile.trunk_update_bytes * slowdown / profile.h2d_bytes_per_s,
+        profile.trunk_update_bytes * slowdown / profile.d2h_bytes_per_s,
+    )
 
 
 def block_times(
@@ -198,9 +210,10 @@ def block_times(
         # Prefetch 0: the weights' copy is serial with compute; the activations' and gradients' copies overlap.
         return max(compute + weights, copies_in, copies_out)
 
-    forward = rule(block.forward_s, weights, 0.0, link.offload_out if offloaded else 0.0)
+    extra = link.offload_compute if offloaded else 0.0
+    forward = rule(block.forward_s + extra, weights, 0.0, link.offload_out if offloaded else 0.0)
     backward = rule(
-        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0),
+        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0) + extra,
         0.0 if last else weights,
         link.offload_in if offloaded else 0.0,
         link.gradients,
@@ -280,6 +293,11 @@ def check_profile(profile: Profile) -> None:
         raise ValueError("Profile(blocks=[]): the profile has no blocks; there is nothing to place.")
     if profile.micro_batches < 1:
         raise ValueError(f"Profile(micro_batches={profile.micro_batches}): a step has at least one micro-batch.")
+    if not (profile.link_slowdown > 0 and profile.offload_compute_s_per_byte >= 0):
+        raise ValueError(
+            f"Profile(link_slowdown={profile.link_slowdown}, offload_compute_s_per_byte="
+            f"{profile.offload_compute_s_per_byte}): a slowdown is positive and a compute cost not negative."
+        )
     if not (profile.h2d_bytes_per_s > 0 and profile.d2h_bytes_per_s > 0):
         raise ValueError(
             f"Profile(h2d_bytes_per_s={profile.h2d_bytes_per_s}, d2h_bytes_per_s={profile.d2h_bytes_per_s}): the"
@@ -347,6 +365,7 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
         + (profile.micro_batches - 1) * passes["forward_s"]
         + profile.micro_batches * (profile.trunk_s + passes["backward_s"])
         + passes["optimizer_s"]
+        + profile.step_overhead_s
     )
     return Prediction(
         step_s=step_s,
@@ -364,9 +383,12 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
     last = len(blocks) - 1
     links = [link_times(profile, block) for block in blocks]
     streamed = [i not in resident for i in range(len(blocks))]
-    forward = [block.forward_s for block in blocks]
+    # X_i: what an offloaded block's activations cost compute, in its forward and in its backward.
+    extra = [link.offload_compute if mode == "offload" else 0.0 for link, mode in zip(links, modes)]
+    forward = [block.forward_s + x for block, x in zip(blocks, extra)]
     backward = [
-        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0) for block, mode in zip(blocks, modes)
+        block.backward_s + (block.recompute_s if mode == "recompute" else 0.0) + x
+        for block, mode, x in zip(blocks, modes, extra)
     ]
     weights = [link.weights if s else 0.0 for link, s in zip(links, streamed)]  # s_i w_i
     # Crossing the link in a step's first forward: streamed, or resident and changed (s_i + r_i u_i) w_i.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning_superpipe.units import format_bytes
 
@@ -37,6 +37,12 @@ class Plan:
         predicted_passes: The predicted step's parts in seconds (:attr:`.cost.Prediction.passes`):
             ``first_forward_s``, ``forward_s`` (each later micro-batch's), ``backward_s`` and ``optimizer_s`` (the
             exposed optimizer time).
+        measured_step_s: The step time measured once the plan was applied (the fastest of the steps timed,
+            :mod:`.check`), or ``None`` before the check has timed it.
+        corrections: Each correction of the cost model the check made, in words (what it measured against what was
+            predicted, and the term it set), in order.
+        checks: Each placement the check applied and timed: ``resident``, ``prefetch``, ``activations``,
+            ``predicted_step_s`` (when applied) and ``measured_step_s``.
     """
 
     resident: frozenset[int]
@@ -48,6 +54,9 @@ class Plan:
     breakdown: dict[str, int]
     blocks: list[dict[str, Any]]
     predicted_passes: dict[str, float] = field(default_factory=dict)
+    measured_step_s: Optional[float] = None
+    corrections: tuple[str, ...] = ()
+    checks: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_prediction(
@@ -124,6 +133,10 @@ class Plan:
             f" ({parts or 'nothing'})",
             f"prefetch        {self.prefetch}",
         ]
+        if self.measured_step_s is not None:
+            measured = self.measured_step_s * 1e3
+            lines.append(f"measured step   {measured:.2f} ms (the fastest of the steps timed once applied)")
+        lines += [f"correction {n}    {text}" for n, text in enumerate(self.corrections, 1)]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -138,4 +151,7 @@ class Plan:
             "breakdown": dict(self.breakdown),
             "blocks": [dict(block) for block in self.blocks],
             "predicted_passes": dict(self.predicted_passes),
+            "measured_step_s": self.measured_step_s,
+            "corrections": list(self.corrections),
+            "checks": [dict(check) for check in self.checks],
         }

@@ -15,6 +15,9 @@ The order of events in a run with a budget:
    shortest step within the budget is solved for (:func:`~.solver.solve`), the engine is re-placed
    (``StreamingEngine.replan``), and the plan's table is printed once. A budget that only the activations make
    impossible is refused here, with the least budget that works.
+4. The plan applied is timed over the next steps (:mod:`.check`); one measured more than ``check.TOLERANCE`` above
+   its prediction corrects the model with what was measured, and the placement is solved for again, a bounded number
+   of times. :attr:`BudgetPlanner.plan` is then the plan the run ends on, with its measured step and the corrections.
 
 An evaluation-only run (``Trainer.validate/test/predict``) has no backward to profile: it keeps as many blocks
 resident as fit beside one prefetched slot (forward-only passes hold no activations between blocks), which is the
@@ -37,6 +40,7 @@ from torch import nn
 
 from lightning_superpipe.memory.host import transfer_bytes, travels_in
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
+from lightning_superpipe.planning.check import PlanCheck
 from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
 from lightning_superpipe.planning.solver import InfeasibleBudget, solve
@@ -121,6 +125,9 @@ class BudgetPlanner:
         self._samples: list[dict[str, Any]] = []
         self._closure_s = 0.0
         self._profiling_step = False
+        #: Times the plan once applied, and corrects it (after the profiled steps).
+        self.check: Optional[PlanCheck] = None
+        self._step_start: Optional[float] = None
 
     # ------------------------------------------------------------------ before allocating
 
@@ -165,7 +172,10 @@ class BudgetPlanner:
         return self.plan is None
 
     def start_micro_batch(self, engine: Any) -> None:
-        """Profiles the first micro-batch of each profiled step."""
+        """Profiles the first micro-batch of each profiled step; while the plan is checked, starts the step's
+        clock."""
+        if self.check is not None and not self.check.done and self._step_start is None:
+            self._step_start = _clock(engine)
         if self.plan is not None or self._profiling_step:
             return
         self._profiling_step = True
@@ -205,7 +215,10 @@ class BudgetPlanner:
         Raises:
             MisconfigurationException: If no placement fits the budget with the measured activations.
         """
-        if self.plan is not None or not self._samples:
+        if self.plan is not None:
+            self._checked_step(engine)
+            return
+        if not self._samples:
             return
         sample = self._samples[-1]
         # The refresh's copies are in the model (the trunk's and changed blocks' copies); only its host work is here.
@@ -224,7 +237,28 @@ class BudgetPlanner:
             raise MisconfigurationException(f"{self.call}: {error}") from error
         engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
         self.plan = plan
-        rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}")
+        self.check = PlanCheck(self.profile, plan, self._solve)
+        rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}\nIt is checked once applied:"
+                       f" {PlanCheck.cost()}.")
+
+    def _solve(self, profile: Profile) -> Plan:
+        """The plan of ``profile`` for this run's budget and pinned knobs (a corrected profile fits it too: the
+        corrections change times, not bytes)."""
+        return solve(profile, self.budget_bytes, **self.pinned)
+
+    def _checked_step(self, engine: Any) -> None:
+        """Gives a step's time to the check; applies the plan it solved for again, if any."""
+        if self.check is None or self._step_start is None:
+            return
+        seconds = _clock(engine) - self._step_start
+        self._step_start = None
+        plan, line = self.check.step_done(seconds)
+        self.plan = self.check.plan
+        if plan is not None:
+            engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
+            engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
+        if line is not None:
+            rank_zero_info(line + (f"\n{plan.table()}" if plan is not None else ""))
 
     def _profile(self, engine: Any, micro_batches: int, overlap: bool) -> Profile:
         best = {name: min(s[name] for s in self._samples) for name in ("optimizer_s", "refresh_s")}
@@ -277,6 +311,13 @@ class BudgetPlanner:
             margin_bytes=max(0, margin),
             trunk_update_bytes=self._static.trunk_gradient_bytes,
         )
+
+
+def _clock(engine: Any) -> float:
+    """Now, once the device has done what was asked of it."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter()
 
 
 def _alike_blocks_alike(blocks: list[BlockCosts]) -> list[BlockCosts]:

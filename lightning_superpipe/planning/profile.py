@@ -68,6 +68,15 @@ class Profile:
             measured on CUDA during the profiled step; 0 on the CPU.
         trunk_update_bytes: Bytes of the weights outside blocks that each optimizer step changes: copied to the device
             again at the start of each step, and their gradients off it at the end of each backward.
+        offload_compute_s_per_byte: Compute time each offloaded byte costs a block, in its forward (the copy out)
+            and again in its backward (the copy back): what offloading takes from compute beyond the link's time
+            (issuing many copies, the copies' interference with compute and with the weights' copies). 0 in a
+            profile; set from a measured step by :mod:`.check` when an applied plan that offloads runs slower than
+            predicted.
+        link_slowdown: How many times longer every copy takes in a running step than in the profiled one (where each
+            copy ran alone): 1 in a profile; set from a measured step by :mod:`.check`.
+        step_overhead_s: Seconds per step that no term of the model accounts for: 0 in a profile; set from a
+            measured step by :mod:`.check` when no other term can explain it.
     """
 
     blocks: list[BlockCosts]
@@ -83,6 +92,9 @@ class Profile:
     block_gradient_bytes: int
     margin_bytes: int = 0
     trunk_update_bytes: int = 0
+    offload_compute_s_per_byte: float = 0.0
+    link_slowdown: float = 1.0
+    step_overhead_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -177,9 +177,11 @@ class _Program:
         trunk_in, trunk_out = trunk_times(profile)
         self._optimizer_s = profile.trunk_optimizer_s + sum(block.optimizer_s for block in blocks)
         # More than any placement's step: every copy serial with every computation, every block refreshed.
-        forward_most = sum(b.forward_s + link.weights + link.offload_out for b, link in zip(blocks, links))
+        forward_most = sum(
+            b.forward_s + link.offload_compute + link.weights + link.offload_out for b, link in zip(blocks, links)
+        )
         backward_most = trunk_out + sum(
-            b.backward_s + b.recompute_s + link.weights + link.offload_in + link.gradients
+            b.backward_s + b.recompute_s + link.offload_compute + link.weights + link.offload_in + link.gradients
             for b, link in zip(blocks, links)
         )
         slowest_s = (
@@ -187,6 +189,7 @@ class _Program:
             + sum(link.weights for link in links)
             + profile.micro_batches * (forward_most + profile.trunk_s + backward_most)
             + self._optimizer_s
+            + profile.step_overhead_s
         )
         self.time_unit = slowest_s / _SCALE or 1.0
         self._static = sum(static_bytes(profile).values())
@@ -252,7 +255,20 @@ class _Program:
         """``sum_i Cb_i`` over the blocks ``include`` takes."""
         blocks = self._blocks
         constant = sum(blocks[i].backward_s for i in range(len(blocks)) if include(i)) * self._seconds
-        return self._per_mode("recompute", lambda i: blocks[i].recompute_s, include) + constant
+        recomputed = self._per_mode("recompute", lambda i: blocks[i].recompute_s, include)
+        return recomputed + self._offload_compute(include) + constant
+
+    def _compute_forward(self, include: Callable[[int], bool]) -> _Linear:
+        """``sum_i (F_i + o_i X_i)`` over the blocks ``include`` takes."""
+        blocks = self._blocks
+        constant = sum(blocks[i].forward_s for i in range(len(blocks)) if include(i)) * self._seconds
+        return self._offload_compute(include) + constant
+
+    def _offload_compute(self, include: Callable[[int], bool]) -> _Linear:
+        """``sum_i o_i X_i`` over the blocks ``include`` takes (nothing where no correction set ``X``)."""
+        if not self.profile.offload_compute_s_per_byte:
+            return _Linear()
+        return self._per_mode("offload", lambda i: self._links[i].offload_compute, include)
 
     def _step_time(self) -> _Linear:
         """``T``: the first micro-batch's forward, the others', every backward, the trunk and the exposed
@@ -276,12 +292,13 @@ class _Program:
             + (micro_batches - 1) * forward_s
             + micro_batches * (backward_s + profile.trunk_s * seconds)
             + exposed
+            + profile.step_overhead_s * seconds
         )
 
     def _serial_passes(self) -> tuple[_Linear, _Linear, _Linear]:
         """``fwd1``, ``fwd`` and ``bwd`` on a synchronous link: :mod:`.cost`'s sums."""
         links, seconds = self._links, self._seconds
-        forward_compute = sum(block.forward_s for block in self._blocks) * seconds
+        forward_compute = self._compute_forward(_every)
         offload_out = self._per_mode("offload", lambda i: links[i].offload_out)
         offload_in = self._per_mode("offload", lambda i: links[i].offload_in)
         gradients = sum(link.gradients for link in links) * seconds
@@ -305,8 +322,8 @@ class _Program:
     def _overlapped_passes(self) -> tuple[_Linear, _Linear, _Linear]:
         """``fwd1``, ``fwd`` and ``bwd`` on an asynchronous link: each at least each of its bounds."""
         blocks, links, seconds, last = self._blocks, self._links, self._seconds, self._last
-        forward_compute = sum(block.forward_s for block in blocks) * seconds
-        first_forward, last_forward = blocks[0].forward_s * seconds, blocks[last].forward_s * seconds
+        forward_compute = self._compute_forward(_every)
+        first_forward, last_forward = self._compute_forward(_first), self._compute_forward(lambda i: i == last)
         offload_out = self._per_mode("offload", lambda i: links[i].offload_out)
         offload_in = self._per_mode("offload", lambda i: links[i].offload_in)
         gradients = sum(link.gradients for link in links) * seconds
@@ -318,7 +335,9 @@ class _Program:
         # dominate hold at any prefetch, and so do the prefetch-0 ones that prefetch >= 1 ones dominate.
         not_first = sum(link.weights for link in links[1:]) * seconds
         not_last = sum(link.weights for link in links[:last]) * seconds
-        computed_before_last = sum(block.forward_s for block in blocks[:last]) * seconds
+        computed_before_last = sum(
+            block.forward_s + link.offload_compute for block, link in zip(blocks[:last], links[:last])
+        ) * seconds
         serial_backward, returned_in = self._serial_backward()
         crossing, compute_backward, before_last = self._crossing, self._compute_backward, self._before_last
         forward_bounds = [

@@ -68,7 +68,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
     Args:
         memory_budget: Device bytes to plan for (an int, ``"12GiB"``, a share of free device memory such as ``"90%"``,
             ``"auto"``): the first steps are profiled and the fastest placement that fits is applied
-            (:mod:`..planning`).
+            (:mod:`..planning`), then timed, and the model corrected and solved again where it misses.
             ``None``: no planning.
         resident_blocks: Blocks kept on the device for the whole run (default 1, or the plan's).
         prefetch: Blocks copied in ahead of the one computing (default 1, or the plan's).
@@ -308,7 +308,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @property
     def plan(self) -> Optional[Plan]:
-        """The placement solved for ``memory_budget`` (after the profiled steps), or ``None``."""
+        """The placement solved for ``memory_budget`` (after the profiled steps), or ``None``; once the check of
+        the applied plan has timed it, with ``measured_step_s``, ``corrections`` and ``checks``."""
         return self._planner.plan if self._planner is not None else None
 
     @override
