@@ -3,10 +3,9 @@ solved again (:mod:`lightning_superpipe.planning.check`), values unchanged, and 
 
 from __future__ import annotations
 
-import os
-
 import dataclasses
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
