@@ -124,7 +124,7 @@ def start_streaming(
     disk = options.offload_device == "disk"
     optimizer = optimizers[0] if disk and fitting else None
     check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
-                    ahead + 1, _deferred_bytes(model, block_params, options, deferred))
+                    ahead + 1, model, deferred)
     packed = {p for params in block_params for p in params if packed_format(p) and not quantized_format(p)}
     # Once nothing but building the homes can refuse the run; given back if that fails. Before the rest of a deferred
     # init is run in place, so that its frozen matrices are quantized from values made apart from them.
@@ -234,11 +234,12 @@ def first_placement(
 def check_host_room(
     options: SuperpipeOptions, what: str, block_params: list[list[nn.Parameter]], trunk_params: list[nn.Parameter],
     device: torch.device, transfer_dtype: Optional[torch.dtype], fitting: bool, optimizer: Optional[Optimizer],
-    slots: int, deferred_bytes: int = 0,
+    slots: int, model: Optional[nn.Module] = None, deferred: Optional[DeferredInit] = None,
 ) -> None:
     """Refuses, before anything is allocated, a run whose host memory is too small: for the homes of the blocks
-    (``what``; with ``quantize_frozen`` their frozen matrices in 4 bits), gradients and optimizer state, or, with the
-    disk tier, its buffers for ``slots`` device slots; and ``deferred_bytes``, what a deferred init will fill.
+    (``what``; with ``quantize_frozen`` their frozen matrices in 4 bits), gradients and optimizer state, and what the
+    ``deferred`` init of ``model`` will fill in place; or, with the disk tier, its buffers for ``slots`` device
+    slots.
 
     Raises:
         HostMemoryError: With the bytes needed and available.
@@ -257,7 +258,9 @@ def check_host_room(
         frozen = {p for params in block_params for p in frozen_matrices(params)} if mode is not None else set()
         streamed = [[p for p in params if p not in frozen] for params in block_params]
         needed = host_bytes_to_come(streamed, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda")
-        needed += deferred_bytes + sum(quantized_bytes(p.numel(), mode) for p in frozen if not quantized_format(p))
+        needed += sum(quantized_bytes(p.numel(), mode) for p in frozen if not quantized_format(p))
+        if deferred is not None and model is not None:  # all but the frozen matrices, quantized from values apart
+            needed += deferred.pending_bytes(t for t in [*model.parameters(), *model.buffers()] if t not in frozen)
         kept = ""
         if fitting and options.overlap_optimizer == "speculative":  # "auto" speculates only where memory allows
             params = [p for block in block_params for p in block] + list(trunk_params)
@@ -265,19 +268,6 @@ def check_host_room(
             kept = (" and the state a speculative optimizer step keeps while backward runs;"
                     " overlap_optimizer='pipelined' keeps none")
         check_host_memory(needed, f"homes for {what}, gradients and optimizer state{kept}")
-
-
-def _deferred_bytes(model: nn.Module, block_params: list[list[nn.Parameter]], options: SuperpipeOptions,
-                    deferred: Optional[DeferredInit]) -> int:
-    """Host bytes a deferred init will fill in place: all but what the disk tier writes to its files or
-    ``quantize_frozen`` quantizes from values made apart."""
-    if deferred is None:
-        return 0
-    if options.offload_device == "disk":
-        apart = {p for params in block_params for p in params}
-    else:
-        apart = {p for params in block_params for p in frozen_matrices(params)} if options.quantize_frozen else set()
-    return deferred.pending_bytes(t for t in [*model.parameters(), *model.buffers()] if t not in apart)
 
 
 def build_tier(

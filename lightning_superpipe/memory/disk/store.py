@@ -251,17 +251,12 @@ class DiskStore(GradientSpills, BlockSteps):
         them, or where they exceed a buffer, the byte range ``chunk`` of :meth:`master_chunks` (its
         :meth:`MasterLease.flat` is that range of the flat masters)."""
         record = self._current(index)
-        entries = record.masters()
         chunks = self._master_chunks(index)
-        if len(chunks) > 1:
-            start, end = chunks[chunk]
-            buffer = self.pool.acquire(end - start)
-            future = self.files.read(self._slot_path(index, record.slot), buffer, end - start, offset=start)
-            return MasterLease(self.pool, buffer, future, [], self.clock)
-        nbytes = page_rounded(max(max((e.offset + e.nbytes for e in entries), default=0), 1))
-        buffer = self.pool.acquire(nbytes)
-        future = self.files.read(self._slot_path(index, record.slot), buffer, nbytes)
-        return MasterLease(self.pool, buffer, future, entries, self.clock)
+        start, end = chunks[chunk]
+        buffer = self.pool.acquire(end - start)
+        future = self.files.read(self._slot_path(index, record.slot), buffer, end - start, offset=start)
+        # A lease of the whole masters region views each of them by name; one of a range, only the flat bytes.
+        return MasterLease(self.pool, buffer, future, record.masters() if len(chunks) == 1 else [], self.clock)
 
     def master_chunks(self, index: int) -> list[tuple[int, int]]:
         """Block ``index``'s masters region as byte ranges each a pool buffer holds (one range where it holds them
