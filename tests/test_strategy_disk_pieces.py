@@ -62,9 +62,9 @@ pytestmark = pytest.mark.usefixtures("small_pool")
 
 
 @pytest.mark.usefixtures("emulated_link")
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_clipping_accumulation_and_the_pipelined_step_in_pieces(tmp_path: Path, family: str) -> None:
-    whole.test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_path, family)
+def test_clipping_accumulation_and_the_pipelined_step_in_pieces(tmp_path: Path) -> None:
+    # gpt2 (Conv1D matrices, biases): the other tests here stream llama in pieces; the suite's time is bounded.
+    whole.test_clipping_and_accumulation_spill_and_equal_the_host_tier_bitwise(tmp_path, "gpt2")
 
 
 @pytest.mark.usefixtures("emulated_link")
