@@ -20,17 +20,22 @@ torch.set_num_threads(1)
 
 
 _EMULATED_MODES = ("lazy", "thread")
-# `SUPERPIPE_TEST_LINKS=one` runs each case on one emulated mode only: half the emulated time, a quarter of a serial
-# run here (the dropped cases took 197 of 787 s), for quick runs on one core.
-_ALL_LINKS = os.environ.get("SUPERPIPE_TEST_LINKS", "all").lower() != "one"
+# By default each case runs on one emulated mode (alternating through a function's cases, so every function with two
+# or more cases meets both): the second mode took a quarter of the suite's time (197 of 787 s serially) and finds the
+# same ordering bugs through the checker. `SUPERPIPE_TEST_LINKS=all` runs every case on both, before a release or
+# after a change to the engine's ordering.
+_LINKS = os.environ.get("SUPERPIPE_TEST_LINKS", "one").lower()
+if _LINKS not in ("one", "all"):
+    raise pytest.UsageError(f"SUPERPIPE_TEST_LINKS={_LINKS!r}: use 'one' (the default) or 'all'")
+_ALL_LINKS = _LINKS == "all"
 
 
 @pytest.fixture(params=["cpu", *_EMULATED_MODES])
 def emulated_link(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test on the plain CPU link and on the emulated asynchronous link, so that the engine's CUDA code paths
     (deferred copies, events, staging, the gradient worker) and the happens-before checker see every streaming test.
-    Strategies the test builds without a `link=` get the emulated one. Each case runs on both emulated modes, or
-    with `SUPERPIPE_TEST_LINKS=one` on one of them (see `pytest_collection_modifyitems`)."""
+    Strategies the test builds without a `link=` get the emulated one. Each case runs on one of the emulated modes,
+    or with `SUPERPIPE_TEST_LINKS=all` on both (see `pytest_collection_modifyitems`)."""
     if request.param != "cpu":
         original = SuperpipeStrategy.__init__
 
@@ -80,7 +85,7 @@ _LONGEST_FIRST = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Puts the files of :data:`_LONGEST_FIRST` first, in that order (each file's tests in their own order).
 
-    With `SUPERPIPE_TEST_LINKS=one`, keeps each case of an `emulated_link` test on the CPU link and on one
+    Unless `SUPERPIPE_TEST_LINKS=all`, keeps each case of an `emulated_link` test on the CPU link and on one
     emulated mode. The two modes find the same ordering bugs through the checker (which tracks events, not timing);
     `lazy` also runs every copy as late as possible and `thread` runs them concurrently, so each test function still
     meets both across its cases."""
@@ -109,5 +114,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_report_header(config: pytest.Config) -> str:
     return "emulated link: " + (
-        "every case on both modes (SUPERPIPE_TEST_LINKS=one: one each)" if _ALL_LINKS else "each case on one mode"
+        "every case on both modes" if _ALL_LINKS else "each case on one mode (SUPERPIPE_TEST_LINKS=all: both)"
     )
