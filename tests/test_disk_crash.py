@@ -136,7 +136,10 @@ def test_a_checkpoint_sharing_inodes_with_the_live_files_would_be_caught(
 ) -> None:
     """The seeded bug: the store rewrites a hard-linked slot in place instead of replacing it, so the steps after a
     checkpoint write into its copy. The chain's check (resume from the checkpoint after the live folder moved on)
-    must see it."""
+    must see it. On whole blocks only: the bug is in the slot files, which both pools write alike, and the chain
+    above runs on both."""
+    if pool is POOLS["pieces"]:
+        pytest.skip("the seeded bug is in the slot files both pools share: one pool shows that the check sees it")
     reference, _ = uninterrupted
     tier, checkpoints = tmp_path / "tier", tmp_path / "checkpoints"
     config = dict(tier=str(tier), checkpoints=str(checkpoints), losses=str(tmp_path / "killed.txt"),
