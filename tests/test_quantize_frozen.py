@@ -153,6 +153,22 @@ def mixed(width: int = 64) -> nn.Module:
                          nn.Linear(width, 3))
 
 
+def test_the_disk_tier_keeps_the_4bit_base_in_its_files_bitwise_as_the_host_tier(
+    emulated_link: str, tmp_path: Path
+) -> None:
+    """``quantize_frozen`` with ``offload_device="disk"``: the frozen matrices' 4-bit bytes in the tier's read-only
+    files, the adapters and norms in its records; losses and weights (the base given back after the run, dequantized
+    from the files) equal the host tier's bit for bit."""
+    host = fit_lm(lambda: lora("llama"), SuperpipeStrategy(quantize_frozen="nf4"))
+    strategy = SuperpipeStrategy(quantize_frozen="nf4", offload_device="disk", offload_path=tmp_path)
+    disk = fit_lm(lambda: lora("llama"), strategy)
+    assert disk.losses == host.losses
+    assert differences(disk, host) == []
+    report = strategy.memory_report()
+    assert report["frozen_disk_bytes"] == report["packed_weight_bytes"] == sum(
+        (tmp_path / f"frozen{i:05d}.bin").stat().st_size for i in range(2))
+
+
 def test_a_custom_module_with_frozen_matrices_trains_in_4bit() -> None:
     """Frozen matrices used through ``F.linear`` and ``@`` are quantized, and train bitwise as plain Lightning's round
     trip (with the double quantization of ``"fp4-dq"``)."""
@@ -222,15 +238,25 @@ def test_the_loss_is_within_half_a_percent_of_bitsandbytes_qlora(tmp_path: Path)
     assert abs(last(knob) - last(qlora)) <= 0.005 * last(qlora), (knob.losses, qlora.losses)
 
 
-def test_a_checkpoint_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
-    """A ``.ckpt`` of the first epoch holds the adapters' optimizer state and the frozen base's dequantized values
-    (plain Lightning's checkpoint of the rounded model); ``fit(ckpt_path=...)`` continues as the run never stopped
-    (the values quantize to themselves). One written after ``fit`` holds the same values."""
+@pytest.mark.parametrize("offload_device", ["cpu", "disk"])
+def test_a_checkpoint_resumes_as_the_uninterrupted_run(tmp_path: Path, offload_device: str) -> None:
+    """A ``.ckpt`` of the first epoch holds the adapters' optimizer state and, on the host tier, the frozen base's
+    dequantized values (plain Lightning's checkpoint of the rounded model); on the disk tier none of the base (it is
+    no trainable state: the resumed run quantizes the model's values into its files again). ``fit(ckpt_path=...)``
+    continues as the run never stopped (the values quantize to themselves). One written after ``fit`` holds the same
+    values."""
     def make() -> tasks.Task:
         return tasks.Task(lambda: lora("qwen2"), "causal_lm", lr=1e-2, schedule=False, loss=families.hf_loss)
 
-    runs = tasks.resume_after_an_epoch(make, lambda: SuperpipeStrategy(quantize_frozen="nf4"), tmp_path)
-    assert all(torch.isfinite(value).all() for value in runs["checkpoint"]["state_dict"].values())
+    tier = dict(offload_device="disk", offload_path=tmp_path / "tier") if offload_device == "disk" else {}
+    (tmp_path / "tier").mkdir()
+    runs = tasks.resume_after_an_epoch(make, lambda: SuperpipeStrategy(quantize_frozen="nf4", **tier), tmp_path,
+                                       blocks_in_files=bool(tier))
+    state = runs["checkpoint"]["state_dict"]
+    assert all(torch.isfinite(value).all() for value in state.values())
+    frozen = [name for name, p in runs["first"].named_parameters() if ".layers." in name and not p.requires_grad
+              and p.dim() >= 2]
+    assert all((name in state) is (offload_device == "cpu") for name in frozen)
     assert runs["resumed"].losses == runs["whole"].losses[4:]
     assert differences(runs["resumed"], runs["whole"]) == []
 
@@ -239,7 +265,6 @@ def test_a_checkpoint_resumes_as_the_uninterrupted_run(tmp_path: Path) -> None:
     ("options", "match"),
     [
         (dict(quantize_frozen="int4"), r"quantize_frozen='int4'\) must be 'nf4', 'nf4-dq', 'fp4' or 'fp4-dq'"),
-        (dict(quantize_frozen="nf4", offload_device="disk", offload_path="."), r"disk tier does not store 4-bit"),
     ],
 )
 def test_bad_values_fail_where_the_strategy_is_made(options: dict[str, Any], match: str) -> None:

@@ -18,7 +18,7 @@ quantize to themselves); with ``"-dq"`` the scales' own 8-bit rounding may move 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
@@ -93,10 +93,13 @@ class FrozenQuantization:
         mode: ``quantize_frozen``'s value.
         transfer_dtype: The dtype the blocks' weights compute in on the device (``None``: each one's own).
         deferred: The init calls ``configure_model`` recorded, if any.
+        written: Called with each block's index and parameters once its matrices are quantized (the disk tier writes
+            them to its files then, so that host memory holds one block's 4-bit matrices at a time).
     """
 
     def __init__(self, model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: str,
-                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None) -> None:
+                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                 written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None) -> None:
         self.params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
         self._kept_before: set[nn.Parameter] = set()  # kept in 4 bits by an earlier run, which hooked them
@@ -105,9 +108,11 @@ class FrozenQuantization:
         self._originals: dict[nn.Parameter, Tensor] = {}
         names = {param: name for name, param in model.named_parameters()}
         try:
-            for params in block_params:
+            for index, params in enumerate(block_params):
                 for param in frozen_matrices(params):
                     self._quantize(names.get(param, ""), param, mode, transfer_dtype or param.dtype, deferred)
+                if written is not None:
+                    written(index, params)
         except BaseException:
             self.detach()  # the model as it was
             raise
@@ -173,10 +178,11 @@ class FrozenQuantization:
 
 
 def quantize_frozen(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: Optional[str],
-                    transfer_dtype: Optional[torch.dtype],
-                    deferred: Optional[DeferredInit] = None) -> Optional[FrozenQuantization]:
+                    transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                    written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None,
+                    ) -> Optional[FrozenQuantization]:
     """The run's :class:`FrozenQuantization`, or ``None`` when ``mode`` (``quantize_frozen``) is ``None``."""
-    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype, deferred)
+    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype, deferred, written)
 
 
 @contextmanager
