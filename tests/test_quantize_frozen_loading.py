@@ -156,7 +156,9 @@ def test_under_the_disk_tier_each_block_goes_to_its_file_as_it_is_quantized(
 ) -> None:
     """With ``offload_device="disk"`` each block's frozen matrices are written to its read-only file once quantized,
     before the next block's are read (host memory holds one block's 4-bit matrices at a time), and the run trains as
-    plain Lightning on the round trip, bitwise; after it the matrices stay in 4 bits, mapped from their files."""
+    plain Lightning on the round trip (the host tier's run, :func:`test_each_frozen_matrix_is_quantized_from_values_
+    read_apart_and_trains_as_plain_lightning`), bitwise; after it the matrices stay in 4 bits, mapped from their
+    files."""
     from lightning_superpipe.memory.disk_frozen import FrozenFiles
 
     written: list[tuple[int, int]] = []  # (block, 4-bit matrices of the model when it was written)
