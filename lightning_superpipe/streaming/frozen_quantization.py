@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.memory.frozen4bit import quantize, quantized_format, restore
-from lightning_superpipe.memory.packed import PACKED_ATTR, packed_format
+from lightning_superpipe.memory.packed import PACKED_ATTR, packed_entries_are_left_out, packed_format
 from lightning_superpipe.streaming.activations import per_block_modes
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.options import SuperpipeOptions
@@ -199,7 +199,10 @@ def given_back_on_error(frozen: Optional[FrozenQuantization]) -> Iterator[None]:
 def _dequantized_entries(names: list[str], module: nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
     """Puts the dequantized values of ``module``'s quantized parameters ``names`` into ``state_dict`` in place of
-    their placeholders (``state_dict(keep_vars=True)`` asks for the parameters themselves: they stay)."""
+    their placeholders (``state_dict(keep_vars=True)`` asks for the parameters themselves: they stay; so do all of
+    them where the caller leaves them out, :func:`~lightning_superpipe.memory.packed.packed_entries_left_out`)."""
+    if packed_entries_are_left_out():
+        return
     for name in names:
         param, key = module._parameters.get(name), prefix + name
         format = quantized_format(param) if param is not None else None

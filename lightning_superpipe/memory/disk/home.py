@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.home import DeviceLayout, Event, Link, ParamSlice
-from lightning_superpipe.memory.packed import PackedSlice
+from lightning_superpipe.memory.packed import PackedSlice, trainable_pieces
 
 if TYPE_CHECKING:
     from lightning_superpipe.memory.disk_homes import DiskTier
@@ -58,7 +58,8 @@ class DiskHome:
 
     @property
     def trainable(self) -> list[ParamSlice]:
-        return [piece for piece in self.slices if piece.param.requires_grad]
+        """The pieces whose parameters require gradients now (refusing a packed weight unfrozen during the run)."""
+        return trainable_pieces(self.slices)
 
     @property
     def transfer_bytes(self) -> int:
