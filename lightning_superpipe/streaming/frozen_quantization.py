@@ -29,7 +29,6 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.memory.frozen4bit import quantize, quantized_format, restore
 from lightning_superpipe.memory.packed import PACKED_ATTR, packed_entries_are_left_out, packed_format
-from lightning_superpipe.streaming.activations import per_block_modes
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
@@ -44,7 +43,8 @@ def frozen_matrices(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
 
 def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]]) -> None:
     """Refuses, before anything is allocated, what ``quantize_frozen`` does not support: a model already in 4 bits,
-    and activations other than recomputed for the blocks it quantizes (pinned when a budget is planned).
+    and a budget planned without pinning the activations. (Blocks that keep or offload their activations save their
+    dense dequantized matrices as handles, dequantized again in backward: :mod:`.activations`.)
 
     Raises:
         QuantizedLayerError: With the user's call and what to do.
@@ -60,22 +60,11 @@ def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_par
             f"{call}: the model holds bitsandbytes 4-bit weights already (`{packed}`): its frozen base is 4-bit, and"
             " the strategy streams it in that form. quantize_frozen is for a model in full precision: leave it out."
         )
-    why = ("a block computes with its frozen matrices dequantized into tensors of their own, which the strategy cannot"
-           " fetch again in backward as it fetches the views of a block's streamed bytes: kept, they would stay on"
-           " the device until backward")
     if options.activations is None and options.memory_budget is not None:
         raise QuantizedLayerError(
-            f"SuperpipeStrategy(quantize_frozen={mode!r}, memory_budget={options.memory_budget!r}): {why}, so their"
-            " blocks must recompute in backward, and the planner may choose to keep activations. Pin it:"
-            " `activations='recompute'`."
-        )
-    modes = per_block_modes(options.activations or "recompute", len(block_params))
-    kept = [i for i, params in enumerate(block_params) if modes[i] != "recompute" and frozen_matrices(params)]
-    if kept:
-        raise QuantizedLayerError(
-            f"SuperpipeStrategy(quantize_frozen={mode!r}, activations={options.activations!r}): block {kept[0]} would"
-            f" keep its activations ({modes[kept[0]]!r}), but {why}. Use activations='recompute' (the default) for"
-            " the blocks with frozen matrices."
+            f"SuperpipeStrategy(quantize_frozen={mode!r}, memory_budget={options.memory_budget!r}): the planner does"
+            " not count yet the frozen matrices a block that keeps its activations dequantizes again in backward."
+            " Pin the activations: `activations='recompute'` (or 'keep', 'offload')."
         )
 
 
