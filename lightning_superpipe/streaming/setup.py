@@ -128,10 +128,9 @@ def start_streaming(
     check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
                     ahead + 1, model, deferred)
     packed = {p for params in block_params for p in params if packed_format(p) and not quantized_format(p)}
-    # With the disk tier, a 4-bit base goes to read-only files of its own, each block's as soon as it is quantized.
     files = frozen_files(options, block_params, transfer_dtype, rank, ranks) if disk else None
     # Once nothing but building the homes can refuse the run; given back if that fails. Before the rest of a deferred
-    # init is run in place, so that its frozen matrices are quantized from values made apart from them.
+    # init runs in place: frozen matrices quantized from values made apart (the disk tier's files: block by block).
     frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype, deferred,
                              files.write_block if files is not None else None)
     with given_back_on_error(frozen):
