@@ -12,6 +12,10 @@ strategy).
 3. Reports each peak against the full-precision weights' bytes, and the peak minus the trunk's bytes (embedding, head
    and norms: they stay in their dtype) against them. Target for ``configure_model``: at most 0.35x plus the trunk.
 
+``--ways`` picks the ways (default ``configure_model,from_pretrained``); a way with ``:disk``
+(``configure_model:disk``) trains with ``offload_device="disk"`` in a temporary folder, where the 4-bit base lives in
+the tier's read-only files: the report adds those files' bytes against the weights'.
+
 Writes ``results.json`` and ``report.md`` to ``--out`` (default ``benchmarks/results/qlora_load/``) and prints the
 report.
 
@@ -19,6 +23,7 @@ Usage::
 
     python benchmarks/bench_qlora_load.py                    # CPU, bf16 checkpoint of 0.45 GB, about 3 minutes
     python benchmarks/bench_qlora_load.py --layers 2 --hidden 512 --steps 1 --out /tmp/q   # smoke test
+    python benchmarks/bench_qlora_load.py --ways configure_model,configure_model:disk   # the host vs the disk tier
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
     from lightning_superpipe import SuperpipeStrategy, load_safetensors
 
     torch_dtype = getattr(torch, DTYPES[dtype])
+    loading, _, tier = way.partition(":")
+    offload = tempfile.TemporaryDirectory(prefix="superpipe-qlora-tier-") if tier == "disk" else None
     with open("/proc/self/clear_refs", "w") as refs:  # the peak resident set starts again from here
         refs.write("5")
     base_rss = _status("VmRSS")
@@ -68,7 +75,7 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
         def __init__(self) -> None:
             super().__init__()
             self.model: Any = None
-            if way == "from_pretrained":
+            if loading == "from_pretrained":
                 self.model = self._adapted(AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype))
             self.losses: list[float] = []
 
@@ -111,7 +118,8 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     data = DataLoader(torch.randint(0, vocab, (steps, seq)), batch_size=1)
     peaks, module = Peaks(), LoRA()
-    strategy = SuperpipeStrategy(quantize_frozen="nf4")
+    disk = {} if offload is None else dict(offload_device="disk", offload_path=offload.name)
+    strategy = SuperpipeStrategy(quantize_frozen="nf4", **disk)
     trainer = pl.Trainer(accelerator="cpu", strategy=strategy, precision=PRECISIONS[dtype], max_steps=steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[peaks])
@@ -131,6 +139,7 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
         "losses": module.losses,
         "step_seconds": [b - a for a, b in zip(peaks.times, [*peaks.times[1:], ended])],
         "fit_seconds": ended - started,
+        "frozen_disk_bytes": report.get("frozen_disk_bytes"),
     }
 
 
@@ -186,8 +195,13 @@ def report(results: dict[str, Any]) -> str:
             f" | {gib(run['device_at_start_bytes'])} / {gib(run['peak_device_bytes'])}"
             f" | {gib(run['report']['host_bytes'])} | {loading:.3f} | {training:.3f} | {sum(steps) / len(steps):.2f} |"
         )
-    same = runs[0]["losses"] == runs[1]["losses"] if len(runs) == 2 else None
-    lines += ["", f"Losses of the two ways bitwise equal: {same}."]
+    same = all(run["losses"] == runs[0]["losses"] for run in runs)
+    lines += ["", f"Losses of the {len(runs)} ways bitwise equal: {same}."]
+    for run in runs:
+        if run.get("frozen_disk_bytes") is not None:
+            lines.append(f"{run['way']}: the 4-bit base's files {gib(run['frozen_disk_bytes'])},"
+                         f" {run['frozen_disk_bytes'] / sizes['block_matrix_bytes']:.3f}x of the blocks' matrices"
+                         f" ({results['args']['dtype']}).")
     return "\n".join(lines)
 
 
@@ -201,7 +215,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qlora_load")
-    parser.add_argument("--child", choices=["configure_model", "from_pretrained"], help=argparse.SUPPRESS)
+    parser.add_argument("--ways", default="configure_model,from_pretrained")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -210,7 +225,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="superpipe-qlora-load-") as folder:
         sizes = save_model(Path(folder), args)
         runs = []
-        for way in ("configure_model", "from_pretrained"):
+        for way in args.ways.split(","):
             command = [sys.executable, __file__, "--child", way, "--folder", folder, "--dtype", args.dtype,
                        "--steps", str(args.steps), "--seq", str(args.seq)]
             done = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -149,3 +149,32 @@ def test_the_host_memory_check_counts_the_base_in_4_bits(tmp_path: Path, monkeyp
     task = SavedLoRA(saved)
     with pytest.raises((HostMemoryError, MisconfigurationException), match=r"needs about .* more host memory"):
         fit(task, SuperpipeStrategy(quantize_frozen="nf4"), steps=1)
+
+
+def test_under_the_disk_tier_each_block_goes_to_its_file_as_it_is_quantized(
+    emulated_link: str, saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``offload_device="disk"`` each block's frozen matrices are written to its read-only file once quantized,
+    before the next block's are read (host memory holds one block's 4-bit matrices at a time), and the run trains as
+    plain Lightning on the round trip (the host tier's run, :func:`test_each_frozen_matrix_is_quantized_from_values_
+    read_apart_and_trains_as_plain_lightning`), bitwise; after it the matrices stay in 4 bits, mapped from their
+    files."""
+    from lightning_superpipe.memory.disk_frozen import FrozenFiles
+
+    written: list[tuple[int, int]] = []  # (block, 4-bit matrices of the model when it was written)
+    write = FrozenFiles.write_block
+
+    def counted(self: FrozenFiles, index: int, params: Any) -> None:
+        model = task.model
+        written.append((index, sum(quantized_format(p) is not None for _, p in frozen(model))))
+        write(self, index, params)
+
+    monkeypatch.setattr(FrozenFiles, "write_block", counted)
+    plain = fit(SavedLoRA(saved, round=True), "auto")
+    task = SavedLoRA(saved)
+    streamed = fit(task, SuperpipeStrategy(quantize_frozen="nf4", offload_device="disk", offload_path=tmp_path))
+    assert streamed.losses == plain.losses
+    assert tasks.state_differences(streamed, plain) == []
+    per_block = len(frozen(streamed.model)) // 2
+    assert written == [(0, per_block), (1, 2 * per_block)]
+    assert all(quantized_format(p) is not None and quantized_format(p).kept for _, p in frozen(streamed.model))

@@ -48,8 +48,10 @@ from lightning_superpipe.memory.disk import (
     limit_heap_retention,
 )
 from lightning_superpipe.memory.disk.home import DiskHome
+from lightning_superpipe.memory.disk_frozen import FrozenFiles
 from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
 from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
+from lightning_superpipe.memory.packed import split_packed
 
 #: Blocks whose masters are read ahead beyond the device slots.
 READ_AHEAD = 2
@@ -70,6 +72,7 @@ class DiskTier(Homes):
         block_params: Each block's streamed parameters, in block order (as the store holds them).
         transfer_dtype: The dtype the weights travel in (``None``: the masters').
         state_names: The state-dict keys of the block parameters (tied aliases included).
+        frozen: The blocks' frozen packed weights (a 4-bit base), written to their read-only files already.
     """
 
     def __init__(
@@ -78,17 +81,24 @@ class DiskTier(Homes):
         block_params: Sequence[Sequence[nn.Parameter]],
         transfer_dtype: Optional[torch.dtype],
         state_names: set[str],
+        frozen: Optional[FrozenFiles] = None,
     ) -> None:
         homes: list[Optional[DiskHome]] = []
         for index, params in enumerate(block_params):
-            if not params:
+            if not (params or (frozen is not None and frozen.numel(index))):
                 homes.append(None)
                 continue
             entries = store.master_entries(index)
-            end = max(e.offset + _entry_aligned(e.nbytes) for e in entries)
-            homes.append(DiskHome(index, params, [e.offset for e in entries], end, transfer_dtype or params[0].dtype,
-                                  self))
+            end = max((e.offset + _entry_aligned(e.nbytes) for e in entries), default=0)
+            dtype = transfer_dtype or (params[0].dtype if params else torch.float32)
+            start = end // (params[0].dtype if params else dtype).itemsize  # the masters' elements
+            packed = frozen.slices(index, start) if frozen is not None else []
+            homes.append(DiskHome(index, params, [e.offset for e in entries], end, dtype, self, packed))
         super().__init__(homes)
+        self.frozen = frozen
+        #: The state-dict keys of the frozen packed weights (in ``state_names`` too): a checkpoint holds none of them,
+        #: nor their quantization state (bitsandbytes' ``<name>.absmax``, ...).
+        self.frozen_names: set[str] = set()
         self.store = store
         self.state_names = state_names
         #: Each block parameter's block and position in it (as the store lists them).
@@ -126,16 +136,21 @@ class DiskTier(Homes):
         slots: int,
         resume: Optional[Path] = None,
         deferred: Optional[InitialValues] = None,
+        frozen: Optional[FrozenFiles] = None,
     ) -> DiskTier:
         """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
         their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them); ``deferred``
         holds the init calls still to run for the blocks' parameters, each block's run into fresh tensors as it
-        is written.
+        is written. The blocks' packed weights (a 4-bit base) go to ``frozen``'s read-only files, not to the store
+        (those of blocks ``frozen`` holds already are not written again).
 
         Raises:
             DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
         """
         limit_heap_retention()  # else glibc keeps freed block-sized buffers and gradients resident
+        if frozen is not None:  # the 4-bit base: once, into read-only files of its own (a step never writes them)
+            frozen.write_missing(block_params)
+        block_params = [split_packed(params)[0] for params in block_params]
         blocks = [{names[p]: p for p in params} for params in block_params]
         options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
                        read_ahead=slots + READ_AHEAD, min_buffers=2)
@@ -145,7 +160,7 @@ class DiskTier(Homes):
             initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
             store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
         try:  # the store's pool holds two buffers at least (one read ahead, one for a spill or step)
-            return cls(store, block_params, transfer_dtype, state_names)
+            return cls(store, block_params, transfer_dtype, state_names, frozen)
         except BaseException:
             _unpark(store)
             store.close()
@@ -164,16 +179,26 @@ class DiskTier(Homes):
         self.overlap = overlap
         overlap.step_block = self._step_block
         casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
-        numel = max((h.numel for h in casts), default=0)
+        numel = max((h.master_numel for h in casts), default=0)  # the frozen weights travel as they are
         self.reads.attach(link, arena, numel, casts[0].transfer_dtype if casts else None, slots)
+        if self.frozen is not None:
+            self.frozen.attach(link, arena, slots)
 
     # ------------------------------------------------------------------ streaming
 
     def copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
-        """Copies block ``index``'s masters (cast to the transfer dtype) into the device buffer ``dst``."""
+        """Copies block ``index``'s masters (cast to the transfer dtype) into the device buffer ``dst``, then its frozen
+        packed weights, read from their file, after them (the link runs copies in order: the last event covers
+        both)."""
         home = self.homes[index]
         assert home is not None
-        return self.reads.copy_in(dst, index, home.numel, home.master_dtype, home.transfer_dtype, after, what)
+        masters, done = home.master_numel, after
+        if masters:
+            done = self.reads.copy_in(dst[:masters], index, masters, home.master_dtype, home.transfer_dtype, after,
+                                      what)
+        if self.frozen is None or home.numel == masters:
+            return done
+        return self.frozen.copy_in(dst[masters : home.numel], index, after, what)
 
     def read_ahead(self, indices: Iterable[int]) -> None:
         """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
@@ -519,6 +544,7 @@ class DiskTier(Homes):
             "disk_bytes_written": self.store.bytes_written,
             "disk_fused_reads": self.reads.fused_reads,
             "disk_seconds": self.store.io_seconds(),
+            **(self.frozen.memory_report() if self.frozen is not None else {}),
         }
 
     def close(self) -> None:
@@ -532,6 +558,8 @@ class DiskTier(Homes):
         self._mapped = {}
         self.reads.release_all()
         self.store.pool.close()
+        if self.frozen is not None:
+            self.frozen.close()
         try:
             _unpark(self.store)
         finally:

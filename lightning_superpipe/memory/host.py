@@ -38,7 +38,14 @@ from lightning_superpipe.memory.host_memory import (
     rss_bytes,
     shared_rss_bytes,
 )
-from lightning_superpipe.memory.packed import PackedFormat, PackedSlice, packed_bytes, packed_slice, split_packed
+from lightning_superpipe.memory.packed import (
+    PackedFormat,
+    PackedSlice,
+    packed_bytes,
+    packed_slice,
+    split_packed,
+    trainable_pieces,
+)
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
 
 __all__ = [  # what other modules import from here, the layout types and host-memory checks included
@@ -226,16 +233,7 @@ class BlockHome:
         Raises:
             RuntimeError: A packed weight requires gradients (unfrozen during the run): it streams as 4-bit bytes.
         """
-        pieces = [piece for piece in self.slices if piece.param.requires_grad]
-        packed = next((piece for piece in pieces if isinstance(piece, PackedSlice)), None)
-        if packed is not None:
-            raise RuntimeError(
-                f"A streamed {packed.format.name if packed.format else 'packed'} weight of shape {tuple(packed.shape)}"
-                " was set to require gradients during the run; SuperpipeStrategy streams it as the frozen 4-bit bytes"
-                " it set up with. Choose what trains before `Trainer.fit` (quantize_frozen quantizes only what is"
-                " frozen then)."
-            )
-        return pieces
+        return trainable_pieces(self.slices)
 
     @property
     def transfer_dtype(self) -> torch.dtype:

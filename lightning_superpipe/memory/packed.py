@@ -20,7 +20,9 @@ may dequantize into a dense tensor (:meth:`PackedFormat.materialized_bytes` says
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -129,6 +131,27 @@ class PackedSlice(ParamSlice):
 PACKED_ATTR = "_superpipe_packed"
 
 
+#: Whether a state dict being taken leaves the packed weights' entries as they are (no copies, no dequantized values):
+#: the disk tier's ``.ckpt``, which drops them (its 4-bit base lives in read-only files, and is no trainable state).
+_ENTRIES_LEFT_OUT: ContextVar[bool] = ContextVar("superpipe_packed_entries_left_out", default=False)
+
+
+@contextmanager
+def packed_entries_left_out() -> Iterator[None]:
+    """Within it, the state-dict hooks of packed weights (copies of bitsandbytes' entries, ``quantize_frozen``'s
+    dequantized values) leave the entries as they are, costing no host memory: the caller drops them."""
+    token = _ENTRIES_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _ENTRIES_LEFT_OUT.reset(token)
+
+
+def packed_entries_are_left_out() -> bool:
+    """Whether a state dict taken now leaves the packed weights' entries out (:func:`packed_entries_left_out`)."""
+    return _ENTRIES_LEFT_OUT.get()
+
+
 def packed_format(param: nn.Parameter) -> Optional[PackedFormat]:
     """The format of ``param`` if it is a packed weight that streams as bytes, else ``None``."""
     own = getattr(param, PACKED_ATTR, None)
@@ -139,6 +162,24 @@ def packed_format(param: nn.Parameter) -> Optional[PackedFormat]:
 
         return BNB_4BIT if is_params4bit(param) else None
     return None
+
+
+def trainable_pieces(slices: Sequence[ParamSlice]) -> list[ParamSlice]:
+    """The pieces of ``slices`` whose parameters require gradients now (the flag may change between steps).
+
+    Raises:
+        RuntimeError: A packed weight requires gradients (unfrozen during the run): it streams as 4-bit bytes.
+    """
+    pieces = [piece for piece in slices if piece.param.requires_grad]
+    packed = next((piece for piece in pieces if isinstance(piece, PackedSlice)), None)
+    if packed is not None:
+        raise RuntimeError(
+            f"A streamed {packed.format.name if packed.format else 'packed'} weight of shape {tuple(packed.shape)}"
+            " was set to require gradients during the run; SuperpipeStrategy streams it as the frozen 4-bit bytes"
+            " it set up with. Choose what trains before `Trainer.fit` (quantize_frozen quantizes only what is"
+            " frozen then)."
+        )
+    return pieces
 
 
 def packed_slice(param: nn.Parameter, format: PackedFormat, offset: int, itemsize: int) -> PackedSlice:

@@ -76,6 +76,17 @@ class _WeightView:
         self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
 
 
+class _Rebuilt:
+    """A saved dense weight dequantized from a packed one (``quantize_frozen``), or a view of it: made again in
+    backward from block ``index``'s weight buffer, wherever the block is then, by dequantizing ``piece`` again."""
+
+    __slots__ = ("index", "piece", "size", "stride", "offset")
+
+    def __init__(self, index: int, piece: Any, tensor: Tensor) -> None:
+        self.index, self.piece = index, piece
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
 class _Kept:
     """A saved activation left on the device, counted in the ledger while autograd holds it."""
 
@@ -131,8 +142,12 @@ class ActivationPlacement:
 
     def pack(self, index: int, offload: bool, tensor: Tensor) -> Any:
         if not self.is_activation(index, tensor):
-            if index in self.engine.resident_indices or self.engine.is_persistent(tensor.untyped_storage().data_ptr()):
+            address = tensor.untyped_storage().data_ptr()
+            if index in self.engine.resident_indices or self.engine.is_persistent(address):
                 return tensor  # resident weights, the trunk's copies: they outlive the step, nothing to free or fetch
+            piece = self.engine.materialized.piece_of(address)
+            if piece is not None:  # not in the weight buffer: dequantized from it, and dequantized again in backward
+                return _Rebuilt(index, piece, tensor)
             return _WeightView(index, tensor)
         if offload and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
             return self._offload(index, tensor)
@@ -144,6 +159,9 @@ class ActivationPlacement:
         if isinstance(packed, _WeightView):
             flat = self.engine.weights_again(packed.index)
             return flat.as_strided(packed.size, packed.stride, packed.offset)
+        if isinstance(packed, _Rebuilt):
+            dense = self.engine.materialized.rebuilt(packed.piece, self.engine.weights_again(packed.index))
+            return dense.as_strided(packed.size, packed.stride, packed.offset)
         if isinstance(packed, _Kept):
             return packed.tensor
         if isinstance(packed, _Offloaded):

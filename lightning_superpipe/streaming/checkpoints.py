@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.memory.packed import packed_entries_left_out
 from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -35,10 +36,12 @@ def tier_files_beside(engine: Optional[StreamingEngine], checkpoint: dict[str, A
 @contextmanager
 def blocks_left_to_files(engine: Optional[StreamingEngine]) -> Iterator[None]:
     """Around the state dict of a ``.ckpt``: under the disk tier its blocks' entries are dropped for the files
-    linked beside it (:meth:`~.disk_tier.DiskTier.placeholders_in_state_dict`)."""
+    linked beside it (:meth:`~.disk_tier.DiskTier.placeholders_in_state_dict`), and those of a 4-bit base, in the
+    tier's read-only files, are neither copied nor dequantized (the ``.ckpt`` holds none of them)."""
     tier = disk_tier.disk_tier_of(engine)
     with tier.placeholders_in_state_dict() if tier is not None else nullcontext():
-        yield
+        with packed_entries_left_out() if tier is not None else nullcontext():
+            yield
 
 
 def load_model_state(

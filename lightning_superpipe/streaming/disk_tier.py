@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 DISK_KEY = "superpipe_disk_tier"
 #: The key, in a checkpoint's manifest, of the subfolder beside the ``.ckpt`` that holds that save's files.
 SNAPSHOT_KEY = "snapshot"
+#: The key, in a checkpoint's manifest, of the frozen packed weights' names (not in the ``.ckpt``, nor in the files).
+FROZEN_KEY = "frozen"
 
 __all__ = [  # the tier itself is a kind of home (memory/); what Lightning sees of it is here
     "DISK_KEY",
@@ -256,10 +258,12 @@ def add_to_checkpoint(tier: DiskTier, checkpoint: dict[str, Any], ckpt_path: Uni
     folder = checkpoint_folder(ckpt_path)
     name = f"step-{tier.store.step_count:09d}-{time.time_ns():x}"
     manifest = tier.store.snapshot(folder / name)
-    checkpoint[DISK_KEY] = {**manifest, SNAPSHOT_KEY: name}
+    checkpoint[DISK_KEY] = {**manifest, SNAPSHOT_KEY: name, FROZEN_KEY: sorted(tier.frozen_names)}
     state = checkpoint.get("state_dict")
-    if state is not None:
-        checkpoint["state_dict"] = type(state)((k, v) for k, v in state.items() if k not in tier.state_names)
+    if state is not None:  # nor the frozen 4-bit base, nor its quantization state: the run writes them at set-up
+        frozen = tuple(f"{name}." for name in tier.frozen_names)
+        checkpoint["state_dict"] = type(state)((k, v) for k, v in state.items()
+                                               if k not in tier.state_names and not k.startswith(frozen))
 
 def checkpoint_saved(checkpoint: Mapping[str, Any], ckpt_path: Union[str, os.PathLike[str]]) -> None:
     """After the ``.ckpt`` is written: removes the other subfolders beside it (older saves under the same name,
@@ -355,6 +359,7 @@ def load_state_dict(module: nn.Module, checkpoint: Mapping[str, Any], strict: bo
             " blocks stream."
         )
     blocks = {name for block in checkpoint[DISK_KEY]["names"] for name in block}
+    blocks.update(checkpoint[DISK_KEY].get(FROZEN_KEY, []))  # a 4-bit base: written again from the model at set-up
     missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
     missing = [key for key in missing if key not in blocks]
     if strict and (missing or unexpected):

@@ -18,7 +18,7 @@ quantize to themselves); with ``"-dq"`` the scales' own 8-bit rounding may move 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, Optional
@@ -28,8 +28,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.memory.frozen4bit import quantize, quantized_format, restore
-from lightning_superpipe.memory.packed import PACKED_ATTR, packed_format
-from lightning_superpipe.streaming.activations import per_block_modes
+from lightning_superpipe.memory.packed import PACKED_ATTR, packed_entries_are_left_out, packed_format
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
@@ -44,7 +43,8 @@ def frozen_matrices(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
 
 def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]]) -> None:
     """Refuses, before anything is allocated, what ``quantize_frozen`` does not support: a model already in 4 bits,
-    and activations other than recomputed for the blocks it quantizes (pinned when a budget is planned).
+    and a budget planned without pinning the activations. (Blocks that keep or offload their activations save their
+    dense dequantized matrices as handles, dequantized again in backward: :mod:`.activations`.)
 
     Raises:
         QuantizedLayerError: With the user's call and what to do.
@@ -60,22 +60,11 @@ def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_par
             f"{call}: the model holds bitsandbytes 4-bit weights already (`{packed}`): its frozen base is 4-bit, and"
             " the strategy streams it in that form. quantize_frozen is for a model in full precision: leave it out."
         )
-    why = ("a block computes with its frozen matrices dequantized into tensors of their own, which the strategy cannot"
-           " fetch again in backward as it fetches the views of a block's streamed bytes: kept, they would stay on"
-           " the device until backward")
     if options.activations is None and options.memory_budget is not None:
         raise QuantizedLayerError(
-            f"SuperpipeStrategy(quantize_frozen={mode!r}, memory_budget={options.memory_budget!r}): {why}, so their"
-            " blocks must recompute in backward, and the planner may choose to keep activations. Pin it:"
-            " `activations='recompute'`."
-        )
-    modes = per_block_modes(options.activations or "recompute", len(block_params))
-    kept = [i for i, params in enumerate(block_params) if modes[i] != "recompute" and frozen_matrices(params)]
-    if kept:
-        raise QuantizedLayerError(
-            f"SuperpipeStrategy(quantize_frozen={mode!r}, activations={options.activations!r}): block {kept[0]} would"
-            f" keep its activations ({modes[kept[0]]!r}), but {why}. Use activations='recompute' (the default) for"
-            " the blocks with frozen matrices."
+            f"SuperpipeStrategy(quantize_frozen={mode!r}, memory_budget={options.memory_budget!r}): the planner does"
+            " not count yet the frozen matrices a block that keeps its activations dequantizes again in backward."
+            " Pin the activations: `activations='recompute'` (or 'keep', 'offload')."
         )
 
 
@@ -93,10 +82,13 @@ class FrozenQuantization:
         mode: ``quantize_frozen``'s value.
         transfer_dtype: The dtype the blocks' weights compute in on the device (``None``: each one's own).
         deferred: The init calls ``configure_model`` recorded, if any.
+        written: Called with each block's index and parameters once its matrices are quantized (the disk tier writes
+            them to its files then, so that host memory holds one block's 4-bit matrices at a time).
     """
 
     def __init__(self, model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: str,
-                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None) -> None:
+                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                 written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None) -> None:
         self.params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
         self._kept_before: set[nn.Parameter] = set()  # kept in 4 bits by an earlier run, which hooked them
@@ -105,9 +97,11 @@ class FrozenQuantization:
         self._originals: dict[nn.Parameter, Tensor] = {}
         names = {param: name for name, param in model.named_parameters()}
         try:
-            for params in block_params:
+            for index, params in enumerate(block_params):
                 for param in frozen_matrices(params):
                     self._quantize(names.get(param, ""), param, mode, transfer_dtype or param.dtype, deferred)
+                if written is not None:
+                    written(index, params)
         except BaseException:
             self.detach()  # the model as it was
             raise
@@ -173,10 +167,11 @@ class FrozenQuantization:
 
 
 def quantize_frozen(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: Optional[str],
-                    transfer_dtype: Optional[torch.dtype],
-                    deferred: Optional[DeferredInit] = None) -> Optional[FrozenQuantization]:
+                    transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                    written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None,
+                    ) -> Optional[FrozenQuantization]:
     """The run's :class:`FrozenQuantization`, or ``None`` when ``mode`` (``quantize_frozen``) is ``None``."""
-    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype, deferred)
+    return None if mode is None else FrozenQuantization(model, block_params, mode, transfer_dtype, deferred, written)
 
 
 @contextmanager
@@ -193,7 +188,10 @@ def given_back_on_error(frozen: Optional[FrozenQuantization]) -> Iterator[None]:
 def _dequantized_entries(names: list[str], module: nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
     """Puts the dequantized values of ``module``'s quantized parameters ``names`` into ``state_dict`` in place of
-    their placeholders (``state_dict(keep_vars=True)`` asks for the parameters themselves: they stay)."""
+    their placeholders (``state_dict(keep_vars=True)`` asks for the parameters themselves: they stay; so do all of
+    them where the caller leaves them out, :func:`~lightning_superpipe.memory.packed.packed_entries_left_out`)."""
+    if packed_entries_are_left_out():
+        return
     for name in names:
         param, key = module._parameters.get(name), prefix + name
         format = quantized_format(param) if param is not None else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
@@ -65,6 +65,7 @@ class MaterializedWeights:
     def __init__(self, ledger: DeviceLedger) -> None:
         self.ledger = ledger
         self._live: dict[int, int] = {}  # storage address -> bytes
+        self._pieces: dict[int, ParamSlice] = {}  # storage address -> the packed piece it was rebuilt from
 
     def weights_in(self, pieces: Sequence[ParamSlice], flat: Tensor) -> list[Tensor]:
         """A block's weights made from its device buffer ``flat``: views, or for packed weights whatever their format
@@ -72,14 +73,27 @@ class MaterializedWeights:
         tensors = [piece.view_of(flat) for piece in pieces]
         for piece, tensor in zip(pieces, tensors):
             if piece.materialized_bytes:
-                self.hold(tensor)
+                self.hold(tensor, piece)
         return tensors
 
-    def hold(self, tensor: Tensor) -> None:
-        """Counts ``tensor``'s storage until it is freed."""
+    def piece_of(self, address: int) -> Optional[ParamSlice]:
+        """The packed piece a live dense weight at ``address`` was rebuilt from (``None``: no such weight)."""
+        return self._pieces.get(address)
+
+    def rebuilt(self, piece: ParamSlice, flat: Tensor) -> Tensor:
+        """``piece``'s dense weight made again from the block's device buffer ``flat`` (the same values: dequantizing
+        is deterministic), counted while it lives: what backward reads in place of one saved in forward."""
+        tensor = piece.view_of(flat)
+        self.hold(tensor, piece)
+        return tensor
+
+    def hold(self, tensor: Tensor, piece: Optional[ParamSlice] = None) -> None:
+        """Counts ``tensor``'s storage until it is freed (rebuilt from ``piece``, if given)."""
         storage = tensor.untyped_storage()
         address, nbytes = storage.data_ptr(), storage.nbytes()
         self._live[address] = nbytes
+        if piece is not None:
+            self._pieces[address] = piece
         self.ledger.add("dequantized_weights", nbytes)
         # A storage keeps one Python object for as long as it lives, so the finalizer runs as the memory goes.
         weakref.finalize(storage, self._release, address, nbytes)
@@ -90,6 +104,7 @@ class MaterializedWeights:
 
     def _release(self, address: int, nbytes: int) -> None:
         self._live.pop(address, None)
+        self._pieces.pop(address, None)
         self.ledger.remove("dequantized_weights", nbytes)
 
 

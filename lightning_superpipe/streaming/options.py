@@ -165,12 +165,6 @@ class SuperpipeOptions:
                 f"{call} quantizes the frozen matrices with bitsandbytes, which is not installed:"
                 " `pip install bitsandbytes` (it runs on the CPU too)."
             )
-        if self.offload_device == "disk":
-            raise ValueError(
-                f"SuperpipeStrategy(quantize_frozen={mode!r}, offload_device='disk'): the disk tier does not store"
-                " 4-bit weights yet. Use offload_device='cpu' (the default): the 4-bit base takes about 0.28x of its"
-                " bfloat16 bytes in host memory."
-            )
 
     @property
     def offload_call(self) -> str:

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_superpipe.memory.packed import packed_entries_are_left_out
+
 #: The attribute that marks a module whose state-dict entries are cloned already (a second run hooks it no more).
 MARK = "_superpipe_packed_state_dict_hook"
 
@@ -33,7 +35,10 @@ def clone_packed_entries(model: nn.Module, packed: set[nn.Parameter]) -> None:
 
 def _own_entries_cloned(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Replaces the tensors ``module`` (and anything below it) put in ``state_dict`` with copies of their own. The
-    parameters ``state_dict(keep_vars=True)`` asks for stay themselves."""
+    parameters ``state_dict(keep_vars=True)`` asks for stay themselves; so do all of them where the caller leaves
+    them out (:func:`~lightning_superpipe.memory.packed.packed_entries_left_out`)."""
+    if packed_entries_are_left_out():
+        return
     for key, value in list(state_dict.items()):
         if key.startswith(prefix) and isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
             state_dict[key] = value.clone()

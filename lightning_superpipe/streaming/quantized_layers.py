@@ -7,7 +7,7 @@ bytes they are and are rebuilt on the device for bitsandbytes' own kernels (:mod
 when they stream with a block. Any other quantized layer (bitsandbytes 8-bit, GPTQ, AWQ, HQQ, quanto, torchao) holds
 packed integers and a state its own kernels read from attributes of its own tensor classes: streamed as tensors, it
 would fail deep inside the engine or its kernel. :func:`check_quantized_layers` names the first such layer instead,
-with what to do, and refuses what the 4-bit layers do not support yet (the disk tier; activations kept or offloaded).
+with what to do, and refuses what the 4-bit layers do not support yet (activations kept or offloaded).
 """
 
 from __future__ import annotations
@@ -145,11 +145,6 @@ def check_quantized_layers(
 def _check_knobs(options: SuperpipeOptions, packed_blocks: list[int], num_blocks: int) -> None:
     """Refuses the knobs 4-bit blocks do not support yet (``packed_blocks``: the blocks holding such weights)."""
     what = f"bitsandbytes 4-bit weights stream in {len(packed_blocks)} of the {num_blocks} blocks"
-    if options.offload_device == "disk":
-        raise QuantizedLayerError(
-            f"{options.offload_call}: {what}, and the disk tier does not store 4-bit weights yet. Use"
-            " offload_device='cpu' (the default), which keeps them in host memory in their 4-bit form."
-        )
     if options.activations is None and options.memory_budget is not None:
         raise QuantizedLayerError(
             f"SuperpipeStrategy(memory_budget={options.memory_budget!r}): {what}, whose kernels keep their weights for"

@@ -10,6 +10,7 @@ here, before anything is allocated, so a bad knob leaves the model as it was. Un
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -47,6 +48,7 @@ from lightning_superpipe.streaming.distributed import (
     ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.frozen_files import FrozenFiles, frozen_files, split_frozen
 from lightning_superpipe.streaming.frozen_quantization import (
     check_quantize_frozen,
     frozen_matrices,
@@ -126,14 +128,16 @@ def start_streaming(
     check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
                     ahead + 1, model, deferred)
     packed = {p for params in block_params for p in params if packed_format(p) and not quantized_format(p)}
+    files = frozen_files(options, block_params, transfer_dtype, rank, ranks) if disk else None
     # Once nothing but building the homes can refuse the run; given back if that fails. Before the rest of a deferred
-    # init is run in place, so that its frozen matrices are quantized from values made apart from them.
-    frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype, deferred)
+    # init runs in place: frozen matrices quantized from values made apart (the disk tier's files: block by block).
+    frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype, deferred,
+                             files.write_block if files is not None else None)
     with given_back_on_error(frozen):
         tier = None
         if disk:
             tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
-                              ranks=ranks, rank=rank, local_ranks=local_ranks)
+                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files)
         move_the_rest(model, device, deferred, tier)
         # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
         clone_packed_entries(model, packed)
@@ -247,11 +251,14 @@ def check_host_room(
     if options.offload_device == "disk":
         from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+        # A 4-bit base is in files of its own, read through staging buffers of the largest block's frozen bytes.
+        masters, frozen_bytes = split_frozen(block_params, options.quantize_frozen, transfer_dtype)
         try:  # the pool, the gradients arriving, the cast's staging and the trunk's state
-            parts = disk_host_bytes(block_params, trunk_params if fitting else [], optimizer, transfer_dtype, slots,
+            parts = disk_host_bytes(masters, trunk_params if fitting else [], optimizer, transfer_dtype, slots,
                                     options.host_buffer_bytes)
         except DiskTierError as error:  # a bound below the least pool
             raise MisconfigurationException(f"{options.offload_call}: {error}") from error
+        parts = replace(parts, staging=parts.staging + (slots + 1) * max(frozen_bytes, default=0))
         check_disk_host_room(parts, options.host_buffer_bytes)
     else:
         mode = options.quantize_frozen
@@ -273,7 +280,7 @@ def check_host_room(
 def build_tier(
     options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]],
     optimizer: Optional[Optimizer], transfer_dtype: Optional[torch.dtype], slots: int, resume: Optional[Path],
-    deferred: Optional[DeferredInit], *, ranks: int, rank: int, local_ranks: int,
+    deferred: Optional[DeferredInit], *, ranks: int, rank: int, local_ranks: int, frozen: Optional[FrozenFiles] = None,
 ) -> DiskTier:
     """The disk tier's store under ``offload_path`` (on several ranks, this rank's folder in it, once every rank
     checked the node's space), written from the model or restored from ``resume``.
@@ -287,13 +294,18 @@ def build_tier(
     names = {p: name for name, p in model.named_parameters()}
     streamed = {p for params in block_params for p in params}
     state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
+    masters = [split_packed(params)[0] for params in block_params]  # the 4-bit base goes to ``frozen``'s files
+    in_store = {p for params in masters for p in params}
     try:
         folder = Path(options.offload_path)
         if ranks > 1:  # every rank checks the node's space before any of them writes
-            folder = rank_folder(options.offload_path, rank, local_ranks, block_params, optimizer, resume is None)
+            folder = rank_folder(options.offload_path, rank, local_ranks, masters, optimizer, resume is None)
             ready_on_every_rank("check the disk tier's folders")
-        return DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
-                              options.host_buffer_bytes, slots, resume, deferred)
+        tier = DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
+                              options.host_buffer_bytes, slots, resume, deferred, frozen)
+        tier.frozen_names = {name for name, p in model.named_parameters(remove_duplicate=False)
+                             if p in streamed and p not in in_store}
+        return tier
     except DiskTierError as error:
         raise MisconfigurationException(f"{options.offload_call}: {error}") from error
 

@@ -1,4 +1,5 @@
-"""One block's home under the disk tier: its layout in the store's record, its values in the files."""
+"""One block's home under the disk tier: its layout in the store's record (and in its frozen file), its values in the
+files."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.home import DeviceLayout, Event, Link, ParamSlice
+from lightning_superpipe.memory.packed import PackedSlice, trainable_pieces
 
 if TYPE_CHECKING:
     from lightning_superpipe.memory.disk_homes import DiskTier
@@ -16,15 +18,17 @@ if TYPE_CHECKING:
 
 class DiskHome:
     """A block's home under the disk tier: the layout of :class:`~lightning_superpipe.memory.host.BlockHome` (one
-    flat buffer, each parameter at its record offset), with the values in the store's files.
+    flat buffer, each parameter at its record offset, then its frozen packed weights, as the host tier lays them out),
+    with the values in the store's files (the packed weights' in the block's read-only frozen file).
 
     Args:
         index: The block's index.
-        params: Its streamed parameters (placeholders), in record order.
+        params: Its streamed floating parameters (placeholders), in record order.
         offsets: Each master's byte offset in the record.
         end: The byte where the masters' region ends (aligned).
         transfer_dtype: The dtype the weights travel and compute in.
         tier: The tier that reads it.
+        packed: Its packed weights, placed after the masters' region (:meth:`.FrozenFiles.slices`).
     """
 
     def __init__(
@@ -35,22 +39,27 @@ class DiskHome:
         end: int,
         transfer_dtype: torch.dtype,
         tier: DiskTier,
+        packed: Sequence[PackedSlice] = (),
     ) -> None:
         dtypes = {param.dtype for param in params}
-        if len(dtypes) != 1:
+        if len(dtypes) > 1 or not (dtypes or packed):
             raise TypeError(f"The parameters of one block must share a dtype to stream together, found {dtypes}.")
         self.index = index
-        self.master_dtype = dtypes.pop()
+        self.master_dtype = dtypes.pop() if dtypes else transfer_dtype
         itemsize = self.master_dtype.itemsize
-        self.slices = [ParamSlice(p, offset // itemsize, p.numel(), p.shape) for p, offset in zip(params, offsets)]
-        self.numel = self.master_numel = end // itemsize  # no packed weights: the tier refuses them
+        self.slices: list[ParamSlice] = [ParamSlice(p, offset // itemsize, p.numel(), p.shape)
+                                         for p, offset in zip(params, offsets)]
+        self.master_numel = end // itemsize
+        self.slices += packed
+        self.numel = self.master_numel + sum(piece.numel for piece in packed)
         self.transfer_dtype = transfer_dtype
         self._tier = tier
         self._changed = False
 
     @property
     def trainable(self) -> list[ParamSlice]:
-        return [piece for piece in self.slices if piece.param.requires_grad]
+        """The pieces whose parameters require gradients now (refusing a packed weight unfrozen during the run)."""
+        return trainable_pieces(self.slices)
 
     @property
     def transfer_bytes(self) -> int:
