@@ -62,8 +62,8 @@ Objective: the step time ``T = fwd1 + (micro_batches - 1) fwd + micro_batches (t
 placements equally fast (within ``EQUAL``), the least memory: a second program minimises ``peak`` subject to ``T <=
 T*`` of the first. (A weighted sum, time plus so many seconds per byte, would either trade real time for memory,
 1e-12 s per byte being a millisecond per GiB, or fall below HiGHS's tolerances.) :func:`minimum_plan` is the same two
-programs the other way round: the least ``peak``, then the fastest at it. Among placements equal in both (a serial
-link's last block, streamed or refreshed), the plan keeps as many blocks resident as predict allows, then the
+programs the other way round: the least ``peak``, then the fastest at it. From that placement, :func:`.solver.solve`
+takes the one predicted as fast with the fewest copies the budget holds (``"keep"``, then resident blocks), then the
 shallowest prefetch.
 
 Times and bytes are in units of 1e-3 of the most any placement could take (``_SCALE``). HiGHS holds a limit only to
