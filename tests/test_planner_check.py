@@ -35,7 +35,8 @@ def _predicted(profile: Any, plan: Any) -> float:
     ("knobs", "term"),
     [
         (dict(resident_blocks=0, prefetch=1, activations="offload"), "offload_compute_s_per_byte"),
-        (dict(resident_blocks=0, prefetch=1, activations="keep"), "link_slowdown"),
+        (dict(resident_blocks=0, prefetch=1, activations="keep"), "copy_spread"),
+        (dict(resident_blocks=0, prefetch=2, activations="keep"), "link_slowdown"),
         (dict(resident_blocks=3, prefetch=0, activations="keep"), "step_overhead_s"),
     ],
 )
@@ -51,7 +52,7 @@ def test_a_correction_sets_the_term_the_plan_depends_on_so_that_it_predicts_what
     assert _predicted(corrected, plan) == pytest.approx(measured, rel=1e-9)
     changed = [
         name
-        for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
+        for name in ("offload_compute_s_per_byte", "copy_spread", "link_slowdown", "step_overhead_s")
         if getattr(corrected, name) != getattr(profile, name)
     ]
     assert changed == [term] and words

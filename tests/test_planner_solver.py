@@ -44,8 +44,8 @@ def make_profile(
     factor in [0.5, 1.5); ``noise`` scales each time by its own factor in [1 - noise, 1 + noise] (timing noise).
     ``trunk_update``: the trunk's weights change at every step (64 MiB each way); ``frozen``: blocks without
     gradients (nor an optimizer step); ``link`` scales both link speeds (below 1 copy-bound, above compute-bound);
-    ``corrected``: with the terms a check of an applied plan sets (offloading costs compute, copies 1.3x slower, a
-    constant per step)."""
+    ``corrected``: with the terms a check of an applied plan sets (offloading costs compute, copies 1.3x slower and
+    straying by 40% from the median, a constant per step)."""
     rng = random.Random(seed)
 
     def scale() -> float:
@@ -86,6 +86,7 @@ def make_profile(
         offload_compute_s_per_byte=0.15e-9 if corrected else 0.0,
         link_slowdown=1.3 if corrected else 1.0,
         step_overhead_s=0.004 if corrected else 0.0,
+        copy_spread=0.4 if corrected else 0.0,
     )
 
 
