@@ -751,3 +751,22 @@ def test_ties_go_to_fewer_copies_where_the_budget_allows(monkeypatch: pytest.Mon
     assert "offload" in broken.activations and broken.predicted_step_s == pytest.approx(kept.step_s, rel=1e-12)
     with pytest.raises(AssertionError):
         assert_least_work(profile, broken, kept.peak_bytes)
+
+
+def test_a_copys_spread_costs_prefetch_1_and_not_a_deeper_one() -> None:
+    # Two blocks (F = 10, w = 12), copies straying 50% from the median: at prefetch 1 the forward takes at least
+    # w_0 + (F_0 + F_1 + F_1 + 1.5 w_1) / 2 = 12 + (30 + 18) / 2 = 36 ms (the backward's such bound, (40 + 20 + 18)
+    # / 2 + 5 = 44, stays under its 45). Prefetch 2 hides a late copy: 90 ms, as without the spread.
+    keep = ["keep", "keep"]
+    spread = replace(two_blocks(), copy_spread=0.5)
+    assert passes_ms(predict(spread, (), 1, keep)) == (36, 36, 45, 7)
+    assert predict(spread, (), 1, keep).step_s == pytest.approx(0.092)
+    assert predict(spread, (), 2, keep).step_s == pytest.approx(0.090) == predict(two_blocks(), (), 1, keep).step_s
+    # The solver pays a third slot for it where the budget holds one (four blocks streamed), and not without it.
+    four = reblocked(two_blocks(), 4)
+    deep = predict(four, (), 2, ["keep"] * 4)
+    pinned = dict(resident_blocks=0, activations="keep")
+    assert solve(four, deep.peak_bytes, **pinned).prefetch == 1  # as fast: the shallowest
+    plan = solve(replace(four, copy_spread=0.5), deep.peak_bytes, **pinned)
+    assert plan.prefetch == 2 and plan.predicted_step_s == pytest.approx(deep.step_s)
+    assert solve(replace(four, copy_spread=0.5), deep.peak_bytes - 1, **pinned).prefetch == 1
