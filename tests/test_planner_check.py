@@ -35,7 +35,8 @@ def _predicted(profile: Any, plan: Any) -> float:
     ("knobs", "term"),
     [
         (dict(resident_blocks=0, prefetch=1, activations="offload"), "offload_compute_s_per_byte"),
-        (dict(resident_blocks=0, prefetch=1, activations="keep"), "link_slowdown"),
+        (dict(resident_blocks=0, prefetch=1, activations="keep"), "copy_spread"),
+        (dict(resident_blocks=0, prefetch=2, activations="keep"), "link_slowdown"),
         (dict(resident_blocks=3, prefetch=0, activations="keep"), "step_overhead_s"),
     ],
 )
@@ -51,7 +52,7 @@ def test_a_correction_sets_the_term_the_plan_depends_on_so_that_it_predicts_what
     assert _predicted(corrected, plan) == pytest.approx(measured, rel=1e-9)
     changed = [
         name
-        for name in ("offload_compute_s_per_byte", "link_slowdown", "step_overhead_s")
+        for name in ("offload_compute_s_per_byte", "copy_spread", "link_slowdown", "step_overhead_s")
         if getattr(corrected, name) != getattr(profile, name)
     ]
     assert changed == [term] and words
@@ -130,6 +131,89 @@ def test_a_plan_that_holds_but_measured_slower_than_an_earlier_one_gives_way_to_
     assert plan_check.done and plan_check.plan.measured_step_s == missed
     assert plan_check.plan.activations == first.activations and plan_check.plan.prefetch == first.prefetch
     assert plan_check.plan.predicted_step_s == pytest.approx(missed, rel=1e-9)  # the corrected model's, as measured
+
+
+def _checked_sweep(link: float, budgets: int = 6) -> list[tuple[int, float, float]]:
+    """Each budget's run, from the least placement's peak to the whole model's, on a synthetic 4-block profile whose
+    steps take what a truth model says: the profile with what a profile cannot see (offloading's interference, 0.6 ms
+    of compute per MiB each way; copies straying 50% from their median time). The check corrects the planner's model
+    from those timings. Returns per budget ``(budget, the step the run ends on, the fastest step that fits)``."""
+    profile = make_profile(4, link=link, trunk_update=True)
+    truth = dataclasses.replace(profile, offload_compute_s_per_byte=0.6e-3 / 2**20, copy_spread=0.5)
+    least = minimum_plan(profile).predicted_peak_bytes
+    whole = predict(profile, range(4), 1, ["keep"] * 4).peak_bytes
+    rows = []
+    for k in range(budgets):
+        budget = least + (whole - least) * k // (budgets - 1)
+        plan_check = PlanCheck(profile, solve(profile, budget), lambda p, budget=budget: solve(p, budget))
+        while not plan_check.done:
+            plan_check.step_done(_predicted(truth, plan_check.plan))
+        ended = plan_check.plan
+        assert ended.measured_step_s == _predicted(truth, ended)
+        assert ended.predicted_step_s == pytest.approx(ended.measured_step_s, rel=check.TOLERANCE)
+        rows.append((budget, ended.measured_step_s, solve(truth, budget).predicted_step_s))
+    return rows
+
+
+@pytest.mark.parametrize("link", [1.0, 0.5], ids=["balanced", "copy-bound"])
+def test_with_fake_timings_more_budget_never_ends_slower_and_each_run_near_the_fastest_that_fits(
+    link: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30's property without a clock: at two link speeds, the step a run ends on never grows with the budget
+    and is within 5% of the fastest placement that fits; without the check's corrections it is not."""
+    rows = _checked_sweep(link)
+    steps = [step for _, step, _ in rows]
+    assert all(later <= min(steps[: i + 1]) * (1 + 1e-9) for i, later in enumerate(steps[1:])), steps
+    assert all(step <= 1.05 * fastest for _, step, fastest in rows), rows
+    # Without corrections the runs end on the first plans, solved from what the profile saw.
+    monkeypatch.setattr(check, "correct", lambda profile, plan, measured: (profile, "none"))
+    monkeypatch.setattr(check, "TOLERANCE", float("inf"))
+    uncorrected = _checked_sweep(link)
+    assert any(step > 1.05 * fastest for _, step, fastest in uncorrected), uncorrected
+
+
+def test_ranks_take_rank_zeros_profile_and_the_slowest_ranks_steps_so_their_checks_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two ranks whose clocks differ (each its own noise): checking with the slowest rank's step time, they take the
+    same corrections and end on the same plan; each with its own times, they do not."""
+    profile = make_profile(3, link=0.5)
+    times = {0: [1.05, 1.3, 1.2], 1: [1.3, 1.05, 1.25]}  # per rank, each plan's step over its prediction
+
+    def run(rank: int, agreed: bool) -> tuple[Any, ...]:
+        monkeypatch.setattr(planner, "_several_ranks", lambda: agreed)
+        monkeypatch.setattr(planner.dist, "get_world_size", lambda: 2, raising=False)
+        plan_check = PlanCheck(profile, solve(profile, 2**40), lambda p: solve(p, 2**40))
+        for factors in zip(times[0], times[1]):
+            if plan_check.done:
+                break
+            # Each rank's step time for this plan; all_gather_object gives every rank both.
+            both = [f * plan_check.plan.predicted_step_s for f in factors]
+            monkeypatch.setattr(
+                planner.dist, "all_gather_object", lambda out, seconds, both=both: out.__setitem__(slice(None), both),
+                raising=False,
+            )
+            for _ in range(STEPS):
+                plan_check.step_done(planner.slowest_rank(both[rank]))
+        final = plan_check.plan
+        return tuple(sorted(final.resident)), final.prefetch, tuple(final.activations), final.corrections
+
+    assert run(0, agreed=True) == run(1, agreed=True)
+    assert run(0, agreed=False) != run(1, agreed=False)
+    # Rank 0's profile on every rank.
+    monkeypatch.setattr(planner, "_several_ranks", lambda: True)
+    monkeypatch.setattr(planner.dist, "broadcast_object_list", lambda shared, src: shared.__setitem__(0, "rank 0's"))
+    assert planner.rank_zero_value("mine") == "rank 0's"
+
+
+def test_the_copy_spread_is_measured_over_the_profiled_weights_copies() -> None:
+    """Mean distance of each copy's time per byte from the median's, over the copies of at least half the largest
+    one's bytes: 4 block copies at 1, 1, 1.5 and 0.5 ms per MB (median 1: spread (0 + 0 + 0.5 + 0.5) / 4)."""
+    profiler = planner.StepProfiler.__new__(planner.StepProfiler)
+    profiler.copies = {"h2d": [(10**6, 1e-3), (10**6, 1e-3), (10**6, 1.5e-3), (10**6, 0.5e-3), (10, 1.0)], "d2h": []}
+    assert planner._copy_spread(profiler) == pytest.approx(0.25)
+    profiler.copies["h2d"] = profiler.copies["h2d"][:2]
+    assert planner._copy_spread(profiler) == 0.0  # too few copies to tell
 
 
 # ------------------------------------------------------------------ values unchanged through re-placements

@@ -13,8 +13,12 @@ what was measured (and where it is more than ``TOLERANCE`` below, the same way d
 by what the plan runs:
 
 1. a plan that offloads activations: ``offload_compute_s_per_byte``, the compute each offloaded byte costs;
-2. else a plan whose copies can bind (streamed or refreshed blocks): ``link_slowdown``, every copy slower alike;
-3. else ``step_overhead_s``, a constant per step (it changes no choice).
+2. else a plan that streams at prefetch 1 on an asynchronous link: ``copy_spread``, how far a copy strays from its
+   median time (a late copy stalls compute at prefetch 1; a deeper prefetch hides it);
+3. else a plan whose copies can bind (streamed or refreshed blocks): ``link_slowdown``, every copy slower alike;
+4. else ``step_overhead_s``, a constant per step (it changes no choice).
+
+A term that cannot reach the measured step (the plan does not depend on it enough) gives way to the next.
 
 The placement is then solved for again with the corrected model and applied, and checked in turn, at most
 ``MAX_CORRECTIONS`` times. The run ends on the fastest placement measured (the last one unless a correction made
@@ -70,7 +74,9 @@ def _fit(profile: Profile, plan: Plan, measured_s: float, name: str) -> Optional
         # Upward, in growing steps (compute per offloaded byte: the measured step per offloaded byte; a slowdown: a
         # factor of the current one).
         offloaded = sum(b.offloaded_bytes for b, mode in zip(profile.blocks, plan.activations) if mode == "offload")
+        # (a spread: a quarter at least, as the profile's may be 0).
         step = measured_s / max(offloaded, 1) if name == "offload_compute_s_per_byte" else current
+        step = max(step, 0.25) if name == "copy_spread" else step
         low, high = current, current + step
         for _ in range(30):
             if at(high) >= measured_s:
@@ -80,7 +86,7 @@ def _fit(profile: Profile, plan: Plan, measured_s: float, name: str) -> Optional
             return None
     else:
         # Downward, to no cost (no compute per offloaded byte; copies a thousandth of their profiled time).
-        low, high = (0.0 if name == "offload_compute_s_per_byte" else current / 1024), current
+        low, high = (0.0 if name in ("offload_compute_s_per_byte", "copy_spread") else current / 1024), current
         if at(low) > measured_s:
             return None
     for _ in range(_BISECTIONS):
@@ -93,12 +99,19 @@ def correct(profile: Profile, plan: Plan, measured_s: float) -> tuple[Profile, s
     """The profile corrected so that ``plan``'s placement is predicted at ``measured_s`` (see the module for which
     term), and the correction in words."""
     offloads = "offload" in plan.activations
-    copies = len(plan.resident) < len(plan.activations) or any(b.gradient_bytes for b in profile.blocks)
-    for name, applies in (("offload_compute_s_per_byte", offloads), ("link_slowdown", copies)):
+    streams = len(plan.resident) < len(plan.activations)
+    copies = streams or any(b.gradient_bytes for b in profile.blocks)
+    spread = profile.asynchronous and plan.prefetch == 1 and streams
+    terms = (("offload_compute_s_per_byte", offloads), ("copy_spread", spread), ("link_slowdown", copies))
+    for name, applies in terms:
         fitted = _fit(profile, plan, measured_s, name) if applies else None
         if fitted is not None:
             if name == "link_slowdown":
                 return fitted, f"copies take {fitted.link_slowdown:.2f}x their profiled time"
+            if name == "copy_spread":
+                return fitted, (
+                    f"a copy strays {fitted.copy_spread:.0%} from its median time, which a prefetch of 1 exposes"
+                )
             per_mib = fitted.offload_compute_s_per_byte * 2**20 * 1e3
             return fitted, f"offloading activations costs {per_mib:.2f} ms of compute per MiB, each way"
     fitted = _fit(profile, plan, measured_s, "step_overhead_s")

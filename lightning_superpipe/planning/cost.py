@@ -59,6 +59,15 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
   - any ``p``: ``Cb_{N-1} + sum_i g_i + t_tg`` (the device-to-host stream: every block's gradients, after the last
     block's backward, the first to run).
 
+  At ``p = 1`` a block's copy can run only beside the compute before it (one slot is free): a copy that runs late
+  stalls compute, where a deeper prefetch would have started it earlier. With ``v = profile.copy_spread`` (how far a
+  copy's time strays from its median, as a fraction: measured over the profiled copies, or set by :mod:`.check`), the
+  pass at ``p = 1`` takes on average at least the mean of its compute and copy bounds plus half each copy's spread
+  (``E max(a, b) >= (a + b + E|a - b|) / 2`` per block):
+  ``fwd >= s_0 w_0 + (sum_i F_i + F_{N-1} + (1 + v) sum_{i >= 1} s_i w_i) / 2`` and ``bwd >= o_{N-1} ai_{N-1} +
+  (sum_i Cb_i + Cb_0 + (1 + v) sum_{i < N-1} s_i w_i + sum_{i < N-1} o_i ai_i) / 2 + g_0 + t_tg``. At ``v = 0``
+  the mean of two bounds is below their max: the term only counts with a spread (and is left out at ``v = 0``).
+
   ``fwd1 = max(fwd, t_tr + (s_0 + r_0 u_0) w_0 + sum_i F_i, t_tr + sum_i (s_i + r_i u_i) w_i + F_{N-1})``: the
   trunk's refresh is exposed (the embedding needs it first), and every block changed or streamed crosses the link in
   this forward.
@@ -411,6 +420,13 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
                 head + sum(backward) + tail,
                 sum(weights[:last]) + sum(offload_in) + backward[0] + tail,
             ]
+            if prefetch == 1 and profile.copy_spread > 0:
+                late = 1 + profile.copy_spread  # a copy's time with its spread: what a late one exposes
+                forward_bounds.append(weights[0] + (sum(forward) + forward[last] + late * sum(weights[1:])) / 2)
+                backward_bounds.append(
+                    head + (sum(backward) + backward[0] + late * sum(weights[:last]) + sum(offload_in[:last])) / 2
+                    + tail
+                )
         else:
             forward_bounds = [sum(forward) + sum(weights)]
             # Block i - 1's weights are asked for when it starts, and queue behind its activations brought back while

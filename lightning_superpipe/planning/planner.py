@@ -31,9 +31,10 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -45,6 +46,8 @@ from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
 from lightning_superpipe.planning.solver import InfeasibleBudget, solve
 from lightning_superpipe.units import format_bytes
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,9 @@ class BudgetPlanner:
         self._profiling_step = False
         if len(self._samples) < self.PROFILED_STEPS:
             return
-        self.profile = self._profile(engine, micro_batches, overlap)
+        # Every rank solves from rank 0's profile and times each checked step as the slowest rank's: the ranks then
+        # take the same plan and the same corrections (each rank's own timings would differ by noise).
+        self.profile = rank_zero_value(self._profile(engine, micro_batches, overlap))
         try:
             plan = solve(self.profile, self.budget_bytes, **self.pinned)
         except InfeasibleBudget as error:
@@ -250,7 +255,7 @@ class BudgetPlanner:
         """Gives a step's time to the check; applies the plan it solved for again, if any."""
         if self.check is None or self._step_start is None:
             return
-        seconds = _clock(engine) - self._step_start
+        seconds = slowest_rank(_clock(engine) - self._step_start)
         self._step_start = None
         plan, line = self.check.step_done(seconds)
         self.plan = self.check.plan
@@ -310,7 +315,30 @@ class BudgetPlanner:
             block_gradient_bytes=(2 if engine.copier.asynchronous else 1) * self._static.largest_gradient_bytes,
             margin_bytes=max(0, margin),
             trunk_update_bytes=self._static.trunk_gradient_bytes,
+            copy_spread=min(_copy_spread(p) for p in profilers),
         )
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_zero_value(value: T) -> T:
+    """``value`` as rank 0 has it, on every rank (itself without a process group of several ranks)."""
+    if not _several_ranks():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def slowest_rank(seconds: float) -> float:
+    """The most ``seconds`` of any rank, on every rank: a data-parallel step waits for its slowest rank."""
+    if not _several_ranks():
+        return seconds
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seconds)
+    return max(everyone)
 
 
 def _clock(engine: Any) -> float:
@@ -337,6 +365,19 @@ def _alike_blocks_alike(blocks: list[BlockCosts]) -> list[BlockCosts]:
         for i in members:
             alike[i] = dataclasses.replace(blocks[i], **times)
     return alike
+
+
+def _copy_spread(profiler: StepProfiler) -> float:
+    """How far a weights' copy's time per byte strays from the median one's, on average, as a fraction of it: over
+    the host-to-device copies of at least half the largest one's bytes (the blocks' weights; smaller copies are
+    latency more than bandwidth). 0 with fewer than three such copies."""
+    copies = profiler.copies["h2d"]
+    largest = max((nbytes for nbytes, _ in copies), default=0)
+    per_byte = [seconds / nbytes for nbytes, seconds in copies if nbytes >= largest / 2 and nbytes > 0]
+    if len(per_byte) < 3:
+        return 0.0
+    middle = statistics.median(per_byte)
+    return statistics.fmean(abs(r - middle) for r in per_byte) / middle if middle > 0 else 0.0
 
 
 def _speed(profilers: Sequence[StepProfiler], direction: str) -> float:

@@ -77,6 +77,10 @@ class Profile:
             copy ran alone): 1 in a profile; set from a measured step by :mod:`.check`.
         step_overhead_s: Seconds per step that no term of the model accounts for: 0 in a profile; set from a
             measured step by :mod:`.check` when no other term can explain it.
+        copy_spread: How far a weights' copy's time strays from the median copy's (per byte), on average, as a
+            fraction of it: what a prefetch of 1 exposes and a deeper one hides (:mod:`.cost`). Measured over the
+            profiled copies; set from a measured step by :mod:`.check` when a plan at prefetch 1 runs slower than
+            predicted.
     """
 
     blocks: list[BlockCosts]
@@ -95,6 +99,7 @@ class Profile:
     offload_compute_s_per_byte: float = 0.0
     link_slowdown: float = 1.0
     step_overhead_s: float = 0.0
+    copy_spread: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +126,8 @@ class StepProfiler:
         self.trunk_s = 0.0
         self.copy_bytes = {"h2d": 0, "d2h": 0}
         self.copy_s = {"h2d": 0.0, "d2h": 0.0}
+        #: Each copy's ``(bytes, seconds)``, per direction.
+        self.copies: dict[str, list[tuple[int, float]]] = {"h2d": [], "d2h": []}
         self.recompute_s = [0.0] * num_blocks
         self.input_bytes = [0] * num_blocks
         self.kept_bytes = [0] * num_blocks
@@ -211,8 +218,10 @@ class StepProfiler:
                 event = copy(dst, src, *args, **kwargs)
                 self._copier.synchronize()
                 self._since = self._now()
-                self.copy_bytes[direction] += dst.numel() * dst.element_size()
+                nbytes = dst.numel() * dst.element_size()
+                self.copy_bytes[direction] += nbytes
                 self.copy_s[direction] += self._since - now
+                self.copies[direction].append((nbytes, self._since - now))
             return event
 
         return timed

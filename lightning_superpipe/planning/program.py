@@ -62,8 +62,8 @@ Objective: the step time ``T = fwd1 + (micro_batches - 1) fwd + micro_batches (t
 placements equally fast (within ``EQUAL``), the least memory: a second program minimises ``peak`` subject to ``T <=
 T*`` of the first. (A weighted sum, time plus so many seconds per byte, would either trade real time for memory,
 1e-12 s per byte being a millisecond per GiB, or fall below HiGHS's tolerances.) :func:`minimum_plan` is the same two
-programs the other way round: the least ``peak``, then the fastest at it. Among placements equal in both (a serial
-link's last block, streamed or refreshed), the plan keeps as many blocks resident as predict allows, then the
+programs the other way round: the least ``peak``, then the fastest at it. From that placement, :func:`.solver.solve`
+takes the one predicted as fast with the fewest copies the budget holds (``"keep"``, then resident blocks), then the
 shallowest prefetch.
 
 Times and bytes are in units of 1e-3 of the most any placement could take (``_SCALE``). HiGHS holds a limit only to
@@ -92,16 +92,13 @@ from scipy.sparse import csr_array
 
 from lightning_superpipe.planning.cost import (
     MODES,
-    gradient_bytes_at,
-    held_bytes,
-    in_use_bytes,
-    leaving_bytes,
     link_times,
     predict,
     static_bytes,
     trunk_times,
 )
 from lightning_superpipe.planning.profile import Profile
+from lightning_superpipe.planning.program_peak import _PeakTerms
 from lightning_superpipe.planning.terms import (
     _every,
     _first,
@@ -134,7 +131,7 @@ _MIP_REL_GAP = 1e-10
 _ROUNDING = 1e-12
 
 
-class _Program:
+class _Program(_PeakTerms):
     """The program's variables and standing constraints for one profile and its pinned knobs, as the module's
     docstring has them.
 
@@ -177,11 +174,15 @@ class _Program:
         trunk_in, trunk_out = trunk_times(profile)
         self._optimizer_s = profile.trunk_optimizer_s + sum(block.optimizer_s for block in blocks)
         # More than any placement's step: every copy serial with every computation, every block refreshed.
+        # (Each copy counted with its spread, which the prefetch-1 bounds can add.)
+        late = 1.0 + profile.copy_spread
         forward_most = sum(
-            b.forward_s + link.offload_compute + link.weights + link.offload_out for b, link in zip(blocks, links)
+            b.forward_s + link.offload_compute + late * link.weights + link.offload_out
+            for b, link in zip(blocks, links)
         )
         backward_most = trunk_out + sum(
-            b.backward_s + b.recompute_s + link.offload_compute + link.weights + link.offload_in + link.gradients
+            b.backward_s + b.recompute_s + link.offload_compute + late * link.weights + link.offload_in
+            + link.gradients
             for b, link in zip(blocks, links)
         )
         slowest_s = (
@@ -355,6 +356,20 @@ class _Program:
             (head + serial_backward + crossing(before_last) + tail, "p0", not_last + returned_in),
             (crossing(before_last) + offload_in + compute_backward(_first) + tail, "p1", not_last),
         ]
+        if 1 in self.depths and self.profile.copy_spread > 0:
+            # At prefetch 1 the mean of the compute and copy bounds, each copy with its spread; above the always-on
+            # compute bound by at most the copies with their spread.
+            late = 1.0 + self.profile.copy_spread
+            returned = self._per_mode("offload", lambda i: links[i].offload_in, self._before_last)
+            forward_bounds.append((
+                crossing(_first) + 0.5 * (forward_compute + last_forward + late * crossing(lambda i: i >= 1)),
+                "d1", late * not_first,
+            ))
+            backward_bounds.append((
+                head + 0.5 * (compute_backward(_every) + compute_backward(_first) + late * crossing(before_last)
+                              + returned) + tail,
+                "d1", late * not_last + sum(link.offload_in for link in links[:last]) * seconds,
+            ))
         # fwd1 = max(fwd's bounds, the first micro-batch's own); with one micro-batch fwd itself is not needed.
         forward_s = self._at_least(forward_bounds) if self.profile.micro_batches > 1 else _Linear()
         backward_s = self._at_least(backward_bounds)
@@ -389,63 +404,25 @@ class _Program:
             behind.append(slower)
         return _total(behind), sum(link.offload_in for link in links[:last]) * seconds
 
-    # ------------------------------------------------------------------ the peak's terms
-    def _slots(self) -> list[_Linear]:
-        """The slots' bytes: slot 1 ``W`` from the ``v_j``, slot ``m`` ``y_m`` where ``z_m`` allocates it."""
-        blocks, nbytes, count = self._blocks, self._nbytes, len(self._blocks)
-        weights = sorted({block.weight_bytes for block in blocks}, reverse=True)
-        size_terms = []
-        streams: Optional[_Linear] = None
-        for j, weight in enumerate(weights):
-            heavier, streams = streams, self._variable(1.0)
-            if heavier is not None:
-                self._add(streams - heavier, 0.0, math.inf)
-            for members, resident in zip(self.classes, self.resident):
-                if blocks[members[0]].weight_bytes == weight:
-                    self._add(len(members) * streams + resident, len(members), math.inf)
-            lighter = weights[j + 1] if j + 1 < len(weights) else 0
-            size_terms.append(streams * ((weight - lighter) * nbytes))
-        size = _total(size_terms)
-        slots = [size]
-        for m in range(2, min(max(self.depths) + 1, count) + 1):
-            allocated = self._variable(1.0)
-            deep_enough = _total([self.depth[p] for p in self.depths if p >= m - 1])
-            self._add(
-                count * allocated + self._resident_count + count * (1.0 - deep_enough), count + 1.0 - m, math.inf
-            )
-            slot = self._variable()
-            self._add(slot - size + (1.0 - allocated) * (weights[0] * nbytes), 0.0, math.inf)
-            slots.append(slot)
-        return slots
-
-    def _activations(self) -> _Linear:
-        """``a``: the activation peak, at least what is held when each block's backward starts and when it
-        delivers its gradients."""
-        profile, blocks, nbytes = self.profile, self._blocks, self._nbytes
-        activations = self._variable()
-        held = _Linear()
-        leaving, delivered = leaving_bytes(profile), gradient_bytes_at(profile)
-        for i, (block, modes) in enumerate(zip(blocks, self.modes)):
-            before, held = held, self._variable()
-            self._add(held - before - _total([modes[mu] * (held_bytes(block, mu) * nbytes) for mu in MODES]), 0.0, 0.0)
-            in_use = _total([modes[mu] * (in_use_bytes(block, mu) * nbytes) for mu in MODES])
-            returned = self.modes[i - 1]["offload"] * (blocks[i - 1].offloaded_bytes * nbytes) if i >= 1 else 0.0
-            inputs = modes["recompute"] * (block.input_bytes * nbytes)
-            self._add(activations - held - in_use - returned, leaving[i] * nbytes, math.inf)  # its backward starts
-            self._add(activations - before - inputs - returned, delivered[i] * nbytes, math.inf)  # its gradients leave
-        return activations
-
     def _at_least(self, bounds: Sequence[tuple[_Linear, str, float]]) -> _Linear:
         """The least value at least each of ``bounds``, ``(bound, when, M)``: ``when`` is ``"always"``, or ``"p0"``
-        (``"p1"``) for a bound that holds only at prefetch 0 (at least 1), where it is relaxed by ``M`` (in the
-        program's units, the most it can exceed the value by at the other depths) through the prefetch-0 binary.
+        (``"p1"``, ``"d1"``) for a bound that holds only at prefetch 0 (at least 1, exactly 1), where it is relaxed by
+        ``M`` (in the program's units, the most it can exceed the value by at the other depths) through the
+        prefetch-0 (prefetch-1) binary.
         One bound that always holds is the value itself; else a continuous variable (the step time rises with it,
         so it takes the largest bound)."""
         shallow, deep = 0 in self.depths, any(p >= 1 for p in self.depths)
+
+        def switched(when: str) -> str:
+            if when == "d1":
+                return "always" if self.depths == [1] else when
+            return when if shallow and deep else "always"
+
         active = [
-            (bound, when if shallow and deep else "always", most)
+            (bound, switched(when), most)
             for bound, when, most in bounds
             if when == "always" or (when == "p0" and shallow) or (when == "p1" and deep)
+            or (when == "d1" and 1 in self.depths)
         ]
         if len(active) == 1:
             return active[0][0]
@@ -454,8 +431,11 @@ class _Program:
             if when == "always":
                 self._add(value - bound, 0.0, math.inf)
             else:
-                shallow_depth = self.depth[0]
-                relaxation = (1.0 - shallow_depth) * most if when == "p0" else shallow_depth * most
+                if when == "d1":
+                    relaxation = (1.0 - self.depth[1]) * most
+                else:
+                    shallow_depth = self.depth[0]
+                    relaxation = (1.0 - shallow_depth) * most if when == "p0" else shallow_depth * most
                 self._add(value - bound + relaxation, 0.0, math.inf)
         return value
 

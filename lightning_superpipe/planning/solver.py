@@ -77,12 +77,56 @@ def _no_worse(candidate: Prediction, step_s: float, peak_bytes: int) -> bool:
 
 
 def _plan(profile: Profile, placement: _Placement, budget_bytes: int, knobs: _Knobs) -> Plan:
-    """The plan of ``placement``, settled among the placements that predict the same (as fast, no more bytes) where
-    the knobs are not pinned: with as many resident blocks as can be (a block streamed and one refreshed can take the
-    same time and bytes: the last block with one micro-batch), then at the shallowest prefetch (the engine refuses,
-    warning, a prefetch deeper than the streamed blocks)."""
+    """The plan of ``placement``, settled among the placements that predict the same time where the knobs are not
+    pinned: with as little work beside compute as the budget allows (:func:`_less_work`), then at the shallowest
+    prefetch (the engine refuses, warning, a prefetch deeper than the streamed blocks)."""
     resident, prefetch, modes = set(placement.resident), placement.prefetch, placement.modes
     step_s, prediction = placement.prediction.step_s, placement.prediction
+    while True:
+        resident, modes, prediction = _less_work(profile, resident, prefetch, modes, prediction, budget_bytes, knobs)
+        shallower = [p for p in range(prefetch) if knobs.prefetch is None]
+        candidates = ((p, predict(profile, resident, p, modes)) for p in shallower)
+        found = next(((p, c) for p, c in candidates if _no_worse(c, step_s, prediction.peak_bytes)), None)
+        if found is None:
+            break
+        # A shallower prefetch frees a slot, which may hold what the first pass could not.
+        prefetch, prediction = found
+    return Plan.from_prediction(frozenset(resident), prefetch, list(modes), budget_bytes, prediction)
+
+
+def _less_work(
+    profile: Profile,
+    resident: set[int],
+    prefetch: int,
+    modes: list[str],
+    prediction: Prediction,
+    budget_bytes: int,
+    knobs: _Knobs,
+) -> tuple[set[int], list[str], Prediction]:
+    """Among the placements predicted as fast as ``prediction``, one with less work beside compute where the budget
+    holds it: ``"keep"`` for offloaded blocks, then for recomputed ones, then more resident blocks (evenly spaced).
+
+    Where copies bound the step, offloading (or streaming) a block and keeping it can predict the same time: the model
+    has the link busy either way. But an offloaded block's copies interfere with compute and with the weights' copies
+    in ways no profiled copy shows, and a resident block's weights do not cross the link at all, so where the model
+    cannot tell them apart the budget goes to the placement with fewer copies rather than to less memory. Each step
+    is taken only if predict keeps the step time (but for float rounding) and the peak within ``budget_bytes``.
+    """
+    step_s = prediction.step_s
+    modes = list(modes)
+
+    def fits(candidate: Prediction) -> bool:
+        return _no_worse(candidate, step_s, budget_bytes)
+
+    if knobs.activations is None:
+        for mode in ("offload", "recompute"):
+            changed = True
+            while changed:  # one block kept can move the peak's moment, and make room for another
+                changed = False
+                for i in [i for i, m in enumerate(modes) if m == mode]:
+                    candidate = predict(profile, resident, prefetch, modes[:i] + ["keep"] + modes[i + 1 :])
+                    if fits(candidate):
+                        modes[i], prediction, changed = "keep", candidate, True
     if knobs.resident_blocks is None:
         for members in _residency_classes(profile):
             while True:
@@ -91,16 +135,10 @@ def _plan(profile: Profile, placement: _Placement, budget_bytes: int, knobs: _Kn
                     break
                 more = resident.difference(members) | _spread(members, held + 1)
                 candidate = predict(profile, more, prefetch, modes)
-                if not _no_worse(candidate, step_s, prediction.peak_bytes):
+                if not fits(candidate):
                     break
                 resident, prediction = more, candidate
-    if knobs.prefetch is None:
-        for p in range(prefetch):
-            candidate = predict(profile, resident, p, modes)
-            if _no_worse(candidate, step_s, prediction.peak_bytes):
-                prefetch, prediction = p, candidate
-                break
-    return Plan.from_prediction(frozenset(resident), prefetch, modes, budget_bytes, prediction)
+    return resident, modes, prediction
 
 
 def _infeasible(profile: Profile, budget_bytes: int, smallest: Plan, knobs: _Knobs) -> InfeasibleBudget:
@@ -140,8 +178,9 @@ def solve(
     activations: Union[str, Sequence[str], None] = None,
     max_prefetch: int = 2,
 ) -> Plan:
-    """The placement with the least predicted step time that fits ``budget_bytes``, among those the least memory, and
-    among those the most resident blocks and the shallowest prefetch.
+    """The placement with the least predicted step time that fits ``budget_bytes``; among those, the one with the
+    fewest copies and recomputations the budget holds (:func:`_less_work`: ``"keep"`` rather than offload or
+    recompute, resident rather than streamed), then the shallowest prefetch.
 
     Args:
         profile: The measured costs.
