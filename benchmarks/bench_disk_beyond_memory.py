@@ -80,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", type=Path, default=Path(tempfile.gettempdir()), help="a folder on the disk to test")
     parser.add_argument("--times", type=float, default=1.5, help="the training state over the machine's memory")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: sized by --times)")
     parser.add_argument("--hidden", type=int, default=2560)
     parser.add_argument("--intermediate", type=int, default=6912)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     memory = machine_memory_bytes()
-    args.layers = layers_for(args, args.times * memory)
+    args.layers = args.layers or layers_for(args, args.times * memory)
     params, layer = count_params(args)
     # Two slots of each block's record (12 B a parameter) and its spilled gradients (4 B), as the tier's check asks.
     needed = 28 * args.layers * layer
