@@ -60,6 +60,21 @@ def test_a_correction_sets_the_term_the_plan_depends_on_so_that_it_predicts_what
     assert predict(corrected, plan.resident, plan.prefetch, plan.activations).peak_bytes == plan.predicted_peak_bytes
 
 
+def test_a_step_faster_than_predicted_never_fits_copies_faster_than_the_profile_timed_them() -> None:
+    """A noisy fast step once fitted the link at 0.10x its profiled time: later plans would count on copies the
+    link cannot give. Downward, the link stops at its profiled speed and the constant takes the rest."""
+    profile = make_profile(3)
+    plan = solve(profile, 2**40, resident_blocks=0, prefetch=2, activations="keep")
+    measured = 0.5 * plan.predicted_step_s
+    corrected, words = correct(profile, plan, measured)
+    assert corrected.link_slowdown >= 1.0, words
+    assert _predicted(corrected, plan) == pytest.approx(measured, rel=1e-9)
+    # Once slowed (an earlier upward fit), a fast step brings the link back no further than its profiled speed.
+    slowed = dataclasses.replace(profile, link_slowdown=3.0)
+    back, _ = correct(slowed, plan, 0.9 * _predicted(slowed, plan))
+    assert 1.0 <= back.link_slowdown < 3.0 and _predicted(back, plan) == pytest.approx(0.9 * _predicted(slowed, plan))
+
+
 def _feed(plan_check: PlanCheck, times: list[float]) -> list[Any]:
     """Gives each step's time; returns the plans the check asked to apply."""
     applied = []

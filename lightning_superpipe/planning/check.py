@@ -9,8 +9,8 @@ and then ``TIMED_STEPS``, the fastest of which is the plan's measured step (othe
 collector, a page fault only ever slow a step down: the fastest is the plan's own time, where a median of a few
 steps on a shared machine moved by tens of percent). Where it exceeds the prediction by more than
 ``TOLERANCE``, :func:`correct` sets one term of the model (:class:`~.profile.Profile`) so that the model predicts
-what was measured (and where it is more than ``TOLERANCE`` below, the same way down, and the plan stays), choosing
-by what the plan runs:
+what was measured (and where it is more than ``TOLERANCE`` below, the same way down, copies never faster than the
+profile timed them, and the plan stays), choosing by what the plan runs:
 
 1. a plan that offloads activations: ``offload_compute_s_per_byte``, the compute each offloaded byte costs;
 2. else a plan that streams at prefetch 1 on an asynchronous link: ``copy_spread``, how far a copy strays from its
@@ -85,8 +85,10 @@ def _fit(profile: Profile, plan: Plan, measured_s: float, name: str) -> Optional
         else:
             return None
     else:
-        # Downward, to no cost (no compute per offloaded byte; copies a thousandth of their profiled time).
-        low, high = (0.0 if name in ("offload_compute_s_per_byte", "copy_spread") else current / 1024), current
+        # Downward, to no cost (no compute per offloaded byte, no spread), but copies never faster than the profile
+        # timed them alone: a step faster than predicted is noise or overlap the model misses, and a link fitted
+        # faster than it is (0.10x, once, on a loaded machine) would promise every later plan copies it cannot have.
+        low, high = (0.0 if name in ("offload_compute_s_per_byte", "copy_spread") else min(current, 1.0)), current
         if at(low) > measured_s:
             return None
     for _ in range(_BISECTIONS):
