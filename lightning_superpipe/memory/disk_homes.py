@@ -49,6 +49,7 @@ from lightning_superpipe.memory.disk import (
 )
 from lightning_superpipe.memory.disk.home import DiskHome
 from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
+from lightning_superpipe.memory.disk_trunk import trunk_records
 from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
 
 #: Blocks whose masters are read ahead beyond the device slots.
@@ -69,7 +70,8 @@ class DiskTier(Homes):
         store: The blocks' store (parameters parked).
         block_params: Each block's streamed parameters, in block order (as the store holds them).
         transfer_dtype: The dtype the weights travel in (``None``: the masters').
-        state_names: The state-dict keys of the block parameters (tied aliases included).
+        state_names: The state-dict keys of the parameters in the store (tied aliases included).
+        trunk: The trunk parameters the store holds, each a record after the blocks' (:mod:`.disk_trunk`).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class DiskTier(Homes):
         block_params: Sequence[Sequence[nn.Parameter]],
         transfer_dtype: Optional[torch.dtype],
         state_names: set[str],
+        trunk: Sequence[nn.Parameter] = (),
     ) -> None:
         homes: list[Optional[DiskHome]] = []
         for index, params in enumerate(block_params):
@@ -91,8 +94,10 @@ class DiskTier(Homes):
         super().__init__(homes)
         self.store = store
         self.state_names = state_names
-        #: Each block parameter's block and position in it (as the store lists them).
-        self._place = {p: (i, j) for i, params in enumerate(block_params) for j, p in enumerate(params)}
+        #: The trunk parameters in the store, and their records (after the blocks').
+        self.trunk = trunk_records(len(block_params), trunk)
+        #: Each parameter's record in the store (a block's, or a trunk parameter's) and position in it.
+        self._place = {p: (i, j) for i, params in enumerate(store.params) for j, p in enumerate(params)}
         #: The device copies' reads (ahead, copied in, handed over by a pipelined step).
         self.reads = DiskReads(store)
         #: Manual optimization: any backward may be the last before a step (``self.clip_gradients`` needs norms).
@@ -126,17 +131,18 @@ class DiskTier(Homes):
         slots: int,
         resume: Optional[Path] = None,
         deferred: Optional[InitialValues] = None,
+        trunk: Sequence[nn.Parameter] = (),
     ) -> DiskTier:
-        """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
-        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them); ``deferred``
-        holds the init calls still to run for the blocks' parameters, each block's run into fresh tensors as it
-        is written.
+        """Writes the blocks, and the ``trunk`` parameters each as a record of its own after them, into a fresh
+        store under ``path`` (or restores a checkpoint's copy ``resume``) and parks their parameters. ``slots`` is how
+        many device slots stream (the reads ahead go beyond them); ``deferred`` holds the init calls still to run for
+        the blocks' parameters, each block's run into fresh tensors as it is written.
 
         Raises:
             DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
         """
         limit_heap_retention()  # else glibc keeps freed block-sized buffers and gradients resident
-        blocks = [{names[p]: p for p in params} for params in block_params]
+        blocks = [{names[p]: p for p in params} for params in [*block_params, *([p] for p in trunk)]]
         options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
                        read_ahead=slots + READ_AHEAD, min_buffers=2)
         if resume is not None:
@@ -145,7 +151,7 @@ class DiskTier(Homes):
             initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
             store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
         try:  # the store's pool holds two buffers at least (one read ahead, one for a spill or step)
-            return cls(store, block_params, transfer_dtype, state_names)
+            return cls(store, block_params, transfer_dtype, state_names, trunk)
         except BaseException:
             _unpark(store)
             store.close()
@@ -163,6 +169,7 @@ class DiskTier(Homes):
         store."""
         self.overlap = overlap
         overlap.step_block = self._step_block
+        overlap.homed_trunk = frozenset(self.trunk)  # stepped from their files after backward, never during it
         casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
         numel = max((h.numel for h in casts), default=0)
         self.reads.attach(link, arena, numel, casts[0].transfer_dtype if casts else None, slots)
@@ -222,9 +229,30 @@ class DiskTier(Homes):
         """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
         completion never came (a call whose output did not reach the loss) is handled now."""
         for index, params in enumerate(self.store.params):
-            if index not in self._completed and any(p.grad is not None for p in params):
+            if index >= len(self.homes):  # a trunk parameter's: complete now, stepped from its file after backward
+                self._trunk_done(index)
+            elif index not in self._completed and any(p.grad is not None for p in params):
                 self.block_done(index)
         self._completed = set()
+
+    def _trunk_done(self, index: int) -> None:
+        """A trunk parameter's gradient of this backward is complete: spilled with its norm after the last
+        micro-batch (any backward, in manual optimization), else left to accumulate in ``.grad``, where the next
+        micro-batches add to it and several ranks average it as they average the rest of the trunk."""
+        param = self.store.params[index][0]
+        if param.grad is not None and param in self._consumed:
+            raise RuntimeError(self._not_zeroed(param, "backward added to its gradient"))
+        if self.last_micro_batch or self.manual_optimization:
+            self._spill(index, norms=True)
+
+    def holds_trunk(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is a trunk parameter whose master is in the tier's files."""
+        return param in self.trunk
+
+    def copy_trunk_in(self, dst: Tensor, param: nn.Parameter, after: Event, what: str) -> Event:
+        """Copies the trunk parameter ``param``'s newest masters (stepped, or committed) into its device copy."""
+        index = self.trunk[param]
+        return self.reads.copy_in(dst.view(-1), index, param.numel(), param.dtype, param.dtype, after, what)
 
     def before_reduce(self, index: int) -> None:
         """Puts what earlier micro-batches spilled of block ``index``'s gradients back into ``.grad`` (one block in
@@ -414,7 +442,12 @@ class DiskTier(Homes):
             return None
         scale, clip_value, _ = self._take_step_settings()
         spilled = self._spilled_blocks()
+        trunk = [index for index in spilled if index >= len(self.homes)]
+        spilled = [index for index in spilled if index < len(self.homes)]
         self._launched = spilled
+        if trunk:  # now: the next forward starts with the embedding; the blocks' step commits it with them
+            self.store.step(optimizer, grads="disk", blocks=trunk, commit=not spilled, grad_scale=scale,
+                            grad_clip_value=clip_value)
         if not spilled:
             return None
         every_block = set(spilled) >= {i for i, home in enumerate(self.homes) if home is not None}
@@ -454,24 +487,24 @@ class DiskTier(Homes):
         stepped = self.store.pending
         if speculation is not None and stepped:
             if not self.gradients_changed:  # clipping's factor is exactly 1 (or None): it changes no bit
-                self.store.commit()
                 self.speculation_outcome = "committed"
-                return stepped
-            self.store.abort()  # the other slots go; the spilled gradients stay, for the step below
-            self.speculation_outcome, stepped = "redone", []
-        elif stepped:
-            if clip_value is not None:  # the overlapped step is off while clipping; this is a clip from elsewhere
-                self.store.abort()
-                raise RuntimeError(
-                    f"SuperpipeStrategy(offload_device='disk'): blocks {stepped[:4]} were stepped during backward (the"
-                    " overlapped step), and the gradients were clipped by value afterwards. Clip through"
-                    " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
-                )
-            self.store.commit()
-        spilled = self._spilled_blocks()
-        if spilled:
+            else:
+                self.store.abort()  # the other slots go; the spilled gradients stay, for the step below
+                self.speculation_outcome, stepped = "redone", []
+        elif stepped and clip_value is not None:  # the overlapped step is off while clipping: a clip from elsewhere
+            self.store.abort()
+            raise RuntimeError(
+                f"SuperpipeStrategy(offload_device='disk'): blocks {stepped[:4]} were stepped during backward (the"
+                " overlapped step), and the gradients were clipped by value afterwards. Clip through"
+                " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
+            )
+        # Those stepped during backward consumed their spilled gradients (their commit clears them): not again.
+        spilled = [index for index in self._spilled_blocks() if index not in stepped]
+        if spilled:  # one commit for every record of the step: those stepped during backward, the rest (the trunk's)
             self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value)
-        return stepped + spilled
+        elif stepped:
+            self.store.commit()
+        return stepped + [index for index in spilled if index < len(self.homes)]
 
     def _spilled_blocks(self) -> list[int]:
         """The blocks whose gradients are in their files, in block order."""
@@ -504,10 +537,10 @@ class DiskTier(Homes):
         """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
         and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run),
         ``disk_fused_reads`` (blocks a forward copied from the buffer their pipelined step left them in, not read
-        again), and
-        ``disk_seconds``: where the tier's time went over the run (:class:`~lightning_superpipe.memory.disk.IoClock`:
-        the disk busy, reads and writes in flight, ``fsync``, waits for pool buffers, for reads, for durable writes,
-        and the step's arithmetic)."""
+        again), ``disk_trunk_parameters`` and ``disk_trunk_bytes`` (the trunk parameters in the files, and their
+        committed records' bytes), and ``disk_seconds``: where the tier's time went over the run
+        (:class:`~lightning_superpipe.memory.disk.IoClock`: the disk busy, reads and writes in flight, ``fsync``, waits
+        for pool buffers, for reads, for durable writes, and the step's arithmetic)."""
         folder = self.store.path
         files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
         return {
@@ -518,6 +551,8 @@ class DiskTier(Homes):
             "disk_bytes_read": self.store.bytes_read,
             "disk_bytes_written": self.store.bytes_written,
             "disk_fused_reads": self.reads.fused_reads,
+            "disk_trunk_parameters": len(self.trunk),
+            "disk_trunk_bytes": sum(self.store.records[index].file_bytes for index in self.trunk.values()),
             "disk_seconds": self.store.io_seconds(),
         }
 
