@@ -228,21 +228,21 @@ class DiskTier(Homes):
     def end_backward(self) -> None:
         """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
         completion never came (a call whose output did not reach the loss) is handled now."""
-        for index, params in enumerate(self.store.params):
-            if index >= len(self.homes):  # a trunk parameter's: complete now, stepped from its file after backward
-                self._trunk_done(index)
-            elif index not in self._completed and any(p.grad is not None for p in params):
+        for index, params in enumerate(self.store.params[: len(self.homes)]):
+            if index not in self._completed and any(p.grad is not None for p in params):
                 self.block_done(index)
         self._completed = set()
+        if self.last_micro_batch and not self.manual_optimization:
+            self._spill_trunk()
 
-    def _trunk_done(self, index: int) -> None:
-        """A trunk parameter's gradient of this backward is complete: spilled with its norm after the last
-        micro-batch (any backward, in manual optimization), else left to accumulate in ``.grad``, where the next
-        micro-batches add to it and several ranks average it as they average the rest of the trunk."""
-        param = self.store.params[index][0]
-        if param.grad is not None and param in self._consumed:
-            raise RuntimeError(self._not_zeroed(param, "backward added to its gradient"))
-        if self.last_micro_batch or self.manual_optimization:
+    def _spill_trunk(self) -> None:
+        """Spills the gradients of the trunk parameters in the files, with their norms, once no backward adds to them
+        before the step (the last micro-batch's; in manual optimization, as clipping or the step begins): until then
+        they accumulate in ``.grad``, where several ranks average them as the rest of the trunk."""
+        for index in self.trunk.values():
+            param = self.store.params[index][0]
+            if param.grad is not None and param in self._consumed:
+                raise RuntimeError(self._not_zeroed(param, "backward added to its gradient"))
             self._spill(index, norms=True)
 
     def holds_trunk(self, param: nn.Parameter) -> bool:
@@ -319,6 +319,7 @@ class DiskTier(Homes):
 
         def closure_then_check() -> Any:
             result = closure()
+            self._spill_trunk()  # manual optimization: before the optimizer's own step (or a scaler) sees them
             if self._consumed:
                 raise RuntimeError(self._not_zeroed(next(iter(self._consumed)), "the optimizer is stepping it again"))
             return result
@@ -371,6 +372,7 @@ class DiskTier(Homes):
 
         if clip_val is None or clip_val <= 0:
             return
+        self._spill_trunk()  # manual optimization: counted, and clipped, with the blocks' spilled gradients
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             trunk = [p for group in optimizer.param_groups for p in group["params"]
                      if p not in self._place and p.grad is not None]
