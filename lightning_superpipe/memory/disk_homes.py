@@ -17,7 +17,8 @@ knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of
   disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
   ``torch.nn.utils.clip_grad_norm_`` computes it: at once, or pipelined (:meth:`DiskTier.launch_step`) on the
   optimizer thread while the next forward runs, which copies each block from the buffer its step left it in. The
-  trunk (embeddings, head) is stepped in memory.
+  trunk's matrices (embeddings, head) are records of the store too, stepped from their files after backward
+  (:mod:`.disk_trunk`); its vectors (norms, biases) are stepped in memory.
   The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:meth:`DiskTier.zero_grad`), which is
   what manual optimization needs; a step consumes them.
 * **Several ranks**: each keeps its own store, stepped alike from the averaged gradients; under accumulation a
