@@ -52,6 +52,8 @@ Usage:
     python benchmarks/bench_disk_strategy.py --path /nvme/scratch --layers 48 --json results.json
     python benchmarks/bench_disk_strategy.py --fused-read --steps 6     # the step after backward vs pipelined
     python benchmarks/bench_disk_strategy.py --pieces --json pieces.json   # host_buffer_bytes 256 MiB, 1 GiB vs whole
+    python benchmarks/bench_disk_strategy.py --trunk --vocab 32000 --layers 4 --hidden 512 --intermediate 1024
+        # the trunk (embedding, untied head) in the tier's files vs in host memory
 """
 
 from __future__ import annotations
@@ -331,6 +333,39 @@ def pieces(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+def trunk(args: argparse.Namespace) -> dict[str, Any]:
+    """The disk tier with the trunk's matrices (the embedding and the untied head) in its files, as it trains them,
+    against the same run with them in host memory (``--trunk-in-memory``: the rule of
+    :mod:`lightning_superpipe.memory.disk_trunk` switched off in that process), a model built in
+    ``configure_model`` (so that the peak is the tier's), in alternating rounds. Per run: the peak RSS while
+    training and over the whole process, each minus the RSS after the imports, the pool's peak, the mean step time
+    (the steps after the first) and the tier's files; and whether the losses are equal."""
+    params, layer = count_params(args)
+    runs: dict[str, list[dict[str, Any]]] = {"trunk_on_disk": [], "trunk_in_memory": []}
+    for _ in range(args.rounds):
+        for name in runs:
+            args.trunk_in_memory = name == "trunk_in_memory"
+            runs[name].append(child("configured", args))
+            shutil.rmtree(args.folder)
+            args.folder.mkdir()
+    figures: dict[str, Any] = {
+        "params": params, "layer_params": layer, "trunk_params": params - args.layers * layer - args.hidden,
+        "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab, "steps": args.steps,
+        "rounds": args.rounds, "threads": args.threads, "host_buffer_bytes": args.host_buffer_bytes,
+        "losses_equal": len({json.dumps(r["losses"]) for rs in runs.values() for r in rs}) == 1,
+    }
+    for name, rs in runs.items():
+        imports = [r["rss_after_imports_bytes"] for r in rs]
+        figures[name] = {
+            "peak_disk_pool_host_bytes": [r["peak_disk_pool_host_bytes"] for r in rs],
+            "peak_rss_training_minus_imports_bytes": [r["peak_rss_training_bytes"] - i for r, i in zip(rs, imports)],
+            "peak_rss_minus_imports_bytes": [r["peak_rss_bytes"] - i for r, i in zip(rs, imports)],
+            "step_s": [sum(r["step_s"][1:]) / max(len(r["step_s"]) - 1, 1) for r in rs],
+            "disk_bytes": [r["disk_bytes"] for r in rs],
+        }
+    return figures
+
+
 def save_model(args: argparse.Namespace) -> dict[str, Any]:
     """The model the ``disk`` run trains (same seed), saved with ``save_pretrained`` for the ``loaded`` run."""
     from transformers import LlamaForCausalLM
@@ -345,6 +380,8 @@ def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     for name in ("layers", "hidden", "intermediate", "vocab", "seq", "batch", "steps", "threads", "overlap"):
         command += [f"--{name}", str(getattr(args, name))]
     command += ["--raw-bytes", str(args.raw_bytes)]
+    if getattr(args, "trunk_in_memory", False):
+        command.append("--trunk-in-memory")
     if args.host_buffer_bytes is not None:
         command += ["--host-buffer-bytes", str(args.host_buffer_bytes)]
     print(f"[{role}] ...", file=sys.stderr, flush=True)
@@ -378,7 +415,10 @@ def main() -> None:
                         help="only the disk tier (model built in configure_model): whole-block buffers (--buffers)"
                              " against each host_buffer_bytes of --bounds, in --rounds alternating rounds")
     parser.add_argument("--bounds", default=f"{256 << 20},{1 << 30}", help="--pieces: host_buffer_bytes values")
-    parser.add_argument("--rounds", type=int, default=2, help="--pieces: rounds of the runs")
+    parser.add_argument("--rounds", type=int, default=2, help="--pieces, --trunk: rounds of the runs")
+    parser.add_argument("--trunk", action="store_true",
+                        help="the trunk's matrices in the tier's files vs in host memory (use a large --vocab)")
+    parser.add_argument("--trunk-in-memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overlap", choices=list(OVERLAP_KNOBS), default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["host", "disk", "resumed", "configured", "loaded", "save", "raw"],
                         default=None, help=argparse.SUPPRESS)
@@ -388,7 +428,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.role is not None:
+        from lightning_superpipe.memory import disk_trunk
         from lightning_superpipe.memory.disk import limit_heap_retention
+
+        if args.trunk_in_memory:  # no trunk parameter has this many dimensions: all stay in host memory
+            disk_trunk.TRUNK_ON_DISK_MIN_DIMS = 1 << 30
 
         limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike (see bench_disk.py)
         runner = {"raw": run_raw, "save": save_model}.get(args.role, run_fit)
@@ -406,9 +450,9 @@ def main() -> None:
     if needed * 1.1 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.1 / GB:.1f} GB.")
     args.folder = Path(tempfile.mkdtemp(prefix="superpipe-bench-disk-strategy-", dir=args.path))
-    if args.fused_read or args.pieces:
+    if args.fused_read or args.pieces or args.trunk:
         try:
-            figures = (pieces if args.pieces else fused_read)(args)
+            figures = (pieces if args.pieces else trunk if args.trunk else fused_read)(args)
         finally:
             shutil.rmtree(args.folder, ignore_errors=True)
         print(json.dumps(figures, indent=2))

@@ -175,7 +175,11 @@ def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(m
     small = parts(SMALL_POOL)
     assert small.least_pool <= small.pool <= SMALL_POOL
     assert small.gradients == 2 * 4 * largest and small.staging == 3 * 2 * largest
-    assert small.trunk == 12 * sum(p.numel() for p in trunk)  # AdamW: a gradient and two moments
+    # AdamW: the head's bias (a vector, in host memory) a gradient and two moments; its weight (a matrix, in the
+    # files: a record of its own in the pool's pieces) only the gradient arriving before its spill.
+    vectors, matrices = [p for p in trunk if p.dim() == 1], [p for p in trunk if p.dim() >= 2]
+    assert vectors and matrices
+    assert small.trunk == 12 * sum(p.numel() for p in vectors) + 4 * sum(p.numel() for p in matrices)
     assert parts(None).pool > SMALL_POOL  # the default: whole blocks' buffers
     monkeypatch.setattr(disk_budget, "available_host_bytes", lambda: small.total)
     disk_budget.check_disk_host_room(small, SMALL_POOL)
@@ -192,3 +196,18 @@ def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(m
         disk_budget.check_disk_host_room(small, SMALL_POOL)
     with pytest.raises(DiskTierError, match=f"Give at least {small.least_pool} "):
         parts(small.least_pool - 4096)
+
+
+def test_the_trunk_goes_to_the_files_by_a_rule_matrices_that_train_vectors_and_frozen_ones_stay() -> None:
+    """The disk tier's trunk rule: floating matrices (or more) that train go to the files, once each (a tied
+    embedding and head are one parameter); vectors, frozen and integer parameters stay in host memory."""
+    from torch import nn
+
+    from lightning_superpipe.memory.disk_trunk import trunk_on_disk, trunk_records
+
+    embedding, norm = nn.Parameter(torch.zeros(96, 32)), nn.Parameter(torch.ones(32))
+    frozen, cls_token = nn.Parameter(torch.zeros(4, 32), requires_grad=False), nn.Parameter(torch.zeros(1, 1, 32))
+    counts = nn.Parameter(torch.zeros(4, 4, dtype=torch.int64), requires_grad=False)
+    chosen = trunk_on_disk([embedding, norm, frozen, cls_token, counts, embedding])
+    assert [id(p) for p in chosen] == [id(embedding), id(cls_token)]
+    assert list(trunk_records(3, chosen).values()) == [3, 4]  # after the three blocks' records

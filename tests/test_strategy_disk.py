@@ -458,6 +458,10 @@ def test_memory_report_counts_the_tier_and_the_pool_stays_bounded(tmp_path: Path
     block_bytes = sum(p.numel() * 4 for layer in task.model.model.layers for p in layer.parameters() if p.ndim >= 1)
     assert report["disk_bytes"] >= 2 * 3 * block_bytes  # two slots of every block: masters and two moments
     assert 0 < report["peak_disk_pool_host_bytes"] <= 1 << 20
+    # The embedding and the untied head train from the files too (the final norm, a vector, stays in memory).
+    trunk = [task.model.model.embed_tokens.weight, task.model.lm_head.weight]
+    assert report["disk_trunk_parameters"] == 2
+    assert report["disk_trunk_bytes"] >= 3 * sum(p.numel() * 4 for p in trunk)
     # Each micro-batch reads every block's masters twice (forward, recomputation in backward); each step reads and
     # writes every record and the spilled gradients.
     assert report["disk_bytes_read"] > 2 * 4 * block_bytes
@@ -762,18 +766,20 @@ def test_state_dict_during_the_run_holds_the_weights_of_that_step(tmp_path: Path
 
 def test_a_block_parameter_read_directly_during_the_run_is_nan_not_plausible_zeros(tmp_path: Path) -> None:
     """A callback reading a block parameter's values itself gets the placeholder's NaN (its values are in the files;
-    ``state_dict()`` gives them), the trunk's parameters their values."""
+    ``state_dict()`` gives them), as for the trunk's matrices in the files (the embedding); the trunk's vectors, in
+    host memory, their values."""
     class ReadWeights(tasks.pl.Callback):
-        block = trunk = torch.empty(0)
+        block = trunk = embedding = torch.empty(0)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             self.block = pl_module.model.model.layers[0].mlp.down_proj.weight.detach().clone()
-            self.trunk = pl_module.model.model.embed_tokens.weight.detach().clone()
+            self.trunk = pl_module.model.model.norm.weight.detach().clone()
+            self.embedding = pl_module.model.model.embed_tokens.weight.detach().clone()
 
     read = ReadWeights()
     tasks.fit("llama", _disk(tmp_path / "tier"), callbacks=[read], max_steps=2)
     assert read.block.numel() and bool(read.block.isnan().all())
-    assert bool(read.trunk.isfinite().all())
+    assert bool(read.trunk.isfinite().all()) and bool(read.embedding.isnan().all())
 
 
 def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp_path: Path) -> None:
@@ -781,7 +787,7 @@ def test_load_state_dict_during_the_run_is_refused_before_anything_is_loaded(tmp
     build, kind = tasks.EXAMPLES["llama"]
     tasks.pl.seed_everything(7, verbose=False)
     task = tasks.Task(build, kind)
-    message = (r"load_state_dict during the run would write 'model\.model\.layers\.0\.[\w.]+', a block parameter"
+    message = (r"load_state_dict during the run would write 'model\.model\.[\w.]+', a parameter"
                r" whose values are in the tier's files .* Nothing was loaded\.$")
     with pytest.raises(RuntimeError, match=message):
         tasks.trainer(_disk(tmp_path / "tier"), callbacks=[callback]).fit(task, batches.data(kind))
@@ -942,20 +948,23 @@ def test_a_step_hook_for_every_optimizer_is_refused_too(tmp_path: Path) -> None:
 
 def test_hooks_between_backward_and_the_step_are_told_block_gradients_are_not_there(tmp_path: Path) -> None:
     """An overridden ``on_before_optimizer_step`` (e.g. logging gradient norms) gets one warning naming it; it sees
-    the trunk's gradients and ``None`` for the blocks', and the steps, pipelined, equal the host tier's. Without
-    such a hook, no warning."""
+    the trunk's vectors' gradients (the final norm's) and ``None`` for the blocks' and the trunk's matrices' (the
+    head's, spilled to the files too), and the steps, pipelined, equal the host tier's. Without such a hook, no
+    warning."""
     seen: list[tuple[int, int]] = []
 
     class Logging(tasks.Task):
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             layers = list(self.model.model.layers.parameters())
-            seen.append((sum(p.grad is not None for p in layers), int(self.model.lm_head.weight.grad is not None)))
+            head, norm = self.model.lm_head.weight, self.model.model.norm.weight
+            seen.append((sum(p.grad is not None for p in layers), int(head.grad is not None),
+                         int(norm.grad is not None)))
 
     build, kind = tasks.EXAMPLES["llama"]
     strategy = _disk(tmp_path / "tier")
     with pytest.warns(UserWarning, match=r"offload_device='disk'.*Logging\.on_before_optimizer_step will see"):
         streamed = tasks.fit_task(lambda: Logging(build, kind), strategy, batches.data(kind), max_steps=2)
-    assert seen == [(0, 1), (0, 1)]
+    assert seen == [(0, 0, 1), (0, 0, 1)]
     # The hook may rewrite gradients after backward: the steps are pipelined, from the spilled gradients.
     assert strategy.memory_report()["optimizer_step_modes"]["pipelined"] == 2
     _assert_same(streamed, tasks.fit_task(lambda: Logging(build, kind), "superpipe", batches.data(kind), max_steps=2))
@@ -1045,8 +1054,9 @@ def test_a_model_built_in_configure_model_reaches_the_files_block_by_block_with_
         streamed = _fit_configure_model(family, _disk(tmp_path / "tier"))
     _assert_same(streamed, host)
     manifest = json.loads((tmp_path / "tier" / disk.MANIFEST).read_text())
-    blocks = {name for block in manifest["names"] for name in block}
-    assert blocks and fresh == dict.fromkeys(blocks, True)  # every block parameter's values made apart from it
+    # Every block parameter's values made apart from it (the trunk's matrices in the files follow, after the blocks).
+    blocks = {name for block in manifest["names"] for name in block if re.search(r"\.(layers|h)\.\d", name)}
+    assert blocks and {name: fresh.get(name) for name in blocks} == dict.fromkeys(blocks, True)
     assert tasks.max_relative_difference(streamed, _BuiltInConfigureModel(family)) > 1e-3  # it trained
 
 

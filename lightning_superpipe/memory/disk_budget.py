@@ -5,9 +5,10 @@ The tier's host memory is its pool of buffers (``host_buffer_bytes``, or by defa
 block's record, masters, optimizer state and gradients), the gradients of up to two blocks at once as they arrive
 from the device (one arriving, one being spilled or stepped), the staging buffers of the cast to the transfer dtype
 (one per device slot and one more, of the largest block, page-locked), and the trunk (the parameters outside the
-blocks, e.g. embeddings and an untied head), whose gradients and optimizer state stay in host memory beside its
-masters. With a bound, the pool is independent of the model: blocks larger than a buffer go in pieces
-(:mod:`~lightning_superpipe.memory.disk.pieces`).
+blocks): the small ones (norms, biases) with their gradients and optimizer state, and of the large ones, which keep
+their masters and optimizer state in the tier's files (:mod:`~lightning_superpipe.memory.disk_trunk`), the gradient
+arriving in host memory until the step's spill. With a bound, the pool is independent of the model: records larger
+than a buffer go in pieces (:mod:`~lightning_superpipe.memory.disk.pieces`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_superpipe.memory.disk import DiskStore, probe_state_size
 from lightning_superpipe.memory.disk_homes import READ_AHEAD
+from lightning_superpipe.memory.disk_trunk import trunk_on_disk
 from lightning_superpipe.memory.host_memory import HostMemoryError, available_host_bytes
 from lightning_superpipe.memory.pinned import PAGE
 from lightning_superpipe.units import format_bytes
@@ -36,7 +38,8 @@ class DiskHostBytes:
         least_pool: The least ``host_buffer_bytes`` the store works with.
         gradients: Two blocks' gradients arriving from the device.
         staging: The staging buffers of the cast to the transfer dtype.
-        trunk: The trunk's gradients and optimizer state.
+        trunk: The trunk's host state: the small parameters' gradients and optimizer state, the gradients of those in
+            the files.
     """
 
     pool: int
@@ -58,7 +61,7 @@ class DiskHostBytes:
         return (
             f"the pool's buffers {format_bytes(self.pool)}, two blocks' gradients arriving"
             f" {format_bytes(self.gradients)}, the cast's staging {format_bytes(self.staging)}, the trunk's gradients"
-            f" and optimizer state {format_bytes(self.trunk)}"
+            f" and in-memory optimizer state {format_bytes(self.trunk)}"
         )
 
 
@@ -70,14 +73,16 @@ def disk_host_bytes(
     slots: int,
     host_buffer_bytes: Optional[int],
 ) -> DiskHostBytes:
-    """The host bytes the disk tier will hold for these blocks (``slots`` device slots stream them) and trunk.
+    """The host bytes the disk tier will hold for these blocks (``slots`` device slots stream them) and trunk, whose
+    large parameters go to the files as records of their own when it trains (they count in the pool's buffers).
 
     Raises:
         DiskTierError: ``host_buffer_bytes`` is below the least pool the store works with (the message names it).
     """
     fitting = optimizer is not None
+    on_disk = trunk_on_disk(trunk_params) if fitting else []
     buffer_bytes, count, least = DiskStore.pool_for(
-        block_params,
+        [*block_params, *([p] for p in on_disk)],
         optimizer,
         spill_grads=fitting,
         host_buffer_bytes=host_buffer_bytes,
@@ -89,7 +94,8 @@ def disk_host_bytes(
     casts = transfer_dtype is not None and any(dtype != transfer_dtype for dtype in dtypes)
     staging = (slots + 1) * largest * transfer_dtype.itemsize if casts and transfer_dtype is not None else 0
     per_element = 4 + probe_state_size(optimizer).per_element if fitting else 0
-    trunk = int(per_element * sum(p.numel() for p in trunk_params if p.requires_grad))
+    in_memory = [p for p in trunk_params if p.requires_grad and all(p is not q for q in on_disk)]
+    trunk = int(per_element * sum(p.numel() for p in in_memory)) + sum(p.numel() * p.element_size() for p in on_disk)
     return DiskHostBytes(buffer_bytes * count, least, 2 * 4 * largest if fitting else 0, staging, trunk)
 
 

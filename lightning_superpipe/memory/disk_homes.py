@@ -17,7 +17,8 @@ knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of
   disk after the closure, clipped by the global norm the spilled norms and the trunk's give, as
   ``torch.nn.utils.clip_grad_norm_`` computes it: at once, or pipelined (:meth:`DiskTier.launch_step`) on the
   optimizer thread while the next forward runs, which copies each block from the buffer its step left it in. The
-  trunk (embeddings, head) is stepped in memory.
+  trunk's matrices (embeddings, head) are records of the store too, stepped from their files after backward
+  (:mod:`.disk_trunk`); its vectors (norms, biases) are stepped in memory.
   The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:meth:`DiskTier.zero_grad`), which is
   what manual optimization needs; a step consumes them.
 * **Several ranks**: each keeps its own store, stepped alike from the averaged gradients; under accumulation a
@@ -48,8 +49,10 @@ from lightning_superpipe.memory.disk import (
     limit_heap_retention,
 )
 from lightning_superpipe.memory.disk.home import DiskHome
+from lightning_superpipe.memory.disk_clipping import clip_by_global_norm, scaler_found_inf, spilled_norms
 from lightning_superpipe.memory.disk_frozen import FrozenFiles
 from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
+from lightning_superpipe.memory.disk_trunk import trunk_records
 from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
 from lightning_superpipe.memory.packed import split_packed
 
@@ -71,8 +74,9 @@ class DiskTier(Homes):
         store: The blocks' store (parameters parked).
         block_params: Each block's streamed parameters, in block order (as the store holds them).
         transfer_dtype: The dtype the weights travel in (``None``: the masters').
-        state_names: The state-dict keys of the block parameters (tied aliases included).
+        state_names: The state-dict keys of the parameters in the store (tied aliases included).
         frozen: The blocks' frozen packed weights (a 4-bit base), written to their read-only files already.
+        trunk: The trunk parameters the store holds, each a record after the blocks' (:mod:`.disk_trunk`).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class DiskTier(Homes):
         transfer_dtype: Optional[torch.dtype],
         state_names: set[str],
         frozen: Optional[FrozenFiles] = None,
+        trunk: Sequence[nn.Parameter] = (),
     ) -> None:
         homes: list[Optional[DiskHome]] = []
         for index, params in enumerate(block_params):
@@ -101,8 +106,10 @@ class DiskTier(Homes):
         self.frozen_names: set[str] = set()
         self.store = store
         self.state_names = state_names
-        #: Each block parameter's block and position in it (as the store lists them).
-        self._place = {p: (i, j) for i, params in enumerate(block_params) for j, p in enumerate(params)}
+        #: The trunk parameters in the store, and their records (after the blocks').
+        self.trunk = trunk_records(len(block_params), trunk)
+        #: Each parameter's record in the store (a block's, or a trunk parameter's) and position in it.
+        self._place = {p: (i, j) for i, params in enumerate(store.params) for j, p in enumerate(params)}
         #: The device copies' reads (ahead, copied in, handed over by a pipelined step).
         self.reads = DiskReads(store)
         #: Manual optimization: any backward may be the last before a step (``self.clip_gradients`` needs norms).
@@ -137,12 +144,14 @@ class DiskTier(Homes):
         resume: Optional[Path] = None,
         deferred: Optional[InitialValues] = None,
         frozen: Optional[FrozenFiles] = None,
+        trunk: Sequence[nn.Parameter] = (),
     ) -> DiskTier:
-        """Writes the blocks into a fresh store under ``path`` (or restores a checkpoint's copy ``resume``) and parks
-        their parameters. ``slots`` is how many device slots stream (the reads ahead go beyond them); ``deferred``
-        holds the init calls still to run for the blocks' parameters, each block's run into fresh tensors as it
-        is written. The blocks' packed weights (a 4-bit base) go to ``frozen``'s read-only files, not to the store
-        (those of blocks ``frozen`` holds already are not written again).
+        """Writes the blocks, and the ``trunk`` parameters each as a record of its own after them, into a fresh
+        store under ``path`` (or restores a checkpoint's copy ``resume``) and parks their parameters. ``slots`` is how
+        many device slots stream (the reads ahead go beyond them); ``deferred`` holds the init calls still to run for
+        the blocks' parameters, each block's run into fresh tensors as it is written. The blocks' packed weights (a
+        4-bit base) go to ``frozen``'s read-only files, not to the store (those of blocks ``frozen`` holds already are
+        not written again).
 
         Raises:
             DiskTierError: The folder is too small, a file is missing, the bound is too small (names the bytes).
@@ -151,7 +160,7 @@ class DiskTier(Homes):
         if frozen is not None:  # the 4-bit base: once, into read-only files of its own (a step never writes them)
             frozen.write_missing(block_params)
         block_params = [split_packed(params)[0] for params in block_params]
-        blocks = [{names[p]: p for p in params} for params in block_params]
+        blocks = [{names[p]: p for p in params} for params in [*block_params, *([p] for p in trunk)]]
         options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
                        read_ahead=slots + READ_AHEAD, min_buffers=2)
         if resume is not None:
@@ -160,7 +169,7 @@ class DiskTier(Homes):
             initial = None if deferred is None else (lambda index: deferred.initial_values(blocks[index]))
             store = DiskStore.create(path, blocks, optimizer, overwrite=True, initial=initial, **options)
         try:  # the store's pool holds two buffers at least (one read ahead, one for a spill or step)
-            return cls(store, block_params, transfer_dtype, state_names, frozen)
+            return cls(store, block_params, transfer_dtype, state_names, frozen, trunk)
         except BaseException:
             _unpark(store)
             store.close()
@@ -178,6 +187,7 @@ class DiskTier(Homes):
         store."""
         self.overlap = overlap
         overlap.step_block = self._step_block
+        overlap.homed_trunk = frozenset(self.trunk)  # stepped from their files after backward, never during it
         casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
         numel = max((h.master_numel for h in casts), default=0)  # the frozen weights travel as they are
         self.reads.attach(link, arena, numel, casts[0].transfer_dtype if casts else None, slots)
@@ -246,10 +256,31 @@ class DiskTier(Homes):
     def end_backward(self) -> None:
         """After backward, before the overlapped steps are awaited: a block whose gradients arrived but whose
         completion never came (a call whose output did not reach the loss) is handled now."""
-        for index, params in enumerate(self.store.params):
+        for index, params in enumerate(self.store.params[: len(self.homes)]):
             if index not in self._completed and any(p.grad is not None for p in params):
                 self.block_done(index)
         self._completed = set()
+        if self.last_micro_batch and not self.manual_optimization:
+            self._spill_trunk()
+
+    def _spill_trunk(self) -> None:
+        """Spills the gradients of the trunk parameters in the files, with their norms, once no backward adds to them
+        before the step (the last micro-batch's; in manual optimization, as clipping or the step begins): until then
+        they accumulate in ``.grad``, where several ranks average them as the rest of the trunk."""
+        for index in self.trunk.values():
+            param = self.store.params[index][0]
+            if param.grad is not None and param in self._consumed:
+                raise RuntimeError(self._not_zeroed(param, "backward added to its gradient"))
+            self._spill(index, norms=True)
+
+    def holds_trunk(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is a trunk parameter whose master is in the tier's files."""
+        return param in self.trunk
+
+    def copy_trunk_in(self, dst: Tensor, param: nn.Parameter, after: Event, what: str) -> Event:
+        """Copies the trunk parameter ``param``'s newest masters (stepped, or committed) into its device copy."""
+        index = self.trunk[param]
+        return self.reads.copy_in(dst.view(-1), index, param.numel(), param.dtype, param.dtype, after, what)
 
     def before_reduce(self, index: int) -> None:
         """Puts what earlier micro-batches spilled of block ``index``'s gradients back into ``.grad`` (one block in
@@ -316,6 +347,7 @@ class DiskTier(Homes):
 
         def closure_then_check() -> Any:
             result = closure()
+            self._spill_trunk()  # manual optimization: before the optimizer's own step (or a scaler) sees them
             if self._consumed:
                 raise RuntimeError(self._not_zeroed(next(iter(self._consumed)), "the optimizer is stepping it again"))
             return result
@@ -368,6 +400,7 @@ class DiskTier(Homes):
 
         if clip_val is None or clip_val <= 0:
             return
+        self._spill_trunk()  # manual optimization: counted, and clipped, with the blocks' spilled gradients
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             trunk = [p for group in optimizer.param_groups for p in group["params"]
                      if p not in self._place and p.grad is not None]
@@ -375,59 +408,20 @@ class DiskTier(Homes):
                 torch.nn.utils.clip_grad_value_(trunk, clip_val)
             self._grad_clip_value = float(clip_val)
             return
-        block_norms = self._block_norms()
-        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        trunk_grads: list[Tensor] = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param in self._place:
-                    norm = block_norms.get(param)
-                    if norm is not None:
-                        if self._grad_unscale is not None:  # a power of two: the unscaled gradient's norm exactly
-                            norm = norm * self._grad_unscale
-                        groups.setdefault((torch.device("cpu"), param.dtype), []).append(norm)
-                elif param.grad is not None:
-                    trunk_grads.append(param.grad)
-                    groups.setdefault((param.grad.device, param.grad.dtype), []).append(
-                        torch.linalg.vector_norm(param.grad, 2.0)
-                    )
-        norms = [norm for group_norms in groups.values() for norm in group_norms]
-        if not norms:
-            return
-        first = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([norm.to(first) for norm in norms]), 2.0)
-        scale = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        for grad in trunk_grads:
-            grad.mul_(scale.to(grad.device))
-        self._grad_scale = scale
+        scale = clip_by_global_norm(optimizer, self._place, self._block_norms(), self._grad_unscale, clip_val)
+        if scale is not None:
+            self._grad_scale = scale
 
     def _block_norms(self) -> dict[nn.Parameter, Optional[Tensor]]:
-        """The 2-norm of each spilled block gradient (of its sum over the micro-batches)."""
-        for index, params in enumerate(self.store.params):
-            if self.store.spilled(index) and not self.store.has_norms(index):
-                # Spilled in an earlier micro-batch only: read back once for the norms.
-                self.store.spill_grads(index, [None] * len(params), accumulate=True, norms=True)
-        norms: dict[nn.Parameter, Optional[Tensor]] = {}
-        for index, params in enumerate(self.store.params):
-            if self.store.spilled(index):
-                norms.update(zip(params, self.store.grad_norms(index)))
-        return norms
+        """The 2-norm of each spilled gradient (of its sum over the micro-batches): the blocks' and the trunk's."""
+        return spilled_norms(self.store)
 
     def unscale(self, scaler: Any, optimizer: Optimizer) -> None:
-        """Completes ``GradScaler.unscale_(optimizer)``, which saw the trunk's gradients only: a spilled block
-        gradient whose norm is not finite counts as the scaler's non-finite gradient (so ``scaler.step`` skips the
-        step and ``scaler.update`` lowers the scale, as for one in memory), and the blocks' gradients are unscaled
-        as they are stepped from disk (1/scale, a power of two: bitwise what unscaling them in memory gives).
-        The scaler's per-optimizer state has held ``found_inf_per_device`` since torch 1.6."""
-        found = any(n is not None and not bool(torch.isfinite(n)) for n in self._block_norms().values())
+        """Completes ``GradScaler.unscale_(optimizer)``, which saw the gradients in memory only (see
+        :func:`.disk_clipping.scaler_found_inf`); the spilled gradients are unscaled as they are stepped from disk
+        (1/scale, a power of two: bitwise what unscaling them in memory gives)."""
         self._grad_unscale = scaler._scale.double().reciprocal().float().cpu()  # as unscale_ computes it
-        per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        cpu = torch.device("cpu")
-        if cpu not in per_device:  # also when every gradient is a block's: scaler.step needs one check at least
-            per_device[cpu] = torch.zeros(1)
-        if found:
-            per_device[cpu].fill_(1.0)
-        self._found_inf = any(bool(flag.item()) for flag in per_device.values())
+        self._found_inf = scaler_found_inf(scaler, optimizer, self._block_norms())
 
     def launch_step(self, optimizer: Optimizer) -> Optional[KindSteps]:
         """The step is pipelined: the blocks' step from their spilled gradients, to run on the optimizer thread in
@@ -439,7 +433,12 @@ class DiskTier(Homes):
             return None
         scale, clip_value, _ = self._take_step_settings()
         spilled = self._spilled_blocks()
+        trunk = [index for index in spilled if index >= len(self.homes)]
+        spilled = [index for index in spilled if index < len(self.homes)]
         self._launched = spilled
+        if trunk:  # now: the next forward starts with the embedding; the blocks' step commits it with them
+            self.store.step(optimizer, grads="disk", blocks=trunk, commit=not spilled, grad_scale=scale,
+                            grad_clip_value=clip_value)
         if not spilled:
             return None
         every_block = set(spilled) >= {i for i, home in enumerate(self.homes) if home is not None}
@@ -479,24 +478,24 @@ class DiskTier(Homes):
         stepped = self.store.pending
         if speculation is not None and stepped:
             if not self.gradients_changed:  # clipping's factor is exactly 1 (or None): it changes no bit
-                self.store.commit()
                 self.speculation_outcome = "committed"
-                return stepped
-            self.store.abort()  # the other slots go; the spilled gradients stay, for the step below
-            self.speculation_outcome, stepped = "redone", []
-        elif stepped:
-            if clip_value is not None:  # the overlapped step is off while clipping; this is a clip from elsewhere
-                self.store.abort()
-                raise RuntimeError(
-                    f"SuperpipeStrategy(offload_device='disk'): blocks {stepped[:4]} were stepped during backward (the"
-                    " overlapped step), and the gradients were clipped by value afterwards. Clip through"
-                    " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
-                )
-            self.store.commit()
-        spilled = self._spilled_blocks()
-        if spilled:
+            else:
+                self.store.abort()  # the other slots go; the spilled gradients stay, for the step below
+                self.speculation_outcome, stepped = "redone", []
+        elif stepped and clip_value is not None:  # the overlapped step is off while clipping: a clip from elsewhere
+            self.store.abort()
+            raise RuntimeError(
+                f"SuperpipeStrategy(offload_device='disk'): blocks {stepped[:4]} were stepped during backward (the"
+                " overlapped step), and the gradients were clipped by value afterwards. Clip through"
+                " gradient_clip_val or configure_gradient_clipping, or pass overlap_optimizer=False."
+            )
+        # Those stepped during backward consumed their spilled gradients (their commit clears them): not again.
+        spilled = [index for index in self._spilled_blocks() if index not in stepped]
+        if spilled:  # one commit for every record of the step: those stepped during backward, the rest (the trunk's)
             self.store.step(optimizer, grads="disk", blocks=spilled, grad_scale=scale, grad_clip_value=clip_value)
-        return stepped + spilled
+        elif stepped:
+            self.store.commit()
+        return stepped + [index for index in spilled if index < len(self.homes)]
 
     def _spilled_blocks(self) -> list[int]:
         """The blocks whose gradients are in their files, in block order."""
@@ -529,10 +528,10 @@ class DiskTier(Homes):
         """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)
         and ``peak_disk_pool_host_bytes``, ``disk_bytes_read`` and ``disk_bytes_written`` (over the run),
         ``disk_fused_reads`` (blocks a forward copied from the buffer their pipelined step left them in, not read
-        again), and
-        ``disk_seconds``: where the tier's time went over the run (:class:`~lightning_superpipe.memory.disk.IoClock`:
-        the disk busy, reads and writes in flight, ``fsync``, waits for pool buffers, for reads, for durable writes,
-        and the step's arithmetic)."""
+        again), ``disk_trunk_parameters`` and ``disk_trunk_bytes`` (the trunk parameters in the files, and their
+        committed records' bytes), and ``disk_seconds``: where the tier's time went over the run
+        (:class:`~lightning_superpipe.memory.disk.IoClock`: the disk busy, reads and writes in flight, ``fsync``, waits
+        for pool buffers, for reads, for durable writes, and the step's arithmetic)."""
         folder = self.store.path
         files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
         return {
@@ -543,6 +542,8 @@ class DiskTier(Homes):
             "disk_bytes_read": self.store.bytes_read,
             "disk_bytes_written": self.store.bytes_written,
             "disk_fused_reads": self.reads.fused_reads,
+            "disk_trunk_parameters": len(self.trunk),
+            "disk_trunk_bytes": sum(self.store.records[index].file_bytes for index in self.trunk.values()),
             "disk_seconds": self.store.io_seconds(),
             **(self.frozen.memory_report() if self.frozen is not None else {}),
         }

@@ -119,6 +119,9 @@ class StepHook(Protocol):
     armed: bool
     #: Steps one complete block's parameters in the kind's own way (``None``: the optimizer steps them in place).
     step_block: Optional[Callable[[Any, int, list[nn.Parameter]], None]]
+    #: Parameters outside the blocks that the kind steps itself (the disk tier's trunk in its files): never during
+    #: backward.
+    homed_trunk: frozenset[nn.Parameter]
 
     def block_done(self, index: int) -> None: ...
 
@@ -221,6 +224,16 @@ class Homes:
     def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
         """Connects the homes to the engine's link, host arena and overlapped step; ``slots`` device slots stream."""
         self.overlap = overlap
+
+    def holds_trunk(self, param: nn.Parameter) -> bool:
+        """Whether the kind keeps the master of ``param``, a parameter outside the blocks, itself (its device copy is
+        then made by :meth:`copy_trunk_in`, not from the parameter)."""
+        return False
+
+    def copy_trunk_in(self, dst: Tensor, param: nn.Parameter, after: Event, what: str) -> Event:
+        """Copies the master of ``param`` (one :meth:`holds_trunk` holds) into its device copy ``dst`` once
+        ``after`` is done; returns the copy's event."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no parameter outside the blocks.")
 
     def check_withhold(self, params: frozenset[nn.Parameter]) -> None:
         """Raises if ``params`` cannot stop streaming with their blocks (:meth:`.StreamingEngine.withhold`)."""

@@ -113,9 +113,10 @@ def check_training(trainer: Any, optimizers: Sequence[Optimizer], call: str) -> 
         from lightning.pytorch.utilities import rank_zero_warn
 
         rank_zero_warn(
-            f"{call}: {', '.join(readers)} will see `p.grad is None` for the blocks' parameters: the disk tier moves"
-            " each block's gradients to its files (or steps the block) as soon as they are complete. Gradients of"
-            " the parameters outside the blocks are there as usual, and `self.clip_gradients(...)` clips them all."
+            f"{call}: {', '.join(readers)} will see `p.grad is None` for the blocks' parameters and the matrices"
+            " outside them (embeddings, head): the disk tier moves their gradients to its files (or steps the block)"
+            " as soon as they are complete. Gradients of the vectors outside the blocks (norms, biases) are there as"
+            " usual, and `self.clip_gradients(...)` clips them all."
             " Use offload_device='cpu' if the hook needs every gradient."
         )
 
@@ -216,7 +217,7 @@ class BlockValuesHook:
         if loaded is not None:
             raise RuntimeError(
                 f"SuperpipeStrategy(offload_device='disk'): load_state_dict during the run would write {loaded!r}, a"
-                " block parameter whose values are in the tier's files (the parameter holds a placeholder). Load"
+                " parameter whose values are in the tier's files (the parameter holds a placeholder). Load"
                 " the weights before fit (or resume with trainer.fit(..., ckpt_path=...)), or after it, or use"
                 " offload_device='cpu'. Nothing was loaded."
             )
@@ -360,8 +361,11 @@ def load_state_dict(module: nn.Module, checkpoint: Mapping[str, Any], strict: bo
         )
     blocks = {name for block in checkpoint[DISK_KEY]["names"] for name in block}
     blocks.update(checkpoint[DISK_KEY].get(FROZEN_KEY, []))  # a 4-bit base: written again from the model at set-up
+    # A tied alias of a parameter in the files (a head tied to an embedding there) is missing too.
+    named = dict(module.named_parameters(remove_duplicate=False))
+    in_files = {id(named[name]) for name in blocks if name in named}
     missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
-    missing = [key for key in missing if key not in blocks]
+    missing = [key for key in missing if key not in blocks and id(named.get(key)) not in in_files]
     if strict and (missing or unexpected):
         raise RuntimeError(
             f"Error(s) in loading the state dict of {type(module).__name__}: missing keys {missing[:5]}, unexpected"

@@ -136,9 +136,10 @@ class StreamingEngine:
     def _build_trunk(self, trunk_params: Sequence[nn.Parameter]) -> None:
         """The trunk's device copies (in its masters' dtype, as plain mixed precision keeps them), its masters moved
         into the page-locked arena where copies are asynchronous, and their edits tracked."""
-        if self.copier.pin_memory:  # asynchronous copies need page-locked sources
-            self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in trunk_params))
-            for param in trunk_params:
+        if self.copier.pin_memory:  # asynchronous copies need page-locked sources (those in the homes are theirs)
+            pinned_params = [p for p in trunk_params if not self.home_kind.holds_trunk(p)]
+            self.arena.reserve(sum(page_rounded(p.numel() * p.element_size()) for p in pinned_params))
+            for param in pinned_params:
                 pinned = self.arena.empty(param.numel(), param.dtype).view(param.shape)
                 pinned.copy_(param.detach())
                 param.data = pinned
@@ -445,6 +446,8 @@ class StreamingEngine:
     def _copy_trunk(self, param: nn.Parameter, after: Event) -> Event:
         """Copies ``param``'s master into its device copy (after ``after``) and notes the master's state."""
         self._trunk_seen[param] = master_state(param)
+        if self.home_kind.holds_trunk(param):  # its master is in the homes' keeping (the disk tier's files)
+            return self.home_kind.copy_trunk_in(self._trunk[param], param, after, self._trunk_names[param])
         return self.copier.to_device(self._trunk[param], param.detach(), after, self._trunk_names[param])
 
     def trunk_parameters(self) -> list[nn.Parameter]:

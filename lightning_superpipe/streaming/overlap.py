@@ -58,6 +58,8 @@ class OverlappedStep:
         self.blocks_stepped = 0
         #: Parameters outside the blocks stepped during backward, over the whole run.
         self.trunk_params_stepped = 0
+        #: Trunk parameters the homes step themselves (the disk tier's in its files): not stepped here.
+        self.homed_trunk: frozenset[nn.Parameter] = frozenset()
         #: Called on the optimizer thread with a block's index and parameters as soon as they are stepped.
         self.on_stepped: Optional[Callable[[int, list[nn.Parameter]], None]] = None
         #: Steps one block instead of the optimizer restricted to it (the disk tier steps through its store).
@@ -126,6 +128,8 @@ class OverlappedStep:
         delivered): an untied head and the final norm are complete as backward starts, so their step hides behind
         the blocks' backward instead of waiting for its end."""
         if self._optimizer is None or self._blocks_only or param not in self._owned or param.grad is None:
+            return
+        if param in self.homed_trunk:
             return
         if not self._step_too:
             if self._measure is not None:

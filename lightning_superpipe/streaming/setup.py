@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.memory.disk import DiskTierError
+from lightning_superpipe.memory.disk_trunk import trunk_on_disk
 from lightning_superpipe.memory.frozen4bit import quantized_bytes, quantized_format
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
 from lightning_superpipe.memory.packed import packed_format, split_packed
@@ -137,7 +138,8 @@ def start_streaming(
         tier = None
         if disk:
             tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
-                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files)
+                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files,
+                              trunk=trunk_on_disk(trunk_params) if optimizer is not None else [])
         move_the_rest(model, device, deferred, tier)
         # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
         clone_packed_entries(model, packed)
@@ -281,9 +283,12 @@ def build_tier(
     options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]],
     optimizer: Optional[Optimizer], transfer_dtype: Optional[torch.dtype], slots: int, resume: Optional[Path],
     deferred: Optional[DeferredInit], *, ranks: int, rank: int, local_ranks: int, frozen: Optional[FrozenFiles] = None,
+    trunk: Sequence[nn.Parameter] = (),
 ) -> DiskTier:
     """The disk tier's store under ``offload_path`` (on several ranks, this rank's folder in it, once every rank
-    checked the node's space), written from the model or restored from ``resume``.
+    checked the node's space), written from the model or restored from ``resume``, with the ``trunk`` parameters
+    that go to its files (:func:`~lightning_superpipe.memory.disk_trunk.trunk_on_disk`) each a record after the
+    blocks'.
 
     Raises:
         MisconfigurationException: The folder cannot hold it (the message quotes the user's call).
@@ -292,17 +297,18 @@ def build_tier(
 
     assert options.offload_path is not None
     names = {p: name for name, p in model.named_parameters()}
-    streamed = {p for params in block_params for p in params}
+    streamed = {p for params in block_params for p in params} | set(trunk)
     state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
     masters = [split_packed(params)[0] for params in block_params]  # the 4-bit base goes to ``frozen``'s files
-    in_store = {p for params in masters for p in params}
+    in_store = {p for params in masters for p in params} | set(trunk)
     try:
         folder = Path(options.offload_path)
         if ranks > 1:  # every rank checks the node's space before any of them writes
-            folder = rank_folder(options.offload_path, rank, local_ranks, masters, optimizer, resume is None)
+            records = [*masters, *([p] for p in trunk)]
+            folder = rank_folder(options.offload_path, rank, local_ranks, records, optimizer, resume is None)
             ready_on_every_rank("check the disk tier's folders")
         tier = DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
-                              options.host_buffer_bytes, slots, resume, deferred, frozen)
+                              options.host_buffer_bytes, slots, resume, deferred, frozen, trunk)
         tier.frozen_names = {name for name, p in model.named_parameters(remove_duplicate=False)
                              if p in streamed and p not in in_store}
         return tier
