@@ -138,8 +138,7 @@ def start_streaming(
         tier = None
         if disk:
             tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
-                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files,
-                              trunk=trunk_on_disk(trunk_params) if optimizer is not None else [])
+                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files, trunk=trunk_params)
         move_the_rest(model, device, deferred, tier)
         # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
         clone_packed_entries(model, packed)
@@ -286,9 +285,9 @@ def build_tier(
     trunk: Sequence[nn.Parameter] = (),
 ) -> DiskTier:
     """The disk tier's store under ``offload_path`` (on several ranks, this rank's folder in it, once every rank
-    checked the node's space), written from the model or restored from ``resume``, with the ``trunk`` parameters
-    that go to its files (:func:`~lightning_superpipe.memory.disk_trunk.trunk_on_disk`) each a record after the
-    blocks'.
+    checked the node's space), written from the model or restored from ``resume``; of the ``trunk`` parameters, those
+    that go to its files when it trains (:func:`~lightning_superpipe.memory.disk_trunk.trunk_on_disk`), each a
+    record after the blocks'.
 
     Raises:
         MisconfigurationException: The folder cannot hold it (the message quotes the user's call).
@@ -296,6 +295,7 @@ def build_tier(
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
     assert options.offload_path is not None
+    trunk = trunk_on_disk(trunk) if optimizer is not None else []  # matrices that train; the rest stays in memory
     names = {p: name for name, p in model.named_parameters()}
     streamed = {p for params in block_params for p in params} | set(trunk)
     state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
