@@ -62,6 +62,7 @@ def summarize(run: dict[str, Any], args: argparse.Namespace, memory: int) -> dic
     return {
         "params": params, "layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
         "vocab": args.vocab, "tokens_per_step": args.batch * args.seq, "threads": args.threads,
+        "overlap_optimizer": args.overlap, "optimizer_step_modes": run["optimizer_step_modes"],
         "machine_memory_bytes": memory, "training_state_bytes": state, "state_vs_memory": state / memory,
         "layer_record_bytes": 16 * layer, "host_buffer_bytes": args.host_buffer_bytes,
         "disk_file_bytes": run["disk_bytes"], "peak_disk_pool_host_bytes": run["peak_disk_pool_host_bytes"],
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--host-buffer-bytes", type=int, default=256 << 20)
+    parser.add_argument("--overlap", choices=["auto", "serial", "pipelined"], default="auto",
+                        help="the strategy's overlap_optimizer ('serial': False)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
     memory = machine_memory_bytes()
@@ -99,7 +102,7 @@ def main() -> None:
     free = shutil.disk_usage(args.path).free
     if needed * 1.05 > free:
         raise SystemExit(f"{args.path} has {free / GB:.1f} GB free; this run needs about {needed * 1.05 / GB:.1f} GB.")
-    args.overlap, args.raw_bytes, args.role = "auto", 0, None
+    args.raw_bytes, args.role = 0, None
     args.folder = Path(tempfile.mkdtemp(prefix="superpipe-beyond-memory-", dir=args.path))
     try:
         run = child("configured", args)

@@ -186,3 +186,38 @@ def test_parameters_outside_the_blocks_are_stepped_as_soon_as_their_gradients_ar
 def _layers(task: tasks.Task) -> Any:
     model = task.model
     return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
+@pytest.mark.parametrize("limit", [1, None], ids=["bounded", "unbounded"])
+def test_blocks_waiting_for_the_optimizer_thread_are_bounded_where_the_homes_ask(limit: Any) -> None:
+    """The disk tier's gradients live until their block is stepped: with ``waiting_blocks_limit=1`` (what it sets),
+    backward hands the optimizer thread a block only once the previous one is stepped, so one block waits while the
+    next arrives, whatever the thread's speed. Without it (the host tier's persistent gradients) blocks queue up."""
+    from lightning_superpipe.streaming.overlap import OverlappedStep
+
+    blocks = [[torch.nn.Parameter(torch.ones(4))] for _ in range(6)]
+    optimizer = torch.optim.SGD([p for params in blocks for p in params], lr=0.1)
+    overlap = OverlappedStep(blocks)
+    overlap.waiting_blocks_limit = limit
+    stepped, queued = [], []
+    release = threading.Event()
+
+    def slow_step(opt: Any, index: int, params: list[torch.nn.Parameter]) -> None:
+        release.wait(0.05)  # a step slower than backward (the disk's)
+        stepped.append(index)
+
+    overlap.step_block = slow_step
+    overlap.arm(optimizer)
+    try:
+        for index in reversed(range(len(blocks))):
+            blocks[index][0].grad = torch.ones(4)
+            overlap.block_done(index)
+            queued.append(len(blocks) - index - len(stepped))  # handed over and not stepped yet
+        overlap.finish()
+    finally:
+        overlap.close()
+    assert stepped == list(reversed(range(len(blocks))))
+    if limit is None:
+        assert max(queued) > 1
+    else:
+        assert max(queued) == 1

@@ -21,6 +21,7 @@ step runs in is :mod:`.step_modes`' choice. The step is armed only for the micro
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -64,6 +65,11 @@ class OverlappedStep:
         self.on_stepped: Optional[Callable[[int, list[nn.Parameter]], None]] = None
         #: Steps one block instead of the optimizer restricted to it (the disk tier steps through its store).
         self.step_block: Optional[Callable[[Optimizer, int, list[nn.Parameter]], None]] = None
+        #: At most this many blocks' steps wait for the optimizer thread (or run on it) when backward hands it another;
+        #: ``None``: no bound. The disk tier's gradients live in memory until their block is stepped: a thread slower
+        #: than backward (a step bound by the disk) would otherwise hold every block's gradients at once.
+        self.waiting_blocks_limit: Optional[int] = None
+        self._block_steps: deque[Future[None]] = deque()
 
     @property
     def armed(self) -> bool:
@@ -121,7 +127,17 @@ class OverlappedStep:
         elif params:
             self._stepped.update(params)
             self._stepped_blocks[index] = params
-            self._futures.append(self.executor.submit(self._step, index, params))
+            self._wait_for_room()
+            future = self.executor.submit(self._step, index, params)
+            self._futures.append(future)
+            self._block_steps.append(future)
+
+    def _wait_for_room(self) -> None:
+        """Waits, on the thread that completes blocks, until fewer than :attr:`waiting_blocks_limit` blocks' steps are
+        pending (an error of one is raised after backward, by :meth:`finish`, as without a bound)."""
+        steps, limit = self._block_steps, self.waiting_blocks_limit
+        while steps and (steps[0].done() or (limit is not None and len(steps) >= limit)):
+            steps.popleft().exception()  # waits; returns the error instead of raising it
 
     def trunk_done(self, param: nn.Parameter) -> None:
         """Called once a parameter outside the blocks has its whole gradient in ``.grad`` (every use in forward
@@ -196,6 +212,7 @@ class OverlappedStep:
 
     def _wait(self) -> None:
         futures, self._futures = self._futures, []
+        self._block_steps.clear()
         for future in futures:
             future.result()
 
