@@ -292,3 +292,49 @@ def test_a_checkpoint_resumes_as_the_uninterrupted_run(saved: Callable[..., Path
     runs = tasks.resume_after_an_epoch(make, SuperpipeStrategy, tmp_path)
     assert runs["resumed"].losses == runs["whole"].losses[4:]
     assert differences(runs["resumed"], runs["whole"]) == []
+
+
+def test_the_disk_tiers_4bit_files_are_read_ahead_and_a_failed_read_raises_from_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_ahead`` starts reading the blocks' frozen files on a thread of their own, nearest first, into the
+    staging buffers no other read holds (one per device slot and one more); the copy of a block uses its read (the
+    file's bytes), and a read that failed raises its ``DiskTierError`` from the copy."""
+    import threading
+
+    from lightning_superpipe.memory import disk_frozen
+    from lightning_superpipe.memory.disk.errors import DiskTierError
+    from lightning_superpipe.memory.pinned import HostArena
+    from lightning_superpipe.streaming.copier import Copier
+
+    readers: list[tuple[int, str]] = []
+    read = disk_frozen._read
+
+    def watched(path: Path, buffer: torch.Tensor, nbytes: int) -> None:
+        readers.append((int(path.stem[len("frozen"):]), threading.current_thread().name))
+        read(path, buffer, nbytes)
+
+    monkeypatch.setattr(disk_frozen, "_read", watched)
+    blocks = [bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4").to("cpu") for _ in range(4)]
+    files = disk_frozen.FrozenFiles(tmp_path, itemsize=2)
+    files.write_missing([list(block.parameters()) for block in blocks])
+    files.attach(Copier(torch.device("cpu")), HostArena(pin=False), slots=1)  # two staging buffers
+    dst = torch.zeros(files.numel(0), dtype=torch.int16)
+    try:
+        files.read_ahead([0, 1, 2, 3])
+        assert files.reads_ahead == 2  # as many as buffers
+        files.copy_in(dst, 0, None, "block 0")
+        assert dst.view(torch.uint8).tolist() == list((tmp_path / disk_frozen.frozen_name(0)).read_bytes())
+        files.read_ahead([1, 2, 3])  # block 1's read goes on; block 2's takes the buffer block 0's copy left
+        files.copy_in(dst, 1, None, "block 1")
+        files.copy_in(dst, 2, None, "block 2")
+        assert dst.view(torch.uint8).tolist() == list((tmp_path / disk_frozen.frozen_name(2)).read_bytes())
+        assert files.reads_ahead == 3 and [block for block, _ in readers] == [0, 1, 2]
+        assert all(name.startswith("superpipe-frozen-reads") for _, name in readers)  # none on the copying thread
+        (tmp_path / disk_frozen.frozen_name(3)).unlink()
+        files.read_ahead([3])
+        with pytest.raises(DiskTierError, match="frozen 4-bit weights .* are missing"):
+            files.copy_in(dst, 3, None, "block 3")
+        assert files.memory_report()["frozen_disk_reads_ahead"] == 4
+    finally:
+        files.close()

@@ -214,11 +214,16 @@ class DiskTier(Homes):
         return self.frozen.copy_in(dst[masters : home.numel], index, after, what)
 
     def read_ahead(self, indices: Iterable[int]) -> None:
-        """Starts reading the masters of the blocks expected next (nearest first), as far as the pool allows."""
+        """Starts reading the frozen files (a 4-bit base) and the masters of the blocks expected next (nearest
+        first), as far as the staging buffers and the pool allow."""
+        indices = list(indices)
+        if self.frozen is not None:
+            self.frozen.read_ahead(indices)  # does not block: a thread of its own reads them
         self.reads.read_ahead(indices)
 
     def forget(self, index: int) -> None:
-        """Drops a read ahead of block ``index`` (its record changed)."""
+        """Drops a read ahead of block ``index``'s masters (its record changed; its frozen file never changes, so a
+        read ahead of it stays)."""
         self.reads.forget([index])
 
     def check_withhold(self, params: frozenset[nn.Parameter]) -> None:
