@@ -188,9 +188,7 @@ class DiskTier(Homes):
         self.overlap = overlap
         overlap.step_block = self._step_block
         overlap.homed_trunk = frozenset(self.trunk)  # stepped from their files after backward, never during it
-        # A block's gradients live until its step spills them: one block waiting for the optimizer thread and one
-        # arriving are the two blocks' gradients the host-memory check counts.
-        overlap.waiting_blocks_limit = 1
+        overlap.waiting_blocks_limit = 1  # gradients live until stepped: one waits, one arrives (the host check's two)
         casts = [h for h in self.homes if h is not None and h.transfer_dtype != h.master_dtype]
         numel = max((h.master_numel for h in casts), default=0)  # the frozen weights travel as they are
         self.reads.attach(link, arena, numel, casts[0].transfer_dtype if casts else None, slots)
