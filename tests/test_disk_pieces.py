@@ -180,6 +180,9 @@ def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(m
     vectors, matrices = [p for p in trunk if p.dim() == 1], [p for p in trunk if p.dim() >= 2]
     assert vectors and matrices
     assert small.trunk == 12 * sum(p.numel() for p in vectors) + 4 * sum(p.numel() for p in matrices)
+    # On a CUDA device every trunk gradient also crosses a page-locked staging buffer of its size.
+    pinned = disk_budget.disk_host_bytes(blocks, trunk, optimizer, torch.bfloat16, 2, SMALL_POOL, pinned=True)
+    assert pinned.trunk == small.trunk + 4 * sum(p.numel() for p in trunk)
     assert parts(None).pool > SMALL_POOL  # the default: whole blocks' buffers
     monkeypatch.setattr(disk_budget, "available_host_bytes", lambda: small.total)
     disk_budget.check_disk_host_room(small, SMALL_POOL)

@@ -72,9 +72,11 @@ def disk_host_bytes(
     transfer_dtype: Optional[torch.dtype],
     slots: int,
     host_buffer_bytes: Optional[int],
+    pinned: bool = False,
 ) -> DiskHostBytes:
     """The host bytes the disk tier will hold for these blocks (``slots`` device slots stream them) and trunk, whose
     large parameters go to the files as records of their own when it trains (they count in the pool's buffers).
+    ``pinned`` (a CUDA device): the trunk's gradients also cross a page-locked staging buffer of their size.
 
     Raises:
         DiskTierError: ``host_buffer_bytes`` is below the least pool the store works with (the message names it).
@@ -96,6 +98,8 @@ def disk_host_bytes(
     per_element = 4 + probe_state_size(optimizer).per_element if fitting else 0
     in_memory = [p for p in trunk_params if p.requires_grad and all(p is not q for q in on_disk)]
     trunk = int(per_element * sum(p.numel() for p in in_memory)) + sum(p.numel() * p.element_size() for p in on_disk)
+    if pinned and fitting:
+        trunk += sum(p.numel() * p.element_size() for p in trunk_params if p.requires_grad)
     return DiskHostBytes(buffer_bytes * count, least, 2 * 4 * largest if fitting else 0, staging, trunk)
 
 

@@ -256,7 +256,7 @@ def check_host_room(
         masters, frozen_bytes = split_frozen(block_params, options.quantize_frozen, transfer_dtype)
         try:  # the pool, the gradients arriving, the cast's staging and the trunk's state
             parts = disk_host_bytes(masters, trunk_params if fitting else [], optimizer, transfer_dtype, slots,
-                                    options.host_buffer_bytes)
+                                    options.host_buffer_bytes, pinned=device.type == "cuda")
         except DiskTierError as error:  # a bound below the least pool
             raise MisconfigurationException(f"{options.offload_call}: {error}") from error
         parts = replace(parts, staging=parts.staging + (slots + 1) * max(frozen_bytes, default=0))
