@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -1125,3 +1126,41 @@ def test_a_set_up_that_fails_leaves_a_model_built_in_configure_model_initialized
     eager.configure_model()
     assert [n for n, _ in failed.named_parameters()] == [n for n, _ in eager.named_parameters()]
     assert all(torch.equal(p, q) for p, q in zip(failed.parameters(), eager.parameters()))
+
+
+def _wide_vocabulary_llama() -> torch.nn.Module:
+    """tests.tasks' Llama with 2 layers and a vocabulary of 1024: the embedding's and the head's records (32k
+    parameters each) outgrow a layer's (9k)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=batches.SEQ, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.usefixtures("emulated_link")
+def test_trunk_records_larger_than_a_block_go_in_pieces_of_the_default_pool(tmp_path: Path) -> None:
+    """The default pool's buffers are sized by the largest block's record, not by a larger vocabulary's embedding
+    and head (a Llama-3 vocabulary's would make every buffer 2.4x a layer's): those go in pieces, bitwise the host
+    tier, clipped."""
+    seen: dict[str, Any] = {}
+
+    class Sizes(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            store = trainer.strategy._engine.home_kind.store
+            seen["records"] = [(len(params), record.file_bytes) for params, record in zip(store.params, store.records)]
+            seen["buffer"] = store.pool.buffer_bytes
+
+    def fit(strategy: Any, callbacks: list[pl.Callback]) -> tasks.Task:
+        return tasks.fit_task(lambda: tasks.Task(_wide_vocabulary_llama, "lm"), strategy, batches.data("lm"),
+                              max_steps=4, gradient_clip_val=0.5, callbacks=callbacks)
+
+    host = fit("superpipe", [])
+    streamed = fit(_disk(tmp_path / "tier"), [Sizes()])
+    _assert_same(streamed, host)
+    blocks, trunk = seen["records"][:2], seen["records"][2:]
+    assert [count for count, _ in trunk] == [1, 1]  # the embedding and the head, each a record in the files
+    assert all(nbytes > seen["buffer"] for _, nbytes in trunk)
+    assert all(nbytes <= seen["buffer"] for _, nbytes in blocks)

@@ -90,6 +90,7 @@ def disk_host_bytes(
         host_buffer_bytes=host_buffer_bytes,
         read_ahead=slots + READ_AHEAD,
         min_buffers=2,
+        sizing_blocks=len(block_params),
     )
     largest = max((sum(p.numel() for p in params) for params in block_params), default=0)
     dtypes = [params[0].dtype for params in block_params if params]

@@ -162,7 +162,7 @@ class DiskTier(Homes):
         block_params = [split_packed(params)[0] for params in block_params]
         blocks = [{names[p]: p for p in params} for params in [*block_params, *([p] for p in trunk)]]
         options = dict(spill_grads=optimizer is not None, host_buffer_bytes=host_buffer_bytes,
-                       read_ahead=slots + READ_AHEAD, min_buffers=2)
+                       read_ahead=slots + READ_AHEAD, min_buffers=2, sizing_blocks=len(block_params))
         if resume is not None:
             store = DiskStore.restore(resume, path, blocks, optimizer, **options)
         else:

@@ -48,6 +48,9 @@ class StoreOptions:
         min_buffers: Where ``host_buffer_bytes`` holds fewer whole blocks' buffers than this, the pool holds smaller
             buffers and the blocks that do not fit one are read, stepped and written in pieces
             (:mod:`~lightning_superpipe.memory.disk.pieces`).
+        sizing_blocks: The first blocks whose records size the buffers (``None``: all): the disk tier's streamed
+            blocks, so that a larger record after them (a large vocabulary's embedding) goes in pieces instead of
+            making every buffer its size.
     """
 
     spill_grads: bool = False
@@ -59,6 +62,7 @@ class StoreOptions:
     pin: Optional[bool] = None
     separate_io_kinds: bool = False
     min_buffers: int = 1
+    sizing_blocks: Optional[int] = None
 
 
 class StoreOptionArgs(TypedDict, total=False):
@@ -74,6 +78,7 @@ class StoreOptionArgs(TypedDict, total=False):
     pin: Optional[bool]
     separate_io_kinds: bool
     min_buffers: int
+    sizing_blocks: Optional[int]
 
 
 class Sizing:
@@ -104,7 +109,8 @@ class Sizing:
         Raises:
             DiskTierError: The bound cannot hold ``min_buffers`` (at least two) buffers of the smallest piece.
         """
-        largest = max((self._buffer_need(i) for i in range(len(self.params))), default=PAGE)
+        sizing = len(self.params) if options.sizing_blocks is None else min(options.sizing_blocks, len(self.params))
+        largest = max((self._buffer_need(i) for i in range(sizing)), default=PAGE)
         bound = options.host_buffer_bytes
         if bound is None:
             return largest, self.read_ahead + 2
