@@ -280,6 +280,20 @@ def checkpoint_saved(checkpoint: Mapping[str, Any], ckpt_path: Union[str, os.Pat
             entry.unlink()  # the files of a single-folder copy (before snapshots had subfolders)
 
 
+def make_rank_folder(offload_path: Union[str, os.PathLike[str]], rank: int) -> Path:
+    """``offload_path/rank-<rank>``, created: where rank ``rank`` keeps its files on several ranks.
+
+    Raises:
+        DiskTierError: The folder cannot be made.
+    """
+    folder = Path(offload_path) / f"rank-{rank}"
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as error:
+        raise DiskTierError(f"Could not create the folder {str(folder)!r} for rank {rank}'s files: {error}.") from error
+    return folder
+
+
 def rank_folder(
     offload_path: Union[str, os.PathLike[str]], rank: int, local_ranks: int,
     block_params: Sequence[Sequence[nn.Parameter]], optimizer: Optional[Optimizer], fresh: bool,
@@ -292,11 +306,7 @@ def rank_folder(
     Raises:
         DiskTierError: The folder cannot be made, or the disk is too small for the node's copies.
     """
-    folder = Path(offload_path) / f"rank-{rank}"
-    try:
-        folder.mkdir(exist_ok=True)
-    except OSError as error:
-        raise DiskTierError(f"Could not create the folder {str(folder)!r} for rank {rank}'s files: {error}.") from error
+    folder = make_rank_folder(offload_path, rank)
     if fresh:
         needed = DiskStore.bytes_needed(block_params, optimizer, spill_grads=optimizer is not None)
         preflight(folder, local_ranks * needed,

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lightning_superpipe.memory.disk import DiskTierError
 from lightning_superpipe.memory.disk_frozen import FrozenFiles, frozen_region_bytes
 from lightning_superpipe.memory.frozen4bit import quantized_bytes
 from lightning_superpipe.memory.packed import packed_format, split_packed
+from lightning_superpipe.streaming.disk_tier import make_rank_folder
 from lightning_superpipe.streaming.frozen_quantization import frozen_matrices
 from lightning_superpipe.streaming.options import SuperpipeOptions
 
@@ -42,15 +42,7 @@ def frozen_files(options: SuperpipeOptions, block_params: Sequence[Sequence[nn.P
         DiskTierError: The rank's folder cannot be made.
     """
     assert options.offload_path is not None
-    folder = Path(options.offload_path)
-    if ranks > 1:
-        folder = folder / f"rank-{rank}"
-        try:
-            folder.mkdir(exist_ok=True)
-        except OSError as error:
-            raise DiskTierError(
-                f"Could not create the folder {str(folder)!r} for rank {rank}'s files: {error}."
-            ) from error
+    folder = make_rank_folder(options.offload_path, rank) if ranks > 1 else Path(options.offload_path)
     return FrozenFiles(folder, block_itemsize(block_params, transfer_dtype))
 
 
