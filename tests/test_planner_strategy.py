@@ -88,6 +88,28 @@ def test_the_profile_measures_what_each_placement_holds(monkeypatch: pytest.Monk
         assert 0 < block.input_bytes < block.kept_bytes
 
 
+@pytest.mark.parametrize(("example", "early"), [("llama", "model.embed_tokens"), ("gpt2", "transformer.wpe")])
+def test_the_trunks_gradients_that_arrive_after_the_blocks_are_not_counted_with_their_activations(
+    example: str, early: str
+) -> None:
+    # An untied embedding (llama) or a position table (gpt2, whose token embedding is tied to its head) is used only
+    # before the first block: its gradient arrives after every block's backward, never beside their activations.
+    strategy = _profiled(example)
+    profile = strategy._planner.profile
+    late = strategy.lightning_module.model.get_submodule(early).weight
+    assert profile.trunk_gradient_bytes - profile.trunk_gradient_bytes_in_blocks == late.numel() * late.element_size()
+    blocks = len(profile.blocks)
+    for mode in ("keep", "recompute"):
+        pinned = SuperpipeStrategy(resident_blocks=0, prefetch=1, activations=mode)
+        tasks.fit(example, pinned, max_steps=2, accumulate_grad_batches=1, gradient_clip_val=None)
+        measured = pinned.memory_report()["peak_device_bytes"]
+        predicted = predict(profile, [], 1, [mode] * blocks).peak_bytes
+        assert measured <= predicted
+        if mode == "keep":
+            # Tight: the bound no longer adds the late gradients to every block's activations.
+            assert predicted - measured < late.numel() * late.element_size()
+
+
 def test_profiled_steps_leave_no_activations_behind() -> None:
     # The census runs each block once more under counting hooks; what that run saved must go with its result.
     held: list[int] = []

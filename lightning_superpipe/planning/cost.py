@@ -86,7 +86,10 @@ from summing these.
 
 Device bytes at the worst moment, ``peak = static + weights + activations``:
 
-* ``static = trunk_bytes + trunk_gradient_bytes + margin_bytes``.
+* ``static = trunk_bytes + T_in + margin_bytes``, with ``T_in`` the trunk's gradients that can be on the device
+  during the blocks' backward (``trunk_gradient_bytes_in_blocks``: of the weights used after the first block); the
+  others, ``T_late = trunk_gradient_bytes - T_in`` (an untied embedding's), arrive after block 0's backward and
+  count at the moment ``(0, False)`` only.
 * ``weights = sum_i r_i weight_bytes_i + slots``, ``slots = min(p + 1, n_s) * max_{i streamed} weight_bytes_i``
   with ``n_s`` the number of streamed blocks (0 when none is): ``p + 1`` slots, of which only as many are allocated
   as there are blocks to stream.
@@ -288,12 +291,18 @@ def block_memory(profile: Profile, modes: Sequence[str]) -> tuple[list[int], lis
 
 
 def static_bytes(profile: Profile) -> dict[str, int]:
-    """The peak's parts that no placement changes."""
+    """The peak's parts that no placement changes (the trunk's gradients that blocks' backward can meet)."""
     return {
         "trunk": profile.trunk_bytes,
-        "trunk_gradients": profile.trunk_gradient_bytes,
+        "trunk_gradients": profile.in_blocks_trunk_gradient_bytes(),
         "margin": profile.margin_bytes,
     }
+
+
+def late_trunk_gradient_bytes(profile: Profile) -> int:
+    """``T_late``: the trunk's gradients that arrive after every block's backward (an untied embedding's), at the
+    moment ``(0, False)`` only."""
+    return profile.trunk_gradient_bytes - profile.in_blocks_trunk_gradient_bytes()
 
 
 def check_profile(profile: Profile) -> None:
@@ -351,11 +360,13 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     moments = memory_moments(profile, modes)
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
     positions = [(i, starting) for i in range(count - 1, -1, -1) for starting in (True, False)]
-    peak_at, starting = max(positions, key=lambda moment: sum(moments[moment]))
+    late = late_trunk_gradient_bytes(profile)
+    peak_at, starting = max(positions, key=lambda moment: sum(moments[moment]) + (late if moment == (0, False) else 0))
     activation_bytes, gradient_bytes = moments[(peak_at, starting)]
 
     slots, slot_bytes = slot_shape(profile, resident, prefetch)
     breakdown = static_bytes(profile)
+    breakdown["trunk_gradients"] += late if (peak_at, starting) == (0, False) else 0
     breakdown["resident_weights"] = sum(blocks[i].weight_bytes for i in resident)
     breakdown["slots"] = slots * slot_bytes
     breakdown["block_gradients"] = gradient_bytes

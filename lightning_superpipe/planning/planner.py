@@ -315,8 +315,16 @@ class BudgetPlanner:
             block_gradient_bytes=(2 if engine.copier.asynchronous else 1) * self._static.largest_gradient_bytes,
             margin_bytes=max(0, margin),
             trunk_update_bytes=self._static.trunk_gradient_bytes,
+            trunk_gradient_bytes_in_blocks=_used_after_blocks_bytes(profilers) if self._static.trunk_gradient_bytes
+            else 0,
             copy_spread=min(_copy_spread(p) for p in profilers),
         )
+
+
+def _used_after_blocks_bytes(profilers: Sequence[StepProfiler]) -> int:
+    """The bytes of the gradients of the trunk's weights that a profiled forward used after its first block."""
+    used = {key: param for profiler in profilers for key, param in profiler.used_after_blocks.items()}
+    return sum(param.numel() * param.element_size() for param in used.values() if param.requires_grad)
 
 
 def _several_ranks() -> bool:

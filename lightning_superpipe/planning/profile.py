@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -63,6 +63,9 @@ class Profile:
         micro_batches: Micro-batches per optimizer step (``accumulate_grad_batches``).
         trunk_bytes: Device bytes of the weights outside blocks (always resident).
         trunk_gradient_bytes: The most device bytes of their gradients at once.
+        trunk_gradient_bytes_in_blocks: Of those, the gradients that can be on the device while blocks run backward:
+            of the weights a forward uses after its first block (a final norm, a head, a tied embedding). The
+            others' (an untied embedding's) arrive only after every block's backward. ``None``: all of them.
         block_gradient_bytes: The most device bytes of block gradients waiting to leave at once.
         margin_bytes: Device bytes the ledger does not count (the allocator's overhead, activations outside blocks)
             measured on CUDA during the profiled step; 0 on the CPU.
@@ -100,6 +103,12 @@ class Profile:
     link_slowdown: float = 1.0
     step_overhead_s: float = 0.0
     copy_spread: float = 0.0
+    trunk_gradient_bytes_in_blocks: Optional[int] = None
+
+    def in_blocks_trunk_gradient_bytes(self) -> int:
+        """:attr:`trunk_gradient_bytes_in_blocks`, or every trunk gradient where it is not known."""
+        in_blocks = self.trunk_gradient_bytes_in_blocks
+        return self.trunk_gradient_bytes if in_blocks is None else min(in_blocks, self.trunk_gradient_bytes)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,6 +151,10 @@ class StepProfiler:
         self._cuda = engine.device.type == "cuda"
         self._lock = threading.RLock()
         self._copy_s_at_pause = 0.0
+        self._blocks_started = False
+        #: The trunk's parameters a forward used after its first block began: their gradients arrive before the
+        #: blocks' backward has ended.
+        self.used_after_blocks: dict[int, Tensor] = {}
 
     def start(self) -> None:
         """Starts the clock in the trunk and makes the copier's copies timed and synchronous."""
@@ -171,6 +184,12 @@ class StepProfiler:
             now = self._now()
             self._add(self._phase, now - self._since)
             self._phase, self._since = (phase, index), now
+            self._blocks_started = self._blocks_started or phase == "forward"
+
+    def trunk_use(self, param: Tensor) -> None:
+        """A forward uses the trunk's parameter ``param`` (one whose gradient it will deliver)."""
+        if self._blocks_started:
+            self.used_after_blocks[id(param)] = param
 
     def block_inputs(self, index: int, tensors: list[Any]) -> None:
         """Counts what a checkpoint of block ``index`` would hold: its tensor inputs, each storage once per pass."""

@@ -6,7 +6,14 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from lightning_superpipe.planning.cost import MODES, gradient_bytes_at, held_bytes, in_use_bytes, leaving_bytes
+from lightning_superpipe.planning.cost import (
+    MODES,
+    gradient_bytes_at,
+    held_bytes,
+    in_use_bytes,
+    late_trunk_gradient_bytes,
+    leaving_bytes,
+)
 from lightning_superpipe.planning.profile import BlockCosts, Profile
 from lightning_superpipe.planning.terms import _Linear, _total
 
@@ -74,5 +81,7 @@ class _PeakTerms:
             returned = self.modes[i - 1]["offload"] * (blocks[i - 1].offloaded_bytes * nbytes) if i >= 1 else 0.0
             inputs = modes["recompute"] * (block.input_bytes * nbytes)
             self._add(activations - held - in_use - returned, leaving[i] * nbytes, math.inf)  # its backward starts
-            self._add(activations - before - inputs - returned, delivered[i] * nbytes, math.inf)  # its gradients leave
+            # its gradients leave (after block 0's, the trunk's late gradients arrive)
+            late = late_trunk_gradient_bytes(profile) if i == 0 else 0
+            self._add(activations - before - inputs - returned, (delivered[i] + late) * nbytes, math.inf)
         return activations

@@ -404,6 +404,8 @@ def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bo
     if torch.is_grad_enabled() and param.requires_grad:
         if count_use:
             engine.gradients.expect_trunk(param)
+            if engine.profiler is not None:
+                engine.profiler.trunk_use(param)
         deliver = lambda grads: engine.gradients.send_trunk(param, grads[0])  # noqa: E731
         (tensor,) = _ToDevice.apply(deliver, (tensor,), param)
         return tensor
