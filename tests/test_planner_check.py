@@ -324,7 +324,7 @@ def assert_never_slower(step_s_by_budget: dict[int, float], tolerance: float) ->
             )
 
 
-#: Noise on a shared machine moves the fastest of three steps by several percent; the issue's case was 1.26x.
+#: Noise on a shared machine moves the fastest of five steps by several percent; the issue's case was 1.26x.
 MONOTONE_TOLERANCE = 0.15
 
 
