@@ -94,9 +94,13 @@ def test_a_plan_within_the_tolerance_holds_and_one_as_far_off_as_the_issue_is_co
     within = PlanCheck(profile, plan, lambda p: solve(p, 2**40))
     # A slow first step (settling), then steps slowed by other work but one: the fastest of the timed ones counts.
     timed = [1.5] * (check.TIMED_STEPS - 1) + [1.05]
-    assert _feed(within, [5 * plan.predicted_step_s] + [slowdown * plan.predicted_step_s for slowdown in timed]) == []
+    settling = [5 * plan.predicted_step_s] * check.SETTLE_STEPS
+    assert _feed(within, settling + [slowdown * plan.predicted_step_s for slowdown in timed]) == []
     assert within.done and within.plan.measured_step_s == pytest.approx(1.05 * plan.predicted_step_s)
     assert within.plan.corrections == ()
+    # Its predicted step is now what it measured: the promise is the measured figure, not one 5% off it.
+    assert within.plan.predicted_step_s == pytest.approx(1.05 * plan.predicted_step_s, rel=1e-9)
+    assert within.plan.resident == plan.resident and within.plan.activations == plan.activations
     # Issue 30: measured 1.26x the prediction (the offloading mix). Corrected, with the new prediction its own.
     off = solve(profile, 2**40, activations="offload", resident_blocks=0)
     missed = PlanCheck(profile, off, lambda p: solve(p, 2**40, activations="offload", resident_blocks=0))
@@ -250,6 +254,7 @@ def forced_replacements(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]
     ticks = clock()
     monkeypatch.setattr(planner, "_clock", lambda engine: next(ticks))
     monkeypatch.setattr(check, "TIMED_STEPS", 1)
+    monkeypatch.setattr(check, "SETTLE_STEPS", 1)
     placements = [
         dict(resident_blocks=1, prefetch=0, activations="offload"),
         dict(resident_blocks=0, prefetch=2, activations="keep"),
