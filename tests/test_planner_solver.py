@@ -651,6 +651,8 @@ def test_predict_rejects_what_the_engine_does_not_have() -> None:
         predict(profile, (2,), 1, ["keep", "keep"])
     with pytest.raises(ValueError, match="prefetch must be at least 0"):
         predict(profile, (), -1, ["keep", "keep"])
+    with pytest.raises(ValueError, match=r"copy_spread=-0.5\): a slowdown is positive"):
+        predict(replace(profile, copy_spread=-0.5), (), 1, ["keep", "keep"])
     with pytest.raises(ValueError, match=r"SuperpipeStrategy\(resident_blocks=3\)"):
         solve(profile, 10**12, resident_blocks=3)
     with pytest.raises(ValueError, match=r"SuperpipeStrategy\(prefetch=-1\)"):

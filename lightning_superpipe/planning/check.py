@@ -4,8 +4,8 @@ corrected.
 The profile times each copy alone (synchronously) and derives what the copies of a placement cost from the link's
 speeds; some costs only show when a placement runs: offloaded activations' many copies and their interference with
 compute and with the weights' copies, several copies sharing the link. So after the planner applies a plan,
-:class:`PlanCheck` times the steps that follow: ``SETTLE_STEPS`` (the first steps after a re-placement fill fresh buffers)
-and then ``TIMED_STEPS``, the fastest of which is the plan's measured step (other work on the machine, the
+:class:`PlanCheck` times the steps that follow: ``SETTLE_STEPS`` (the first steps after a re-placement fill fresh
+buffers) and then ``TIMED_STEPS``, the fastest of which is the plan's measured step (other work on the machine, the
 collector, a page fault only ever slow a step down: the fastest is the plan's own time). Five, not three: over 20
 steps of one placement on a quiet 2-core machine (plain Lightning's too), the fastest of each 3 consecutive steps
 moved by 17-24%, of each 5 by 2-13%, and the median of each 5 by 9-19%. Where it exceeds the prediction by more than

@@ -311,10 +311,11 @@ def check_profile(profile: Profile) -> None:
         raise ValueError("Profile(blocks=[]): the profile has no blocks; there is nothing to place.")
     if profile.micro_batches < 1:
         raise ValueError(f"Profile(micro_batches={profile.micro_batches}): a step has at least one micro-batch.")
-    if not (profile.link_slowdown > 0 and profile.offload_compute_s_per_byte >= 0):
+    if not (profile.link_slowdown > 0 and profile.offload_compute_s_per_byte >= 0 and profile.copy_spread >= 0):
         raise ValueError(
             f"Profile(link_slowdown={profile.link_slowdown}, offload_compute_s_per_byte="
-            f"{profile.offload_compute_s_per_byte}): a slowdown is positive and a compute cost not negative."
+            f"{profile.offload_compute_s_per_byte}, copy_spread={profile.copy_spread}): a slowdown is positive, a"
+            " compute cost and a spread not negative."
         )
     if not (profile.h2d_bytes_per_s > 0 and profile.d2h_bytes_per_s > 0):
         raise ValueError(
