@@ -220,6 +220,7 @@ class PlanCheck:
                 "prefetch": c.plan.prefetch,
                 "activations": list(c.plan.activations),
                 "predicted_step_s": c.plan.predicted_step_s,
+                "predicted_peak_bytes": c.plan.predicted_peak_bytes,
                 "measured_step_s": c.measured_s,
             }
             for c in self.checked

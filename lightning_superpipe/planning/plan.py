@@ -42,7 +42,7 @@ class Plan:
         corrections: Each correction of the cost model the check made, in words (what it measured against what was
             predicted, and the term it set), in order.
         checks: Each placement the check applied and timed: ``resident``, ``prefetch``, ``activations``,
-            ``predicted_step_s`` (when applied) and ``measured_step_s``.
+            ``predicted_step_s`` and ``predicted_peak_bytes`` (when applied) and ``measured_step_s``.
     """
 
     resident: frozenset[int]
