@@ -7,13 +7,13 @@ reports, per budget: the plan the run ends on (after the check of the applied pl
 :mod:`lightning_superpipe.planning.check`), its measured step time (over the steps after the check) against the
 fastest grid points whose measured peak fits the same budget (run again beside it, in rounds that cancel the
 machine's drift), its predicted against measured step time and peak, and whether its fp32 losses equal plain
-Lightning's. The targets (issue 30): measured / predicted within 10% at every
-budget, the measured step non-increasing with the budget within 5%, each plan within 5% of the fastest fitting grid
-point.
+Lightning's. The targets (issue 30): measured / predicted within 10% at every budget, the measured step
+non-increasing with the budget within 5%, each plan within 5% of the fastest fitting grid point.
 
 Usage:
-    python benchmarks/bench_planner.py                         # CPU, emulated 400 MB/s link, ~10 minutes on 2 cores
-    python benchmarks/bench_planner.py --preset issue --bandwidth 400MB/s --budgets 6 --steps 5
+    python benchmarks/bench_planner.py                         # CPU, emulated 400 MB/s link
+    python benchmarks/bench_planner.py --preset issue --seq 128 --batch 2 --budgets 6 --steps 5 --threads 1 \
+        --bandwidth 400MB/s                                    # ~9 minutes on 2 cores
     python benchmarks/bench_planner.py --device cuda --preset cuda
 """
 
