@@ -174,19 +174,19 @@ class PlanCheck:
             f" ({excess:+.0%}, the fastest of {TIMED_STEPS} steps)"
         )
         if abs(excess) <= TOLERANCE:
-            return self._end(plan, f"SuperpipeStrategy's plan holds: {said}.")
+            return self._end(f"SuperpipeStrategy's plan holds: {said}.")
         self.profile, correction = correct(self.profile, plan, measured)
         self.corrections.append(f"{said}: {correction}")
         if excess < 0:
             # Faster than promised: the promise holds; the model now predicts what was measured, the plan stays.
             line = f"SuperpipeStrategy's plan holds, faster than predicted: {said}; {correction}."
-            return self._end(self._replan(plan), line)
+            return self._end(line, fitted=True)
         # Past the last correction allowed, the model keeps it (for the final plan's figures) but solves no more.
         again = self._solver(self.profile) if len(self.corrections) <= MAX_CORRECTIONS else None
         if again is None or _placement(again) in {_placement(c.plan) for c in self.checked}:
             why = "no more corrections" if again is None else "solved again, it gives a placement already measured"
             line = f"SuperpipeStrategy corrected its cost model ({correction}) after {said}; {why}."
-            return self._end(self._replan(plan), line)
+            return self._end(line, fitted=True)
         self.plan = self._with_history(again, None)
         return self.plan, (
             f"SuperpipeStrategy corrected its cost model after {said}: {correction}. Solved again"
@@ -198,14 +198,15 @@ class PlanCheck:
         prediction = predict(self.profile, plan.resident, plan.prefetch, plan.activations)
         return Plan.from_prediction(plan.resident, plan.prefetch, plan.activations, plan.budget_bytes, prediction)
 
-    def _end(self, plan: Plan, line: str) -> tuple[Optional[Plan], str]:
-        """Ends the check on ``plan`` (the placement just measured, with its figures), or on an earlier placement
-        that measured faster, with the model fitted to what it measured (its predicted step is what it measures).
-        Returns the plan to apply if the placement changes, and the line to say."""
+    def _end(self, line: str, fitted: bool = False) -> tuple[Optional[Plan], str]:
+        """Ends the check on the placement just measured, or on an earlier one that measured faster, with the model
+        fitted to what it measured (its predicted step is what it measures; within the tolerance too, not a
+        prediction up to 10% off). ``fitted``: the model was just fitted to the placement just measured. Returns the
+        plan to apply if the placement changes, and the line to say."""
         current = self.checked[-1]
         best = min(self.checked, key=lambda c: c.measured_s)
-        # Within the tolerance too: the promise is the plan's measured step, not a prediction up to 10% off it.
-        self.profile, _ = correct(self.profile, best.plan, best.measured_s)
+        if best is not current or not fitted:
+            self.profile, _ = correct(self.profile, best.plan, best.measured_s)
         plan = self._replan(best.plan)
         if best is not current:
             line += f" It keeps the fastest placement measured, {best.measured_s * 1e3:.1f} ms a step."

@@ -294,15 +294,16 @@ def static_bytes(profile: Profile) -> dict[str, int]:
     """The peak's parts that no placement changes (the trunk's gradients that blocks' backward can meet)."""
     return {
         "trunk": profile.trunk_bytes,
-        "trunk_gradients": profile.in_blocks_trunk_gradient_bytes(),
+        "trunk_gradients": profile.trunk_gradient_bytes - late_trunk_gradient_bytes(profile),
         "margin": profile.margin_bytes,
     }
 
 
 def late_trunk_gradient_bytes(profile: Profile) -> int:
     """``T_late``: the trunk's gradients that arrive after every block's backward (an untied embedding's), at the
-    moment ``(0, False)`` only."""
-    return profile.trunk_gradient_bytes - profile.in_blocks_trunk_gradient_bytes()
+    moment ``(0, False)`` only (none where ``trunk_gradient_bytes_in_blocks`` is not known)."""
+    in_blocks = profile.trunk_gradient_bytes_in_blocks
+    return 0 if in_blocks is None else max(0, profile.trunk_gradient_bytes - in_blocks)
 
 
 def check_profile(profile: Profile) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_superpipe.memory.host import transfer_bytes, travels_in
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
@@ -79,8 +79,7 @@ def static_costs(
     trainable = [[p for p in block if p.requires_grad] for block in block_params]
     return StaticCosts(
         trunk_bytes=sum(p.numel() * p.element_size() for p in trunk_params),
-        trunk_gradient_bytes=(sum(p.numel() * p.element_size() for p in trunk_params if p.requires_grad)
-                              if training else 0),
+        trunk_gradient_bytes=_gradient_bytes(trunk_params) if training else 0,
         block_bytes=[transfer_bytes(block, dtype_of(block)) if block else 0 for block in block_params],
         largest_gradient_bytes=max(
             (transfer_bytes(t, dtype_of(t)) for t in trainable if t), default=0
@@ -315,16 +314,16 @@ class BudgetPlanner:
             block_gradient_bytes=(2 if engine.copier.asynchronous else 1) * self._static.largest_gradient_bytes,
             margin_bytes=max(0, margin),
             trunk_update_bytes=self._static.trunk_gradient_bytes,
-            trunk_gradient_bytes_in_blocks=_used_after_blocks_bytes(profilers) if self._static.trunk_gradient_bytes
-            else 0,
+            trunk_gradient_bytes_in_blocks=_gradient_bytes(
+                {id(p): p for profiler in profilers for p in profiler.used_after_blocks.values()}.values()
+            ),
             copy_spread=min(_copy_spread(p) for p in profilers),
         )
 
 
-def _used_after_blocks_bytes(profilers: Sequence[StepProfiler]) -> int:
-    """The bytes of the gradients of the trunk's weights that a profiled forward used after its first block."""
-    used = {key: param for profiler in profilers for key, param in profiler.used_after_blocks.items()}
-    return sum(param.numel() * param.element_size() for param in used.values() if param.requires_grad)
+def _gradient_bytes(params: Iterable[Tensor]) -> int:
+    """The bytes of the gradients of ``params`` that train (each as its parameter's dtype)."""
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def _several_ranks() -> bool:

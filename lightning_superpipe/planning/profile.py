@@ -105,11 +105,6 @@ class Profile:
     copy_spread: float = 0.0
     trunk_gradient_bytes_in_blocks: Optional[int] = None
 
-    def in_blocks_trunk_gradient_bytes(self) -> int:
-        """:attr:`trunk_gradient_bytes_in_blocks`, or every trunk gradient where it is not known."""
-        in_blocks = self.trunk_gradient_bytes_in_blocks
-        return self.trunk_gradient_bytes if in_blocks is None else min(in_blocks, self.trunk_gradient_bytes)
-
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
