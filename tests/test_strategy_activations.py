@@ -182,3 +182,28 @@ def test_bf16_mixed_and_resume_keep_their_guarantees(activations: str, tmp_path:
     )
     np.testing.assert_allclose(resumed.losses, whole.losses[8:], rtol=1e-6)
     assert tasks.max_relative_difference(resumed, whole) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["llama-eager-padded", "gpt2-padded"])
+@pytest.mark.parametrize("resident_blocks", [0, 1])
+def test_offloaded_activations_are_on_their_way_back_before_their_block_reads_them(
+    name: str, resident_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Offloading alone, between blocks that keep or recompute: a block's activations come back as backward reaches
+    # it, and the previous block's while it computes, never one by one as each is read (each copy then waited for).
+    read_before_sent_back: list[int] = []
+    unpack = activations_module.ActivationPlacement.unpack
+
+    def watched(self: Any, packed: Any) -> Any:
+        if isinstance(packed, activations_module._Offloaded) and packed.device is None:
+            read_before_sent_back.append(packed.index)
+        return unpack(self, packed)
+
+    monkeypatch.setattr(activations_module.ActivationPlacement, "unpack", watched)
+    modes = [["recompute", "offload", "keep"][i % 3] for i in range(_num_blocks(name))]
+    plain = tasks.plain_fit_family(name)
+    strategy = SuperpipeStrategy(resident_blocks=resident_blocks, prefetch=1, activations=modes)
+    streamed = tasks.fit_family(name, strategy)
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert strategy.memory_report()["host_activation_bytes"] > 0
+    assert read_before_sent_back == []

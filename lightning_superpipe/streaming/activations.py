@@ -191,6 +191,22 @@ class ActivationPlacement:
         weakref.finalize(packed, self._give, buffer, nbytes)
         return packed
 
+    def bring_back_ahead(self, index: int, outputs: Sequence[Tensor]) -> None:
+        """Brings block ``index``'s offloaded activations back, and block ``index - 1``'s, as soon as backward
+        reaches the block's ``outputs``: the block's own are then all on their way before it unpacks the first, and
+        the previous block's come while it computes, whatever its mode (unpacking alone would bring a block's back
+        one by one, each waited for, where the block after it does not offload)."""
+        modes = self.engine.activation_modes
+        if modes[index] != "offload" and (index == 0 or modes[index - 1] != "offload"):
+            return
+        nodes = {id(tensor.grad_fn): tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(lambda grads: self._backward_reaches(index))
+
+    def _backward_reaches(self, index: int) -> None:
+        self._bring_back_block(index)
+        self._bring_back_block(index - 1)
+
     def _bring_back_block(self, index: int) -> None:
         for ref in self._offloaded.pop(index, []):
             packed = ref()
@@ -346,3 +362,4 @@ class RecomputedActivations(torch.autograd.graph.saved_tensors_hooks):
             return pack(tensor)
 
         super().__init__(counting_pack, unpack)
+
