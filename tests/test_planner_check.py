@@ -24,6 +24,27 @@ from tests import tasks
 from tests.batches import VOCAB
 from tests.test_planner_solver import make_profile
 
+# ------------------------------------------------------------------ the profile measures what the model assumes
+
+
+def _profiled(**options: Any) -> SuperpipeStrategy:
+    """A run with a budget too large to constrain anything (its profile, and the plan after it)."""
+    strategy = SuperpipeStrategy(memory_budget="1GiB", **options)
+    tasks.fit("llama", strategy, max_steps=4, accumulate_grad_batches=1, gradient_clip_val=None)
+    return strategy
+
+
+def test_the_profiles_link_speed_is_what_queued_copies_get() -> None:
+    # Each profiled copy runs alone and is waited for, so its time has a latency that copies queued on a stream do
+    # not pay one after another: the speed is the slope of time over bytes, not the bytes over the seconds.
+    # (Slow enough that bytes, not latency, make each copy's time: the bytes over the seconds were 3-6% low here.)
+    bandwidth = 2e6
+    link = EmulatedLink(mode="thread", bandwidth=bandwidth, max_delay_s=0.0, check=False, verify=False)
+    profile = _profiled(link=link)._planner.profile
+    assert profile.h2d_bytes_per_s == pytest.approx(bandwidth, rel=0.03)
+    assert profile.d2h_bytes_per_s == pytest.approx(bandwidth, rel=0.03)
+
+
 # ------------------------------------------------------------------ the correction, on synthetic profiles
 
 

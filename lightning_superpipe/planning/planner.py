@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -293,8 +294,8 @@ class BudgetPlanner:
             for i, home in enumerate(engine.homes)
         ]
         blocks = _alike_blocks_alike(blocks)
-        h2d = _speed(profilers, "h2d")
-        d2h = _speed(profilers, "d2h") or h2d
+        h2d = _speed(profilers, "h2d", engine.copier.asynchronous)
+        d2h = _speed(profilers, "d2h", engine.copier.asynchronous) or h2d
         ledger_peak = max(s["ledger_peak"] for s in self._samples)
         margin = max(s["cuda_peak"] for s in self._samples) - ledger_peak if "cuda_peak" in self._samples[0] else 0
         return Profile(
@@ -387,9 +388,25 @@ def _copy_spread(profiler: StepProfiler) -> float:
     return statistics.fmean(abs(r - middle) for r in per_byte) / middle if middle > 0 else 0.0
 
 
-def _speed(profilers: Sequence[StepProfiler], direction: str) -> float:
-    """Bytes per second of one direction of the link over the profiled copies (0 if none was made)."""
-    speeds = [p.copy_bytes[direction] / p.copy_s[direction] for p in profilers if p.copy_s[direction] > 0]
+def _speed(profilers: Sequence[StepProfiler], direction: str, asynchronous: bool) -> float:
+    """Bytes per second of one direction of the link over the profiled copies (0 if none was made).
+
+    Each profiled copy ran alone and was waited for, so its time includes a latency (issuing it, waking the waiter)
+    that copies queued on a stream do not pay one after another. Where copies run beside compute, the speed is
+    therefore the slope of time over bytes (a least-squares line through the copies of at least 1/64 of the largest
+    one's bytes, as the smaller are latency alone: 1 / slope); on a synchronous link, where each copy's latency adds
+    to the step, the bytes over the seconds."""
+    speeds = []
+    for profiler in profilers:
+        copies = np.array(profiler.copies[direction], dtype=float).reshape(-1, 2)
+        if copies[:, 1].sum() <= 0:
+            continue
+        speed = copies[:, 0].sum() / copies[:, 1].sum()
+        sized = copies[copies[:, 0] >= copies[:, 0].max() / 64]
+        if asynchronous and np.ptp(sized[:, 0]) > 0:
+            slope, latency = np.polyfit(sized[:, 0], sized[:, 1], 1)
+            speed = 1 / slope if slope > 0 and latency >= 0 else speed
+        speeds.append(float(speed))
     return max(speeds, default=0.0)
 
 

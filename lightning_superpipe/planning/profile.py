@@ -55,8 +55,10 @@ class Profile:
         blocks: Each block's costs, in block order.
         trunk_s: Compute time outside the blocks (embeddings, head, loss) per micro-batch, forward and backward.
         trunk_optimizer_s: The host optimizer step over the parameters outside blocks.
-        h2d_bytes_per_s: Host-to-device speed of the copy path.
-        d2h_bytes_per_s: Device-to-host speed of the copy path.
+        h2d_bytes_per_s: Host-to-device speed of the copy path, as copies queued one after another get it (where
+            copies run beside compute, the slope of the profiled copies' times over their bytes: each profiled copy
+            ran alone and paid a latency that queued copies do not).
+        d2h_bytes_per_s: Device-to-host speed of the copy path, the same way.
         asynchronous: Whether copies run beside compute (CUDA, an emulated link) or on the compute thread (a CPU
             device), where their time adds to it.
         overlap_optimizer: Whether the optimizer steps each block during backward (:mod:`..streaming.overlap`).
@@ -128,7 +130,6 @@ class StepProfiler:
         self.forward_s = [0.0] * num_blocks
         self.backward_s = [0.0] * num_blocks
         self.trunk_s = 0.0
-        self.copy_bytes = {"h2d": 0, "d2h": 0}
         self.copy_s = {"h2d": 0.0, "d2h": 0.0}
         #: Each copy's ``(bytes, seconds)``, per direction.
         self.copies: dict[str, list[tuple[int, float]]] = {"h2d": [], "d2h": []}
@@ -233,7 +234,6 @@ class StepProfiler:
                 self._copier.synchronize()
                 self._since = self._now()
                 nbytes = dst.numel() * dst.element_size()
-                self.copy_bytes[direction] += nbytes
                 self.copy_s[direction] += self._since - now
                 self.copies[direction].append((nbytes, self._since - now))
             return event
