@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from lightning_superpipe.planning.check import PlanCheck, correct
 from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.planner import BudgetPlanner
 from lightning_superpipe.planning.solver import minimum_plan, solve
+from lightning_superpipe.streaming import activations as activations_module
+from lightning_superpipe.streaming.emulated import EmulatedCopier
 from tests import tasks
 from tests.batches import VOCAB
 from tests.test_planner_solver import make_profile
@@ -44,6 +47,54 @@ def test_the_profiles_link_speed_is_what_queued_copies_get() -> None:
     assert profile.h2d_bytes_per_s == pytest.approx(bandwidth, rel=0.03)
     assert profile.d2h_bytes_per_s == pytest.approx(bandwidth, rel=0.03)
 
+
+def test_the_profile_times_what_offloading_costs_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every copy of an offloaded activation, out and back, made to cost the compute thread 20 ms: the profile's
+    # figure per byte is that cost, each way, over the bytes. On a synchronous link it is the link's time: none.
+    monkeypatch.setattr(activations_module, "OFFLOAD_MIN_BYTES", 4096)
+    assert _profiled()._planner.profile.offload_compute_s_per_byte == 0
+    delay, copies = 0.02, {"out": 0, "back": 0}
+    to_host, to_device = EmulatedCopier.to_host, EmulatedCopier.to_device
+
+    def slow_to_host(self: EmulatedCopier, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> Any:
+        if what.startswith("offloaded activation"):
+            copies["out"] += 1
+            time.sleep(delay)
+        return to_host(self, dst, src, what)
+
+    def slow_to_device(self: EmulatedCopier, dst: torch.Tensor, src: torch.Tensor, after: Any = None,
+                       what: str = "") -> Any:
+        if "brought back" in what:
+            copies["back"] += 1
+            time.sleep(delay)
+        return to_device(self, dst, src, after, what)
+
+    monkeypatch.setattr(EmulatedCopier, "to_host", slow_to_host)
+    monkeypatch.setattr(EmulatedCopier, "to_device", slow_to_device)
+    strategy = _profiled(link=EmulatedLink(mode="thread", max_delay_s=0.0, check=False, verify=False))
+    profile = strategy._planner.profile
+    assert strategy.plan.activations == ["keep"] * len(profile.blocks)  # no offloading after the profiled steps
+    assert copies["out"] == copies["back"] > 0
+    per_step = copies["out"] / BudgetPlanner.PROFILED_STEPS
+    expected = delay * per_step / sum(block.offloaded_bytes for block in profile.blocks)
+    assert expected * 0.8 < profile.offload_compute_s_per_byte < expected * 1.5
+
+
+
+@pytest.mark.parametrize("mode", ["lazy", "thread"])
+def test_timing_offload_in_the_profile_changes_no_value_and_breaks_no_ordering(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trial copies each block's saved activations out and back on the real copy path, beside the census: under
+    # the happens-before checker, with NaN in every destination until its copy runs, the run trains as plain does.
+    monkeypatch.setattr(activations_module, "OFFLOAD_MIN_BYTES", 0)
+    plain = tasks.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
+    strategy = SuperpipeStrategy(memory_budget="1GiB", link=EmulatedLink(mode=mode, seed=0, max_delay_s=2e-4))
+    task = tasks.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
+    tried = [sample["profiler"].offload_trials for sample in strategy._planner._samples]
+    assert len(tried) == BudgetPlanner.PROFILED_STEPS and all(len(blocks) == 3 for blocks in tried)
+    torch.testing.assert_close(torch.tensor(task.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
+    assert tasks.max_relative_difference(task, plain) < 1e-5
 
 # ------------------------------------------------------------------ the correction, on synthetic profiles
 

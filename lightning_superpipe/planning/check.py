@@ -2,8 +2,9 @@
 corrected.
 
 The profile times each copy alone (synchronously) and derives what the copies of a placement cost from the link's
-speeds; some costs only show when a placement runs: offloaded activations' many copies and their interference with
-compute and with the weights' copies, several copies sharing the link. So after the planner applies a plan,
+speeds; it times what offloading costs compute on the side, one block at a time. Some costs only show when a
+placement runs: many blocks' copies sharing the link and competing with compute at once, timing noise in the
+profile's two samples. So after the planner applies a plan,
 :class:`PlanCheck` times the steps that follow: ``SETTLE_STEPS`` (the first steps after a re-placement fill fresh
 buffers) and then ``TIMED_STEPS``, the fastest of which is the plan's measured step (other work on the machine, the
 collector, a page fault only ever slow a step down: the fastest is the plan's own time). Five, not three: over 20

@@ -15,10 +15,11 @@ speeds are ``h2d`` and ``d2h``; ``a`` is ``profile.asynchronous``, ``m`` is ``pr
   The weights outside blocks that a step changes: to the device again after each optimizer step in ``t_tr =
   trunk_update_bytes / h2d``, their gradients off it at the end of each backward in ``t_tg = trunk_update_bytes /
   d2h``.
+* An offloaded block costs compute ``X_i = offloaded_bytes_i * offload_compute_s_per_byte`` in its forward and again
+  in its backward (measured by the profile's offload trials, or corrected by :mod:`.check`). Below, ``F_i`` stands
+  for ``F_i + o_i X_i``.
 * Corrections from a measured step (:mod:`.check`; none in a profile): every copy time above is multiplied by
-  ``profile.link_slowdown``; an offloaded block costs compute ``X_i = offloaded_bytes_i *
-  offload_compute_s_per_byte`` in its forward and again in its backward; the step takes ``profile.step_overhead_s``
-  more. Below, ``F_i`` stands for ``F_i + o_i X_i``.
+  ``profile.link_slowdown``; the step takes ``profile.step_overhead_s`` more.
 * A block's backward computes ``Cb_i = B_i + c_i R_i + o_i X_i``.
 
 The engine runs copies on their own streams, in the order they are issued. In forward, block ``i + 1``'s weights are

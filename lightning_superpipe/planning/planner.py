@@ -319,6 +319,7 @@ class BudgetPlanner:
                 {id(p): p for profiler in profilers for p in profiler.used_after_blocks.values()}.values()
             ),
             copy_spread=min(_copy_spread(p) for p in profilers),
+            offload_compute_s_per_byte=_offload_compute_per_byte(profilers),
         )
 
 
@@ -386,6 +387,20 @@ def _copy_spread(profiler: StepProfiler) -> float:
         return 0.0
     middle = statistics.median(per_byte)
     return statistics.fmean(abs(r - middle) for r in per_byte) / middle if middle > 0 else 0.0
+
+
+def _offload_compute_per_byte(profilers: Sequence[StepProfiler]) -> float:
+    """The compute each offloaded byte costs, each way, from the blocks' offload trials (:class:`OffloadTiming`):
+    per block, the fastest of each timing over the profiled steps; the compute the copies added out and back, summed
+    over the blocks, over twice their bytes. 0 where no block was tried (nothing to offload, or a synchronous link)."""
+    added_s, nbytes = 0.0, 0
+    for index in {index for profiler in profilers for index in profiler.offload_trials}:
+        trials = [profiler.offload_trials[index] for profiler in profilers if index in profiler.offload_trials]
+        fastest = {name: min(getattr(trial, name) for trial in trials)
+                   for name in ("forward_s", "out_s", "computed_s", "back_s")}
+        added_s += fastest["out_s"] - fastest["forward_s"] + fastest["back_s"] - fastest["computed_s"]
+        nbytes += trials[0].offloaded_bytes
+    return max(0.0, added_s / (2 * nbytes)) if nbytes else 0.0
 
 
 def _speed(profilers: Sequence[StepProfiler], direction: str, asynchronous: bool) -> float:

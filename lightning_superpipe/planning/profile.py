@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -75,9 +76,10 @@ class Profile:
             again at the start of each step, and their gradients off it at the end of each backward.
         offload_compute_s_per_byte: Compute time each offloaded byte costs a block, in its forward (the copy out)
             and again in its backward (the copy back): what offloading takes from compute beyond the link's time
-            (issuing many copies, the copies' interference with compute and with the weights' copies). 0 in a
-            profile; set from a measured step by :mod:`.check` when an applied plan that offloads runs slower than
-            predicted.
+            (issuing many copies, the copies' interference with compute). Measured in the profile where copies run
+            beside compute, from each block's :class:`OffloadTiming` (0 on a synchronous link, where the copies'
+            time is the link's); set from a measured step by :mod:`.check` when an applied plan that offloads runs
+            slower than predicted.
         link_slowdown: How many times longer every copy takes in a running step than in the profiled one (where each
             copy ran alone): 1 in a profile; set from a measured step by :mod:`.check`.
         step_overhead_s: Seconds per step that no term of the model accounts for: 0 in a profile; set from a
@@ -109,6 +111,27 @@ class Profile:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class OffloadTiming:
+    """One block call run through ``"offload"``'s copies on the side, for the cost of offloading on this machine's
+    real copy path: the call's compute alone and with its copies, each way.
+
+    Attributes:
+        offloaded_bytes: What the call copied out and back.
+        forward_s: The call's compute under the census's hooks, no copy.
+        out_s: The same with each saved activation copied to the host as it is saved (``"offload"``'s forward).
+        computed_s: The call's compute without gradients, no copy.
+        back_s: The same, after issuing the copies of everything the call sent out back to the device (as
+            ``"offload"``'s backward brings a block's activations back while the block after it computes).
+    """
+
+    offloaded_bytes: int
+    forward_s: float
+    out_s: float
+    computed_s: float
+    back_s: float
 
 
 class StepProfiler:
@@ -151,6 +174,8 @@ class StepProfiler:
         #: The trunk's parameters a forward used after its first block began: their gradients arrive before the
         #: blocks' backward has ended.
         self.used_after_blocks: dict[int, Tensor] = {}
+        #: Per block that offloads anything, its :class:`OffloadTiming`.
+        self.offload_trials: dict[int, OffloadTiming] = {}
 
     def start(self) -> None:
         """Starts the clock in the trunk and makes the copier's copies timed and synchronous."""
@@ -186,6 +211,39 @@ class StepProfiler:
         """A forward uses the trunk's parameter ``param`` (one whose gradient it will deliver)."""
         if self._blocks_started:
             self.used_after_blocks[id(param)] = param
+
+    @property
+    def times_offload(self) -> bool:
+        """Whether blocks' census calls are also run through ``"offload"``'s copies and timed: where copies run beside
+        compute (on a synchronous link their time is the link's, which the model counts already)."""
+        return bool(self._copier.asynchronous)
+
+    @contextmanager
+    def untimed_copies(self) -> Iterator[None]:
+        """The copier's own, asynchronous copies for a while (the profiler makes each copy synchronous to time it)."""
+        timed = {name: vars(self._copier).pop(name) for name in ("to_device", "to_host") if name in vars(self._copier)}
+        try:
+            yield
+        finally:
+            vars(self._copier).update(timed)
+
+    def compute_seconds(self, run: Callable[[], Any]) -> float:
+        """The seconds of compute that ``run`` issues, not waiting for the copies it leaves in flight."""
+        if not self._cuda:
+            start = time.perf_counter()
+            run()
+            return time.perf_counter() - start
+        torch.cuda.synchronize(self.engine.device)
+        started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        started.record()
+        run()
+        ended.record()
+        ended.synchronize()
+        return started.elapsed_time(ended) / 1e3
+
+    def offload_tried(self, index: int, **timing: Any) -> None:
+        """Takes block ``index``'s offload trial (the fields of :class:`OffloadTiming`)."""
+        self.offload_trials[index] = OffloadTiming(**timing)
 
     def block_inputs(self, index: int, tensors: list[Any]) -> None:
         """Counts what a checkpoint of block ``index`` would hold: its tensor inputs, each storage once per pass."""

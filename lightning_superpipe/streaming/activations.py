@@ -363,3 +363,54 @@ class RecomputedActivations(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(counting_pack, unpack)
 
+
+class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
+    """Sends what one block call saves through ``"offload"``'s copies, for a planner's profile to time: each saved
+    activation from :data:`OFFLOAD_MIN_BYTES` up is copied to a host buffer of the pool as the call saves it
+    (:meth:`ActivationPlacement._offload`, the path ``"offload"`` takes), and :meth:`bring_back` copies them all to
+    the device again, as backward would. Nothing is ever unpacked: the call's result is dropped, and the tensors
+    brought back are only waited for (:meth:`finish`), like the census's outside the ledger.
+
+    Args:
+        placement: The engine's placement (its copier and host pool).
+        index: The block.
+    """
+
+    def __init__(self, placement: ActivationPlacement, index: int) -> None:
+        self._placement = placement
+        self._index = index
+        self._offloaded: list[_Offloaded] = []
+        self._back: list[tuple[Tensor, Event]] = []
+
+        def pack(tensor: Tensor) -> Tensor:
+            if placement.is_activation(index, tensor) and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+                self._offloaded.append(placement._offload(index, tensor))
+            return tensor.detach()  # as the census's: no reference cycle through the saved output's own node
+
+        super().__init__(pack, lambda tensor: tensor)
+
+    def copies_out_done(self) -> None:
+        """Waits until every copy out has reached the host (backward reads them long after)."""
+        for packed in self._offloaded:
+            self._placement.copier.wait_on_host(packed.copied)
+
+    def bring_back(self) -> None:
+        """Issues the copies back to the device of everything the call sent out (as ``"offload"``'s backward does,
+        one block ahead), without waiting for them."""
+        copier, device_type = self._placement.copier, self._placement.engine.device
+        for packed in self._offloaded:
+            host = packed.host
+            device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device_type)
+            what = f"activation of block {self._index} brought back for the profile"
+            self._back.append((device, copier.to_device(device, host, copier.mark_compute(), what)))
+
+    def finish(self) -> None:
+        """Orders compute after the copies back (their memory is then freed) and gives the host buffers back."""
+        for _, ready in self._back:
+            self._placement.copier.wait_on_compute(ready)
+        self._back.clear()
+        # Never unpacked: no backward brings them back (a block of a real ``"offload"`` call keeps its own).
+        mine = {id(packed) for packed in self._offloaded}
+        waiting = self._placement._offloaded
+        waiting[self._index] = [ref for ref in waiting.get(self._index, []) if id(ref()) not in mine]
+        self._offloaded.clear()

@@ -35,7 +35,12 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from lightning_superpipe.rng import rng_states, set_rng_states
-from lightning_superpipe.streaming.activations import ActivationCensus, BlockActivations, RecomputedActivations
+from lightning_superpipe.streaming.activations import (
+    ActivationCensus,
+    BlockActivations,
+    OffloadTrial,
+    RecomputedActivations,
+)
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
 
@@ -226,7 +231,8 @@ class BlockStreamingHook:
         """For a planner's profile: what the call would keep for backward without recomputation, and what a
         checkpoint of it holds (its inputs). The call runs once more, right after the first, on the weights still
         held, under an :class:`ActivationCensus`, with the buffers as they were before the first run and the RNG put
-        back afterwards; its result is dropped."""
+        back afterwards; its result is dropped. Where offloading would copy anything, :meth:`_offload_trial` times
+        it."""
         profiler = self.engine.profiler
         profiler.block_inputs(self.index, _tensors((args, kwargs)))
         # Cut from the real graph, but needing gradients where the inputs do: autograd then saves the same tensors.
@@ -235,17 +241,51 @@ class BlockStreamingHook:
             lambda value: value.detach().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value,
         )
         states = rng_states()
+
+        def run(hooks: Any) -> Callable[[], None]:
+            def call() -> None:
+                try:
+                    with hooks:
+                        self._on_buffer_copies(live, before, *detach(args), **detach(kwargs))
+                finally:
+                    set_rng_states(states)
+
+            return call
+
         profiler.enter("census")
         self._census_running = True
         census = ActivationCensus(self.engine.activations, self.index)
         try:
-            with census:
-                self._on_buffer_copies(live, before, *detach(args), **detach(kwargs))
+            forward_s = profiler.compute_seconds(run(census))
+            if census.offloaded_bytes and profiler.times_offload:
+                self._offload_trial(run, census.offloaded_bytes, forward_s)
         finally:
             self._census_running = False
-            set_rng_states(states)
             profiler.enter("trunk")
         profiler.activations(self.index, census)
+
+    def _offload_trial(self, run: Callable[[Any], Callable[[], None]], offloaded_bytes: int, forward_s: float) -> None:
+        """Times the census's call again with its saved activations copied out on the real copy path, and once more
+        without gradients, alone and while they are copied back: what offloading costs compute each way."""
+        profiler = self.engine.profiler
+        trial = OffloadTrial(self.engine.activations, self.index)
+        with profiler.untimed_copies():
+            try:
+                out_s = profiler.compute_seconds(run(trial))
+                trial.copies_out_done()
+                computed_s = profiler.compute_seconds(run(torch.no_grad()))
+                back_s = profiler.compute_seconds(partial(self._while_brought_back, trial, run(torch.no_grad())))
+            finally:
+                trial.finish()
+        profiler.offload_tried(
+            self.index, offloaded_bytes=offloaded_bytes, forward_s=forward_s, out_s=out_s, computed_s=computed_s,
+            back_s=back_s,
+        )
+
+    @staticmethod
+    def _while_brought_back(trial: OffloadTrial, call: Callable[[], None]) -> None:
+        trial.bring_back()
+        call()
 
     def _compute(self, first_run: bool, *args: Any, **kwargs: Any) -> Any:
         assert self._original_forward is not None
