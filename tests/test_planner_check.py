@@ -226,9 +226,10 @@ def test_a_plan_that_holds_but_measured_slower_than_an_earlier_one_gives_way_to_
 
 def _checked_sweep(link: float, budgets: int = 6) -> list[tuple[int, float, float]]:
     """Each budget's run, from the least placement's peak to the whole model's, on a synthetic 4-block profile whose
-    steps take what a truth model says: the profile with what a profile cannot see (offloading's interference, 0.6 ms
-    of compute per MiB each way; copies straying 50% from their median time). The check corrects the planner's model
-    from those timings. Returns per budget ``(budget, the step the run ends on, the fastest step that fits)``."""
+    steps take what a truth model says: the profile with what its samples missed (offloading's interference, 0.6 ms
+    of compute per MiB each way, where the profile measured none; copies straying 50% from their median time). The
+    check corrects the planner's model from those timings. Returns per budget ``(budget, the step the run ends on,
+    the fastest step that fits)``."""
     profile = make_profile(4, link=link, trunk_update=True)
     truth = dataclasses.replace(profile, offload_compute_s_per_byte=0.6e-3 / 2**20, copy_spread=0.5)
     least = minimum_plan(profile).predicted_peak_bytes

@@ -772,3 +772,20 @@ def test_a_copys_spread_costs_prefetch_1_and_not_a_deeper_one() -> None:
     plan = solve(replace(four, copy_spread=0.5), deep.peak_bytes, **pinned)
     assert plan.prefetch == 2 and plan.predicted_step_s == pytest.approx(deep.step_s)
     assert solve(replace(four, copy_spread=0.5), deep.peak_bytes - 1, **pinned).prefetch == 1
+
+
+def test_activations_come_back_only_once_the_block_after_them_starts_its_backward() -> None:
+    # Block 0's activations are brought back as block 1's backward starts, and block 0 waits for them: a copy
+    # longer than block 1's backward is exposed, however idle the link was before (the stream's total would hide
+    # it). Frozen resident blocks: no gradients, no weights to copy, so the backward is Cb_2 + ai_0 + Cb_0 = 20 +
+    # 35 + 20 = 75 ms, not max(Cb_0 + Cb_1 + Cb_2, ai_0 + Cb_0) = 60 ms.
+    profile = make_profile(3, frozen=(0, 1, 2))
+    returned = int(0.035 * profile.h2d_bytes_per_s)
+    profile = replace(profile, blocks=[replace(profile.blocks[0], offloaded_bytes=returned), *profile.blocks[1:]])
+    for prefetch in (0, 1, 2):
+        prediction = predict(profile, (0, 1, 2), prefetch, ["offload", "keep", "keep"])
+        assert prediction.passes["backward_s"] == pytest.approx(0.075)
+    # The program has the bound too (the solver raises where the program's time falls below the cost model's).
+    for prefetch in (0, 1, 2):
+        plan = solve(profile, 2**40, resident_blocks=3, prefetch=prefetch, activations=["offload", "keep", "keep"])
+        assert plan.predicted_step_s == predict(profile, (0, 1, 2), prefetch, plan.activations).step_s

@@ -50,8 +50,9 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
 
   ``bwd`` is the largest of
 
-  - ``p >= 1``: ``o_{N-1} ai_{N-1} + sum_i Cb_i + g_0 + t_tg`` (compute, after the last block's activations came
-    back, then the last gradients leave), ``sum_{i < N-1} s_i w_i +
+  - ``p >= 1``: ``o_{N-1} ai_{N-1} + sum_i max(Cb_i, o_{i-1} ai_{i-1}) + g_0 + t_tg`` (compute, after the last
+    block's activations came back, then the last gradients leave; block ``i - 1``'s activations are brought back as
+    block ``i``'s backward starts, and block ``i - 1`` cannot start before they are back), ``sum_{i < N-1} s_i w_i +
     sum_i o_i ai_i + Cb_0 + g_0 + t_tg`` (the host-to-device stream: the weights again but the last block's, every
     offloaded block's activations back; then block 0's compute and gradients);
   - ``p = 0``: ``o_{N-1} ai_{N-1} + sum_i (max(Cb_i, o_{i-1} ai_{i-1}) + s_i w_i [i < N-1]) + g_0 + t_tg``
@@ -428,10 +429,13 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
     else:
         tail = gradients[0] + trunk_out  # block 0's gradients and the trunk's leave after backward has ended
         head = offload_in[last]  # the last block's activations come back before any backward compute can start
+        # Block i - 1's activations come back while block i computes, and not before it starts: per block the
+        # longer of the two.
+        behind = [max(backward[i], offload_in[i - 1] if i >= 1 else 0.0) for i in range(len(blocks))]
         if prefetch >= 1:
             forward_bounds = [weights[0] + sum(forward), sum(weights) + forward[last]]
             backward_bounds = [
-                head + sum(backward) + tail,
+                head + sum(behind) + tail,
                 sum(weights[:last]) + sum(offload_in) + backward[0] + tail,
             ]
             if prefetch == 1 and profile.copy_spread > 0:
@@ -443,9 +447,7 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
                 )
         else:
             forward_bounds = [sum(forward) + sum(weights)]
-            # Block i - 1's weights are asked for when it starts, and queue behind its activations brought back while
-            # block i computed: per block the longer of the two, then the copy.
-            behind = [max(backward[i], offload_in[i - 1] if i >= 1 else 0.0) for i in range(len(blocks))]
+            # Block i - 1's weights are asked for when it starts, after its activations came back: then the copy.
             backward_bounds = [head + sum(behind) + sum(weights[:last]) + tail, sum(offload_in) + backward[0] + tail]
         forward_bounds.append(forward[0] + sum(offload_out))
         backward_bounds.append(backward[last] + sum(gradients) + trunk_out)

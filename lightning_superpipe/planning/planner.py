@@ -27,6 +27,7 @@ fastest placement a forward pass allows.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -408,20 +409,25 @@ def _speed(profilers: Sequence[StepProfiler], direction: str, asynchronous: bool
 
     Each profiled copy ran alone and was waited for, so its time includes a latency (issuing it, waking the waiter)
     that copies queued on a stream do not pay one after another. Where copies run beside compute, the speed is
-    therefore the slope of time over bytes (a least-squares line through the copies of at least 1/64 of the largest
-    one's bytes, as the smaller are latency alone: 1 / slope); on a synchronous link, where each copy's latency adds
-    to the step, the bytes over the seconds."""
+    therefore the slope of time over bytes: a least-squares line through the fastest copy of each size (other work
+    on the machine only slows a copy down), over the sizes of at least 1/64 of the largest (the smaller are latency
+    alone). On a synchronous link, where each copy's latency adds to the step, it is the bytes over the seconds of
+    the faster sample."""
+    copies = [(nbytes, seconds) for profiler in profilers for nbytes, seconds in profiler.copies[direction]]
+    largest = max((nbytes for nbytes, _ in copies), default=0)
+    fastest: dict[int, float] = {}
+    for nbytes, seconds in copies:
+        if nbytes >= largest / 64 and seconds > 0:
+            fastest[nbytes] = min(seconds, fastest.get(nbytes, math.inf))
+    if asynchronous and len(fastest) >= 2:
+        slope, latency = np.polyfit(list(fastest), list(fastest.values()), 1)
+        if slope > 0 and latency >= 0:
+            return float(1 / slope)
     speeds = []
     for profiler in profilers:
-        copies = np.array(profiler.copies[direction], dtype=float).reshape(-1, 2)
-        if copies[:, 1].sum() <= 0:
-            continue
-        speed = copies[:, 0].sum() / copies[:, 1].sum()
-        sized = copies[copies[:, 0] >= copies[:, 0].max() / 64]
-        if asynchronous and np.ptp(sized[:, 0]) > 0:
-            slope, latency = np.polyfit(sized[:, 0], sized[:, 1], 1)
-            speed = 1 / slope if slope > 0 and latency >= 0 else speed
-        speeds.append(float(speed))
+        seconds = sum(s for _, s in profiler.copies[direction])
+        if seconds > 0:
+            speeds.append(sum(n for n, _ in profiler.copies[direction]) / seconds)
     return max(speeds, default=0.0)
 
 

@@ -33,13 +33,13 @@ Constraints:
 * Asynchronous link: ``fwd`` at least each of its bounds, and ``fwd1`` at least each of ``fwd``'s and its own two
   (which makes ``fwd1 >= fwd``); ``bwd`` at least each of its bounds. The ``p >= 1`` bounds that a ``p = 0`` one
   dominates (``s_0 w_0 + sum_i F_i`` and ``sum_i s_i w_i + F_{N-1}`` are at most ``sum_i (F_i + s_i w_i)``;
-  ``o_{N-1} ai_{N-1} + sum_i Cb_i + g_0 + t_tg`` at most the serial one below) hold at any depth, and so
+  ``o_{N-1} ai_{N-1} + sum_i b_i + g_0 + t_tg`` at most the serial one below), with continuous ``b_i >= Cb_i`` and
+  ``b_i >= o_{i-1} ai_{i-1}`` (``b_0 = Cb_0``; plain ``Cb_i`` where no block can offload), hold at any depth, and so
   does the ``p = 0`` one that a ``p >= 1`` one dominates (``sum_i o_i ai_i + Cb_0 + g_0 + t_tg``). Where ``P`` has
   both ``0`` and a depth of at least 1, the others are switched by ``q_0`` with big-M: ``fwd >= sum_i (F_i + s_i
   w_i) - M (1 - q_0)`` with ``M = min(sum_{i >= 1} w_i, sum_{i < N-1} F_i)``, the most it can exceed the first (the
   second) of those always-on bounds by; ``bwd >= o_{N-1} ai_{N-1} + sum_i (b_i + s_i w_i [i < N-1]) + g_0 + t_tg -
-  M' (1 - q_0)``, with continuous ``b_i >= Cb_i`` and ``b_i >= o_{i-1} ai_{i-1}`` (``b_0 = Cb_0``; plain ``Cb_i``
-  where no block can offload), and ``bwd >= sum_{i < N-1} s_i w_i + sum_i o_i ai_i + Cb_0 + g_0 + t_tg - M' q_0``,
+  M' (1 - q_0)``, and ``bwd >= sum_{i < N-1} s_i w_i + sum_i o_i ai_i + Cb_0 + g_0 + t_tg - M' q_0``,
   with ``M' = sum_{i < N-1} (w_i + ai_i)``.
   Where ``P`` settles it, only that depth's bounds are there. ``fwd``, ``fwd1`` and ``bwd`` are minimised (the step
   time rises with each), so each takes its largest bound.
@@ -340,7 +340,7 @@ class _Program(_PeakTerms):
         computed_before_last = sum(
             block.forward_s + link.offload_compute for block, link in zip(blocks[:last], links[:last])
         ) * seconds
-        serial_backward, returned_in = self._serial_backward()
+        behind_returns, returned_in = self._behind_returns()
         crossing, compute_backward, before_last = self._crossing, self._compute_backward, self._before_last
         forward_bounds = [
             (crossing(_first) + forward_compute, "always", 0.0),  # <= the serial one at prefetch 0
@@ -350,11 +350,11 @@ class _Program(_PeakTerms):
             (forward_compute + crossing(_every), "p0", min(not_first, computed_before_last)),
         ]
         backward_bounds = [
-            (head + compute_backward(_every) + tail, "always", 0.0),  # <= the serial one at prefetch 0
+            (head + behind_returns + tail, "always", 0.0),  # <= the serial one at prefetch 0
             (offload_in + compute_backward(_first) + tail, "always", 0.0),  # <= the copies' one at prefetch >= 1
             (compute_backward(lambda i: i == last) + gradients + self._trunk_out_s, "always", 0.0),
             # Each above the first (the second) of these by sum_{i < N-1} s_i w_i.
-            (head + serial_backward + crossing(before_last) + tail, "p0", not_last + returned_in),
+            (head + behind_returns + crossing(before_last) + tail, "p0", not_last + returned_in),
             (crossing(before_last) + offload_in + compute_backward(_first) + tail, "p1", not_last),
         ]
         if 1 in self.depths and self.profile.copy_spread > 0:
@@ -383,14 +383,15 @@ class _Program(_PeakTerms):
         )
         return first_forward_s, forward_s, backward_s
 
-    def _serial_backward(self) -> tuple[_Linear, float]:
-        """The backward at prefetch 0, ``sum_i b_i``, and ``sum_{i < N-1} ai_i`` (0 where nothing comes back).
+    def _behind_returns(self) -> tuple[_Linear, float]:
+        """The backward's compute, each block waiting for its activations, ``sum_i b_i``, and ``sum_{i < N-1} ai_i``
+        (0 where nothing comes back).
 
-        Block i - 1's weights queue behind its activations brought back during block i's backward: ``b_i >= Cb_i``
-        and ``b_i >= o_{i-1} ai_{i-1}`` (``b_i = Cb_i`` where nothing can be brought back).
+        Block i - 1's activations are brought back as block i's backward starts, and block i - 1 starts once they
+        are back: ``b_i >= Cb_i`` and ``b_i >= o_{i-1} ai_{i-1}`` (``b_i = Cb_i`` where nothing can be brought back).
         """
         links, seconds, last = self._links, self._seconds, self._last
-        if not (0 in self.depths and any(link.offload_in > 0 for link in links[:last])):
+        if not any(link.offload_in > 0 for link in links[:last]):
             return self._compute_backward(_every), 0.0
         behind = []
         for i in range(len(self._blocks)):
