@@ -150,7 +150,7 @@ class ActivationPlacement:
                 return _Rebuilt(index, piece, tensor)
             return _WeightView(index, tensor)
         if offload and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
-            return self._offload(index, tensor)
+            return self.offload(index, tensor)
         kept = _Kept(tensor)
         self._hold(index, tensor, kept)
         return kept
@@ -177,7 +177,9 @@ class ActivationPlacement:
 
     # ------------------------------------------------------------------ offloading
 
-    def _offload(self, index: int, tensor: Tensor) -> _Offloaded:
+    def offload(self, index: int, tensor: Tensor, brought_back: bool = True) -> _Offloaded:
+        """Copies ``tensor``, saved by block ``index``, to a host buffer of the pool. ``brought_back``: backward
+        brings it back with its block (``False`` for a profile's trial, which brings its own back)."""
         # The same strides there and back: backward kernels then take the paths they take in plain training, and the
         # results are bitwise the same. A layout that overlaps itself (expanded) travels contiguous.
         if _overlaps_itself(tensor):
@@ -187,7 +189,8 @@ class ActivationPlacement:
         host = buffer[:nbytes].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
         copied = self.copier.to_host(host, tensor, f"offloaded activation of block {index}")
         packed = _Offloaded(index, host, buffer, tensor.shape, copied)
-        self._offloaded[index].append(weakref.ref(packed))
+        if brought_back:
+            self._offloaded[index].append(weakref.ref(packed))
         weakref.finalize(packed, self._give, buffer, nbytes)
         return packed
 
@@ -367,7 +370,7 @@ class RecomputedActivations(torch.autograd.graph.saved_tensors_hooks):
 class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
     """Sends what one block call saves through ``"offload"``'s copies, for a planner's profile to time: each saved
     activation from :data:`OFFLOAD_MIN_BYTES` up is copied to a host buffer of the pool as the call saves it
-    (:meth:`ActivationPlacement._offload`, the path ``"offload"`` takes), and :meth:`bring_back` copies them all to
+    (:meth:`ActivationPlacement.offload`, the path ``"offload"`` takes), and :meth:`bring_back` copies them all to
     the device again, as backward would. Nothing is ever unpacked: the call's result is dropped, and the tensors
     brought back are only waited for (:meth:`finish`), like the census's outside the ledger.
 
@@ -384,7 +387,7 @@ class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(tensor: Tensor) -> Tensor:
             if placement.is_activation(index, tensor) and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
-                self._offloaded.append(placement._offload(index, tensor))
+                self._offloaded.append(placement.offload(index, tensor, brought_back=False))
             return tensor.detach()  # as the census's: no reference cycle through the saved output's own node
 
         super().__init__(pack, lambda tensor: tensor)
@@ -397,20 +400,16 @@ class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
     def bring_back(self) -> None:
         """Issues the copies back to the device of everything the call sent out (as ``"offload"``'s backward does,
         one block ahead), without waiting for them."""
-        copier, device_type = self._placement.copier, self._placement.engine.device
+        copier, device = self._placement.copier, self._placement.engine.device
         for packed in self._offloaded:
             host = packed.host
-            device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device_type)
+            back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
             what = f"activation of block {self._index} brought back for the profile"
-            self._back.append((device, copier.to_device(device, host, copier.mark_compute(), what)))
+            self._back.append((back, copier.to_device(back, host, copier.mark_compute(), what)))
 
     def finish(self) -> None:
         """Orders compute after the copies back (their memory is then freed) and gives the host buffers back."""
         for _, ready in self._back:
             self._placement.copier.wait_on_compute(ready)
         self._back.clear()
-        # Never unpacked: no backward brings them back (a block of a real ``"offload"`` call keeps its own).
-        mine = {id(packed) for packed in self._offloaded}
-        waiting = self._placement._offloaded
-        waiting[self._index] = [ref for ref in waiting.get(self._index, []) if id(ref()) not in mine]
         self._offloaded.clear()
