@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_flatten
 
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.planning.plan import MODES, ActivationsPolicy
@@ -194,15 +195,16 @@ class ActivationPlacement:
         weakref.finalize(packed, self._give, buffer, nbytes)
         return packed
 
-    def bring_back_ahead(self, index: int, outputs: Sequence[Tensor]) -> None:
+    def bring_back_ahead(self, index: int, output: Any) -> None:
         """Brings block ``index``'s offloaded activations back, and block ``index - 1``'s, as soon as backward
-        reaches the block's ``outputs``: the block's own are then all on their way before it unpacks the first, and
-        the previous block's come while it computes, whatever its mode (unpacking alone would bring a block's back
-        one by one, each waited for, where the block after it does not offload)."""
+        reaches the block's ``output`` (its tensors): the block's own are then all on their way before it unpacks the
+        first, and the previous block's come while it computes, whatever its mode (unpacking alone would bring a
+        block's back one by one, each waited for, where the block after it does not offload)."""
         modes = self.engine.activation_modes
         if modes[index] != "offload" and (index == 0 or modes[index - 1] != "offload"):
             return
-        nodes = {id(tensor.grad_fn): tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None}
+        tensors = [value for value in tree_flatten(output)[0] if isinstance(value, Tensor)]
+        nodes = {id(tensor.grad_fn): tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None}
         for node in nodes.values():
             node.register_prehook(lambda grads: self._backward_reaches(index))
 

@@ -172,7 +172,7 @@ class BlockStreamingHook:
                 # Saved weights become handles fetched again in backward; activations stay or go to the host.
                 with BlockActivations(self.engine.activations, self.index, offload=mode == "offload"):
                     output = self._compute(True, *args, **kwargs)
-                self.engine.activations.bring_back_ahead(self.index, _tensors(output))
+                self.engine.activations.bring_back_ahead(self.index, output)
                 return output
             # Nothing computed inside is saved for backward; backward re-runs ``_compute``, fetching the weights
             # again, with the RNG state of the first run (dropout matches) and the buffers as they were before it.
@@ -196,7 +196,7 @@ class BlockStreamingHook:
             self._mutated_buffers = known | mutated
             if self.engine.profiler is not None:
                 self._census(live, before, args, kwargs)
-            self.engine.activations.bring_back_ahead(self.index, _tensors(output))
+            self.engine.activations.bring_back_ahead(self.index, output)
             return output
         return self._compute(True, *args, **kwargs)
 
