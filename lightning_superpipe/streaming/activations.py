@@ -150,7 +150,7 @@ class ActivationPlacement:
             if piece is not None:  # not in the weight buffer: dequantized from it, and dequantized again in backward
                 return _Rebuilt(index, piece, tensor)
             return _WeightView(index, tensor)
-        if offload and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+        if offload and _travels(tensor):
             return self.offload(index, tensor)
         kept = _Kept(tensor)
         self._hold(index, tensor, kept)
@@ -166,9 +166,10 @@ class ActivationPlacement:
         if isinstance(packed, _Kept):
             return packed.tensor
         if isinstance(packed, _Offloaded):
+            # Brought back already as backward reached the block (:meth:`bring_back_ahead`), unless its output had no
+            # autograd node: then now, and the previous block's while this one computes.
             if packed.device is None:
                 self._bring_back(packed)
-            # The next block backward needs is the previous one: bring its activations while this one computes.
             self._bring_back_block(packed.index - 1)
             self.copier.wait_on_compute(packed.ready)
             packed.read[0] = True
@@ -290,6 +291,11 @@ class ActivationPlacement:
             self._block_bytes[entry[2]] -= entry[0]
 
 
+def _travels(tensor: Tensor) -> bool:
+    """Whether ``"offload"`` copies ``tensor`` to the host (from :data:`OFFLOAD_MIN_BYTES` up; smaller stay)."""
+    return tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES
+
+
 def _span_bytes(tensor: Tensor) -> int:
     """The bytes from ``tensor``'s first element to its last."""
     return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
@@ -331,7 +337,7 @@ class ActivationCensus(torch.autograd.graph.saved_tensors_hooks):
     def count(self, tensor: Tensor) -> None:
         storage = tensor.untyped_storage()
         self.kept[storage.data_ptr()] = storage.nbytes()
-        if tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+        if _travels(tensor):
             # A layout that overlaps itself travels contiguous (as ``_offload`` sends it).
             self.offloaded_bytes += (
                 tensor.numel() * tensor.element_size() if _overlaps_itself(tensor) else _span_bytes(tensor)
@@ -388,7 +394,7 @@ class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
         self._back: list[tuple[Tensor, Event]] = []
 
         def pack(tensor: Tensor) -> Tensor:
-            if placement.is_activation(index, tensor) and tensor.numel() * tensor.element_size() >= OFFLOAD_MIN_BYTES:
+            if placement.is_activation(index, tensor) and _travels(tensor):
                 self._offloaded.append(placement.offload(index, tensor, brought_back=False))
             return tensor.detach()  # as the census's: no reference cycle through the saved output's own node
 
