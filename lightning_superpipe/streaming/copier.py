@@ -84,6 +84,16 @@ class Copier:
         """Whether the current stream is capturing a CUDA graph (streaming cannot be captured)."""
         return False
 
+    def refuse_capture(self) -> None:
+        """Raises where the current stream is capturing a CUDA graph: the weights of each block arrive by copies
+        ordered at run time, which a captured graph would replay from stale buffers."""
+        if self.capturing():
+            raise RuntimeError(
+                "SuperpipeStrategy cannot stream blocks inside CUDA graph capture: the weights of each block arrive by"
+                " copies ordered at run time, which a captured graph would replay from stale buffers. Do not capture"
+                " the model (`torch.cuda.graph`, `torch.compile(mode='reduce-overhead')`) while it streams."
+            )
+
     def thread_initializer(self) -> Optional[Callable[[], None]]:
         """A function to run first in every thread the engine starts (the gradient worker), if any."""
         return None

@@ -6,8 +6,7 @@ The device holds three things for the blocks:
   stream gets a whole block's compute time to bring the next streamed one);
 * a pool of ``prefetch + 1`` slots, each the size of the largest block, allocated once: one slot for the block
   computing now and ``prefetch`` for the blocks predicted next;
-* the trunk: the parameters outside blocks (embeddings, heads, norms), resident, as device copies of their
-  host masters.
+* the trunk: the parameters outside blocks (embeddings, heads, norms), resident, as device copies of their host masters.
 
 The engine predicts the order in which blocks are needed from the pass it is in: a training pass runs the
 blocks forward and then, recomputing each from its checkpoint, backward; an evaluation pass runs them forward,
@@ -103,9 +102,8 @@ class StreamingEngine:
             self.ledger = DeviceLedger()
             self.materialized = MaterializedWeights(self.ledger)
             resident = choose_resident(resident_blocks, len(block_params))
-            self.prefetch = clamp(
-                "prefetch", prefetch, len(block_params) - len(resident), "the number of streamed blocks"
-            )
+            streamed = len(block_params) - len(resident)
+            self.prefetch = clamp("prefetch", prefetch, streamed, "the number of streamed blocks")
             self.arena = HostArena(pin=self.copier.pin_memory)
             self.home_kind = homes(self.arena)
             self.homes = self.home_kind.homes
@@ -381,12 +379,7 @@ class StreamingEngine:
     @torch.compiler.disable
     def acquire_flat(self, index: int) -> Tensor:
         """Block ``index``'s flat device buffer (see :meth:`acquire`)."""
-        if self.copier.capturing():
-            raise RuntimeError(
-                "SuperpipeStrategy cannot stream blocks inside CUDA graph capture: the weights of each block arrive by"
-                " copies ordered at run time, which a captured graph would replay from stale buffers. Do not capture"
-                " the model (`torch.cuda.graph`, `torch.compile(mode='reduce-overhead')`) while it streams."
-            )
+        self.copier.refuse_capture()
         self.schedule.advance(index)
         home = self.homes[index]
         assert home is not None, f"block {index} has no streamed parameters"
