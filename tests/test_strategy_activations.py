@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming import activations as activations_module
+from lightning_superpipe.streaming.engine import StreamingEngine
 from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
@@ -207,3 +208,37 @@ def test_offloaded_activations_are_on_their_way_back_before_their_block_reads_th
     assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
     assert strategy.memory_report()["host_activation_bytes"] > 0
     assert read_before_sent_back == []
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("modes", ["offload", "mixed"])
+def test_at_prefetch_0_a_blocks_weights_go_before_the_activations_that_come_back_while_it_computes(
+    name: str, modes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At prefetch 0 a block's weights are copied when its backward starts, the moment block ``i - 1``'s activations
+    # are sent back: queued behind them on one link, the block would wait for both.
+    copies: list[tuple[str, int]] = []
+    copy_in, bring_back = StreamingEngine._copy_in, activations_module.ActivationPlacement._bring_back
+
+    def weights(self: Any, dst: Any, index: int, *args: Any) -> Any:
+        copies.append(("weights", index))
+        return copy_in(self, dst, index, *args)
+
+    def activations(self: Any, packed: Any) -> None:
+        copies.append(("activations", packed.index))
+        bring_back(self, packed)
+
+    monkeypatch.setattr(StreamingEngine, "_copy_in", weights)
+    monkeypatch.setattr(activations_module.ActivationPlacement, "_bring_back", activations)
+    blocks = 3  # the examples' layers: block 0's activations come back while block 1, streamed, computes
+    placement = ["offload"] * blocks if modes == "offload" else ["offload", "keep", "offload"]
+    plain = tasks.plain_fit(name, max_steps=3)
+    streamed = tasks.fit(name, SuperpipeStrategy(resident_blocks=0, prefetch=0, activations=placement), max_steps=3)
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    checked = 0
+    for position, (kind, index) in enumerate(copies):
+        if kind == "activations" and index < blocks - 1:
+            before = [block for what, block in copies[:position] if what == "weights"]
+            assert before[-1] == index + 1, f"block {index}'s activations went back before block {index + 1}'s weights"
+            checked += 1
+    assert checked > 0

@@ -210,6 +210,8 @@ class ActivationPlacement:
             node.register_prehook(lambda grads: self._backward_reaches(index))
 
     def _backward_reaches(self, index: int) -> None:
+        # Block ``index - 1``'s activations come while this block computes, not before its weights.
+        self.engine.weights_first(index)
         self._bring_back_block(index)
         self._bring_back_block(index - 1)
 

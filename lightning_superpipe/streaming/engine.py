@@ -400,6 +400,12 @@ class StreamingEngine:
         self._prefetch()
         return flat
 
+    def weights_first(self, index: int) -> None:
+        """Starts block ``index``'s copy now where nothing prefetched it (``prefetch=0``), for a caller about to queue
+        copies the block needs after its weights: on one link they would otherwise go first, and it wait for both."""
+        if self.prefetch == 0 and index not in self._resident and self.homes[index] is not None:
+            self.acquire_flat(index)
+
     def held(self, index: int) -> list[Tensor]:
         """Block ``index``'s weights where they are for the current computation (see :meth:`held_flat`)."""
         flat = self.held_flat(index)
