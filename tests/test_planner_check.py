@@ -48,6 +48,23 @@ def test_the_profiles_link_speed_is_what_queued_copies_get() -> None:
     assert profile.d2h_bytes_per_s == pytest.approx(bandwidth, rel=0.03)
 
 
+def test_the_profile_times_the_head_apart_from_the_rest_of_the_trunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The loss is computed between the blocks' forward and their backward, the embedding before and after them:
+    # 20 ms added to the loss is head time, and no more than that is.
+    unchanged = _profiled()._planner.profile
+    assert 0 < unchanged.head_s < unchanged.trunk_s
+    loss = torch.nn.functional.cross_entropy
+
+    def slow_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        time.sleep(0.02)
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", slow_loss)
+    slowed = _profiled()._planner.profile
+    assert slowed.head_s > 0.02
+    assert slowed.trunk_s - slowed.head_s < 0.02
+
+
 def test_the_profile_times_what_offloading_costs_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every copy of an offloaded activation, out and back, made to cost the compute thread 20 ms: the profile's
     # figure per byte is that cost, each way, over the bytes. On a synchronous link it is the link's time: none.

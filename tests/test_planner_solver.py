@@ -72,6 +72,7 @@ def make_profile(
     return Profile(
         blocks=costs,
         trunk_s=0.005,
+        head_s=0.003,
         trunk_optimizer_s=0.002,
         h2d_bytes_per_s=8e9 * link,
         d2h_bytes_per_s=6e9 * link,
@@ -534,6 +535,10 @@ def test_model_on_hand_computed_numbers() -> None:
     assert offload.step_s == pytest.approx(0.158)
     assert offload.breakdown["activations"] == 52_000_000
     assert offload.peak_bytes == static + 24_000_000 + 52_000_000
+    # The last activations leave while the head computes (3 of the trunk's 4 ms), and need only be out before they
+    # come back: fwd = max(32, 34, 60 - 3) = 57, step 155 ms; a head of 30 ms leaves the weights' bound, 34.
+    assert passes_ms(predict(two_blocks(head_s=0.003), (), 1, ["offload"] * 2))[:2] == (57, 57)
+    assert passes_ms(predict(two_blocks(head_s=0.030, trunk_s=0.031), (), 1, ["offload"] * 2))[:2] == (34, 34)
 
     # Recompute (Cb = 28), block 0 resident, prefetch 1: fwd = max(0 + 20, w_1 + F_1, 10) = 22; bwd = max(56 + 5,
     # 0 + 28 + 5, 28 + 10) = 61; block 0's refresh shows in the first forward: fwd1 = max(22, w_0 + 20, w_0 + w_1 +

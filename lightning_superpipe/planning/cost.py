@@ -43,10 +43,11 @@ Per micro-batch, the forward takes ``fwd`` and the backward ``bwd``; the first f
   compute). ``fwd`` is the largest of
 
   - ``p >= 1``: ``s_0 w_0 + sum_i F_i`` (compute, after the first block's copy), ``sum_i s_i w_i + F_{N-1}`` (the
-    host-to-device stream, then the last block's compute), ``F_0 + sum_i o_i ao_i`` (the device-to-host stream, from
-    the first block on);
+    host-to-device stream, then the last block's compute), ``F_0 + sum_i o_i ao_i - H`` (the device-to-host stream,
+    from the first block on; its last copies run on while the head computes, ``H = head_s``, and must be done
+    before the last block's activations come back);
   - ``p = 0`` (a block's weights are copied only when it is needed, serial with compute; activations' copies still
-    overlap): ``sum_i (F_i + s_i w_i)``, ``F_0 + sum_i o_i ao_i``.
+    overlap): ``sum_i (F_i + s_i w_i)``, ``F_0 + sum_i o_i ao_i - H``.
 
   ``bwd`` is the largest of
 
@@ -449,7 +450,8 @@ def pass_times(profile: Profile, resident: Collection[int], prefetch: int, modes
             forward_bounds = [sum(forward) + sum(weights)]
             # Block i - 1's weights are asked for when it starts, after its activations came back: then the copy.
             backward_bounds = [head + sum(behind) + sum(weights[:last]) + tail, sum(offload_in) + backward[0] + tail]
-        forward_bounds.append(forward[0] + sum(offload_out))
+        # The last activations leave while the head computes; they must be out before they can come back.
+        forward_bounds.append(forward[0] + sum(offload_out) - profile.head_s)
         backward_bounds.append(backward[last] + sum(gradients) + trunk_out)
         forward_s = max(forward_bounds)
         backward_s = max(backward_bounds)

@@ -302,6 +302,7 @@ class BudgetPlanner:
         return Profile(
             blocks=blocks,
             trunk_s=min(p.trunk_s for p in profilers),
+            head_s=min(p.head_s for p in profilers),
             trunk_optimizer_s=trunk_numel * per_element_s + best["refresh_s"],
             h2d_bytes_per_s=h2d or float("inf"),
             d2h_bytes_per_s=d2h or float("inf"),

@@ -55,6 +55,8 @@ class Profile:
     Attributes:
         blocks: Each block's costs, in block order.
         trunk_s: Compute time outside the blocks (embeddings, head, loss) per micro-batch, forward and backward.
+        head_s: Of ``trunk_s``, the compute between the blocks' forward and their backward (the final norm, the head,
+            the loss and their backward): the activations' copies out still run during it.
         trunk_optimizer_s: The host optimizer step over the parameters outside blocks.
         h2d_bytes_per_s: Host-to-device speed of the copy path, as copies queued one after another get it (where
             copies run beside compute, the slope of the profiled copies' times over their bytes: each profiled copy
@@ -108,6 +110,7 @@ class Profile:
     step_overhead_s: float = 0.0
     copy_spread: float = 0.0
     trunk_gradient_bytes_in_blocks: Optional[int] = None
+    head_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +156,8 @@ class StepProfiler:
         self.forward_s = [0.0] * num_blocks
         self.backward_s = [0.0] * num_blocks
         self.trunk_s = 0.0
+        #: Of ``trunk_s``, what ran after the first block's forward began and before backward reached a block.
+        self.head_s = 0.0
         self.copy_s = {"h2d": 0.0, "d2h": 0.0}
         #: Each copy's ``(bytes, seconds)``, per direction.
         self.copies: dict[str, list[tuple[int, float]]] = {"h2d": [], "d2h": []}
@@ -171,6 +176,7 @@ class StepProfiler:
         self._lock = threading.RLock()
         self._copy_s_at_pause = 0.0
         self._blocks_started = False
+        self._backward_started = False
         #: The trunk's parameters a forward used after its first block began: their gradients arrive before the
         #: blocks' backward has ended.
         self.used_after_blocks: dict[int, Tensor] = {}
@@ -206,6 +212,7 @@ class StepProfiler:
             self._add(self._phase, now - self._since)
             self._phase, self._since = (phase, index), now
             self._blocks_started = self._blocks_started or phase == "forward"
+            self._backward_started = self._backward_started or phase in ("backward", "recompute")
 
     def trunk_use(self, param: Tensor) -> None:
         """A forward uses the trunk's parameter ``param`` (one whose gradient it will deliver)."""
@@ -276,6 +283,8 @@ class StepProfiler:
             self.recompute_s[index] += seconds
         elif kind == "trunk":
             self.trunk_s += seconds
+            if self._blocks_started and not self._backward_started:
+                self.head_s += seconds
         # "census": the profile's own extra forward, no part of a step
 
     def _now(self) -> float:

@@ -345,7 +345,7 @@ class _Program(_PeakTerms):
         forward_bounds = [
             (crossing(_first) + forward_compute, "always", 0.0),  # <= the serial one at prefetch 0
             (crossing(_every) + last_forward, "always", 0.0),  # likewise
-            (offload_out + first_forward, "always", 0.0),
+            (offload_out + first_forward - self.profile.head_s * seconds, "always", 0.0),
             # Above the first of these by sum_{i >= 1} s_i w_i, above the second by sum_{i < N-1} F_i.
             (forward_compute + crossing(_every), "p0", min(not_first, computed_before_last)),
         ]
