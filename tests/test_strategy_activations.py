@@ -211,7 +211,7 @@ def test_offloaded_activations_are_on_their_way_back_before_their_block_reads_th
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-@pytest.mark.parametrize("modes", ["offload", "mixed"])
+@pytest.mark.parametrize("modes", ["offload", "keep", "recompute"])
 def test_at_prefetch_0_a_blocks_weights_go_before_the_activations_that_come_back_while_it_computes(
     name: str, modes: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,7 +231,7 @@ def test_at_prefetch_0_a_blocks_weights_go_before_the_activations_that_come_back
     monkeypatch.setattr(StreamingEngine, "_copy_in", weights)
     monkeypatch.setattr(activations_module.ActivationPlacement, "_bring_back", activations)
     blocks = 3  # the examples' layers: block 0's activations come back while block 1, streamed, computes
-    placement = ["offload"] * blocks if modes == "offload" else ["offload", "keep", "offload"]
+    placement = ["offload"] * blocks if modes == "offload" else ["offload", modes, "offload"]
     plain = tasks.plain_fit(name, max_steps=3)
     streamed = tasks.fit(name, SuperpipeStrategy(resident_blocks=0, prefetch=0, activations=placement), max_steps=3)
     assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5

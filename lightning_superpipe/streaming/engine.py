@@ -8,22 +8,20 @@ The device holds three things for the blocks:
   computing now and ``prefetch`` for the blocks predicted next;
 * the trunk: the parameters outside blocks (embeddings, heads, norms), resident, as device copies of their host masters.
 
-The engine predicts the order in which blocks are needed from the pass it is in: a training pass runs the
-blocks forward and then, recomputing each from its checkpoint, backward; an evaluation pass runs them forward,
-again and again (generation). While block ``i`` computes, the next blocks in that order are copied in.
+The engine predicts the order in which blocks are needed from the pass it is in: a training pass runs the blocks forward
+and then, recomputing each from its checkpoint, backward; an evaluation pass runs them forward, again and again
+(generation). While block ``i`` computes, the next blocks in that order are copied in.
 
-Gradients leave the device as soon as a block's backward delivers them (:mod:`.gradients`); they are
-accumulated in fp32 into the ``.grad`` of the host parameters, so the optimizer, its state and the master weights
-never leave the host.
+Gradients leave the device as soon as a block's backward delivers them (:mod:`.gradients`); they are accumulated in fp32
+into the ``.grad`` of the host parameters, so the optimizer, its state and the master weights never leave the host.
 
-Whatever changes a host master (an optimizer step, ``load_state_dict``, a callback's edit, an EMA swap, each
-evaluation of an LBFGS closure) is noticed at the start of the next pass from the parameters' version counters and
-storages, and the device copies of what changed are made again (:meth:`StreamingEngine.sync_with_masters`).
+Whatever changes a host master (an optimizer step, ``load_state_dict``, a callback's edit, an EMA swap, each evaluation
+of an LBFGS closure) is noticed at the start of the next pass from the parameters' version counters and storages, and
+the device copies of what changed are made again (:meth:`StreamingEngine.sync_with_masters`).
 
-The engine knows where the blocks live only through one interface, :mod:`lightning_superpipe.memory.home`: each
-block's home copies it into a device buffer and says whether its masters changed; the kind of home (host memory,
-the node's shared memory, the disk tier's files) decides what happens to complete gradients and reads ahead of the
-slots.
+The engine knows where the blocks live only through one interface, :mod:`lightning_superpipe.memory.home`: each block's
+home copies it into a device buffer and says whether its masters changed; the kind of home (host memory, the node's
+shared memory, the disk tier's files) decides what happens to complete gradients and reads ahead of the slots.
 """
 
 from __future__ import annotations
@@ -401,10 +399,12 @@ class StreamingEngine:
         return flat
 
     def weights_first(self, index: int) -> None:
-        """Starts block ``index``'s copy now where nothing prefetched it (``prefetch=0``), for a caller about to queue
-        copies the block needs after its weights: on one link they would otherwise go first, and it wait for both."""
-        if self.prefetch == 0 and index not in self._resident and self.homes[index] is not None:
-            self.acquire_flat(index)
+        """At ``prefetch=0``, starts block ``index``'s copy now (the block before it is done), for a caller about to
+        queue copies the block needs after its weights: else they would go first, and the block wait for both."""
+        streamed = index not in self._resident and self.homes[index] is not None
+        if self.prefetch == 0 and streamed and self._slot_holding(index) is None:
+            self._release_busy()
+            self._load(index, avoid=set())
 
     def held(self, index: int) -> list[Tensor]:
         """Block ``index``'s weights where they are for the current computation (see :meth:`held_flat`)."""
