@@ -106,6 +106,28 @@ def test_a_copy_into_memory_compute_used_must_be_issued_after_that_use() -> None
         copier.to_device(buffer, torch.ones(16), copier.mark_compute(), "slot B")  # ordered: fine
 
 
+@pytest.mark.parametrize("when", ["queued", "ran"])
+def test_freeing_device_memory_a_copy_may_still_write_is_a_violation(when: str) -> None:
+    # On a GPU a freed buffer goes to the next allocation on the compute stream, and a copy still in flight into it
+    # overwrites that: compute must wait for the copy before going on. Queued: the link holds the destination until
+    # its copy runs; ran: the emulated copy is done, but compute never waited for it.
+    options = dict(mode="lazy") if when == "queued" else dict(mode="thread", max_delay_s=0.0)
+    with _copier(**options) as copier:
+        dst = torch.zeros(16)
+        event = copier.to_device(dst, torch.ones(16), copier.mark_compute(), "a buffer waited for")
+        del dst
+        copier.wait_on_compute(event)  # freed, then waited for before compute goes on: fine
+        torch.ones(4).sum()
+        dst = torch.zeros(16)
+        event = copier.to_device(dst, torch.ones(16), copier.mark_compute(), "an activation brought back")
+        if when == "ran":
+            while copier._executed["h2d"] < event.seq:
+                time.sleep(0.001)
+        del dst
+        with pytest.raises(OrderingViolation, match=r"an activation brought back was freed while copy #2 on h2d"):
+            torch.ones(4).sum()
+
+
 def test_a_host_write_into_a_source_in_flight_taints_what_the_copy_wrote() -> None:
     with _copier() as copier:
         src, dst = torch.arange(8.0), torch.zeros(8)

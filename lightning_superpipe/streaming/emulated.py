@@ -15,7 +15,9 @@ worker, events) with copies that really are deferred:
   blind spots of ``TORCH_CUDA_SANITIZER``). It raises :class:`OrderingViolation`, naming the buffer and both
   accesses, when compute or host code touches a buffer a copy writes before waiting for that copy's event (read
   after write), or when a copy into a buffer is issued after no event, or after one that does not cover compute's
-  last use of that memory (write after read: on a GPU the queued kernels may still read it).
+  last use of that memory (write after read: on a GPU the queued kernels may still read it), or when device memory
+  that a copy writes is freed and compute goes on before waiting for that copy (on a GPU the caching allocator hands
+  the memory to the next allocation, which the copy then overwrites).
 * ``bandwidth=`` makes each copy take the time it would take on a link of that speed (each stream one copy at a
   time); waiting for an event blocks until then, and :attr:`EmulatedLink.stats` counts the exposed waiting time.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import threading
 import time
 import weakref
@@ -184,6 +187,8 @@ class EmulatedCopier(Copier):
         # Compute may have run before the checker watched: a copy into fresh memory must be ordered after it.
         self._clock = 1
         self._ranges: list[_Range] = []
+        # Device buffers whose storage died with a copy into them that compute may not have waited for.
+        self._freed_in_flight: list[_Range] = []
         # Compute's accesses by storage: start -> (end, clock, operator), for write-after-read checks.
         self._history: dict[int, tuple[int, int, str]] = {}
         self._closed = False
@@ -344,8 +349,25 @@ class EmulatedCopier(Copier):
         known = _Range(start, end, storage, what)
         self._ranges.append(known)
         # Storages keep one Python object for as long as they live: its end is the buffer's.
-        weakref.finalize(tensor.untyped_storage(), setattr, known, "freed", True)
+        weakref.finalize(tensor.untyped_storage(), _storage_freed, weakref.ref(self), known)
         return known
+
+    def _check_freed_in_flight(self) -> None:
+        """Compute goes on: no device buffer may have been freed while a copy into it can still run, unless some
+        thread waited for that copy (on a GPU the memory goes to the next allocation on the compute stream, and the
+        copy overwrites it; compute waiting for the copy orders that allocation's use after it, a host thread waiting
+        for it saw it done). A copy still queued holds its destination here: it is freed where nothing else does."""
+        ranges, self._freed_in_flight = self._freed_in_flight, []
+        freed = [(r.last_copy[1], r.what) for r in ranges if r.last_copy is not None]
+        freed += [(copy.seq, copy.what) for copy in self._queues["h2d"] if _held_only_by(copy)]
+        waited = max((streams.get("h2d", 0) for streams in self._waited.values()), default=0)
+        for seq, what in freed:
+            if waited < seq:
+                self._violation(
+                    f"{what} was freed while copy #{seq} on h2d into it could still run, and compute went on without"
+                    " waiting for it; on a GPU the caching allocator may hand that memory to the next allocation,"
+                    " which the copy then overwrites. Wait on the copy's event before dropping the buffer."
+                )
 
     def _check_write_after_read(self, dst: Tensor, after: Event, what: str) -> None:
         if self._checker is None or self._closed:
@@ -372,6 +394,8 @@ class EmulatedCopier(Copier):
                 return
             self._clock += 1
             waited = self._waited.get(thread, {})
+            if thread == self._main_thread:
+                self._check_freed_in_flight()
             for tensor in tensors:
                 start, end = _extent(tensor)
                 if end <= start:
@@ -421,6 +445,39 @@ class _Checker(TorchDispatchMode):
             if touched:
                 self.copier._check_access(touched, f"compute ({func})")
         return output
+
+
+def _storage_freed(copier: Callable[[], Optional[EmulatedCopier]], known: _Range) -> None:
+    """``known``'s storage died (on whatever thread dropped it last)."""
+    known.freed = True
+    live = copier()
+    if live is not None and known.last_copy is not None and known.last_copy[0] == "h2d":
+        live._freed_in_flight.append(known)
+
+
+class _Holder:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+def _refs_when_held_once() -> int:
+    """What ``sys.getrefcount`` says of an object that one attribute alone holds (2 on CPython 3.11: it and the
+    call's argument)."""
+    holder = _Holder(object())
+    return sys.getrefcount(holder.value)
+
+
+_HELD_ONCE = _refs_when_held_once()
+
+
+def _held_only_by(copy: _Copy) -> bool:
+    """Whether a queued copy is all that holds its destination: the tensor object, its ``TensorImpl`` and the
+    storage (one tensor, and the storage's own Python object, which ``_range_of`` made)."""
+    return (
+        sys.getrefcount(copy.dst) <= _HELD_ONCE
+        and copy.dst._use_count() <= 1
+        and torch._C._storage_Use_Count(copy.dst.untyped_storage()._cdata) <= 2
+    )
 
 
 def _cpu_tensors(values: Any, found: list[Tensor]) -> None:
