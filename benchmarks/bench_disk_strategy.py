@@ -70,6 +70,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,9 +112,82 @@ def reset_peak_rss() -> bool:
         return False
 
 
+class Probe(pl.Callback):
+    """Per step: its time and loss, the disk tier's I/O intervals and clocks, and the time of its optimizer step
+    after backward; the peak RSS before and while training."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.losses: list[float] = []
+        self.io: list[list[tuple[str, float, float, int]]] = []
+        self.clock: list[dict[str, float]] = []
+        self.finish_step_s: list[float] = []
+        self._clock_began: dict[str, float] = {}
+        self.rss_before_training = 0
+        self.rss_training = 0
+        self.cleared = False
+        self.direct_io: Any = None
+        self._began = 0.0
+        self.starts: list[tuple[float, int, int]] = []  # each batch's start: time, bytes read, bytes written
+
+    # Reads nothing in its hooks: the pipelined step is not waited for at each batch's end on its account.
+    superpipe_reads_no_weights = True
+
+    @staticmethod
+    def _tier(trainer: pl.Trainer) -> Any:
+        """The run's disk tier, or ``None`` on the host tier."""
+        from lightning_superpipe.memory.disk_homes import DiskTier
+
+        homes = trainer.strategy._engine.home_kind
+        return homes if isinstance(homes, DiskTier) else None
+
+    def _files(self, trainer: pl.Trainer) -> Any:
+        tier = self._tier(trainer)  # the disk tier's writer keeps (kind, start, end, bytes) per file
+        return None if tier is None else tier.store.files
+
+    def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.rss_before_training = peak_rss_bytes()  # the model built, the tier set up
+        self.cleared = reset_peak_rss()
+        files = self._files(trainer)
+        self.direct_io = None if files is None else files.direct
+        tier = self._tier(trainer)
+        if tier is not None:  # time the optimizer step after backward (the blocks stepped from disk)
+            finish_step = tier.finish_step
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                began = time.perf_counter()
+                try:
+                    return finish_step(*args, **kwargs)
+                finally:
+                    self.finish_step_s.append(time.perf_counter() - began)
+
+            tier.finish_step = timed
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        # Before teardown, where the disk tier reads the masters back into the parameters (4 B per parameter).
+        self.rss_training = peak_rss_bytes() if self.cleared else 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
+        files = self._files(trainer)
+        if files is not None:
+            files.intervals = []
+            store = trainer.strategy._engine.home_kind.store
+            self._clock_began = store.io_seconds()
+            self.starts.append((time.perf_counter(), store.bytes_read, store.bytes_written))
+        self._began = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
+        self.step_s.append(time.perf_counter() - self._began)
+        self.losses.append(float(outputs["loss"]))
+        files = self._files(trainer)
+        if files is not None:
+            self.io.append(list(files.intervals))
+            now = trainer.strategy._engine.home_kind.store.io_seconds()
+            self.clock.append({k: now[k] - self._clock_began[k] for k in now})
+
+
 def run_fit(args: argparse.Namespace) -> dict[str, Any]:
     """One ``Trainer.fit`` through the strategy, ``args.role`` being ``"host"`` or ``"disk"``."""
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import LlamaForCausalLM
@@ -140,68 +214,6 @@ def run_fit(args: argparse.Namespace) -> dict[str, Any]:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01, fused=True)
-
-    class Probe(pl.Callback):
-        def __init__(self) -> None:
-            self.step_s: list[float] = []
-            self.losses: list[float] = []
-            self.io: list[list[tuple[str, float, float, int]]] = []
-            self.clock: list[dict[str, float]] = []
-            self.finish_step_s: list[float] = []
-            self._clock_began: dict[str, float] = {}
-            self.rss_before_training = 0
-            self.rss_training = 0
-            self.cleared = False
-            self.direct_io: Any = None
-            self._began = 0.0
-            self.starts: list[tuple[float, int, int]] = []  # each batch's start: time, bytes read, bytes written
-
-        # Reads nothing in its hooks: the pipelined step is not waited for at each batch's end on its account.
-        superpipe_reads_no_weights = True
-
-        def _files(self, trainer: pl.Trainer) -> Any:
-            tier = trainer.strategy._engine.home_kind  # the disk tier's writer keeps (kind, start, end, bytes) per file
-            return None if tier is None else tier.store.files
-
-        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            self.rss_before_training = peak_rss_bytes()  # the model built, the tier set up
-            self.cleared = reset_peak_rss()
-            files = self._files(trainer)
-            self.direct_io = None if files is None else files.direct
-            tier = trainer.strategy._engine.home_kind
-            if tier is not None:  # time the optimizer step after backward (the blocks stepped from disk)
-                finish_step = tier.finish_step
-
-                def timed(*args: Any, **kwargs: Any) -> Any:
-                    began = time.perf_counter()
-                    try:
-                        return finish_step(*args, **kwargs)
-                    finally:
-                        self.finish_step_s.append(time.perf_counter() - began)
-
-                tier.finish_step = timed
-
-        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-            # Before teardown, where the disk tier reads the masters back into the parameters (4 B per parameter).
-            self.rss_training = peak_rss_bytes() if self.cleared else 0
-
-        def on_train_batch_start(self, trainer: pl.Trainer, *rest: Any) -> None:
-            files = self._files(trainer)
-            if files is not None:
-                files.intervals = []
-                store = trainer.strategy._engine.home_kind.store
-                self._clock_began = store.io_seconds()
-                self.starts.append((time.perf_counter(), store.bytes_read, store.bytes_written))
-            self._began = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *rest: Any) -> None:
-            self.step_s.append(time.perf_counter() - self._began)
-            self.losses.append(float(outputs["loss"]))
-            files = self._files(trainer)
-            if files is not None:
-                self.io.append(list(files.intervals))
-                now = trainer.strategy._engine.home_kind.store.io_seconds()
-                self.clock.append({k: now[k] - self._clock_began[k] for k in now})
 
     callbacks: list[pl.Callback] = [probe := Probe()]
     if args.role == "host":
@@ -393,7 +405,7 @@ def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", type=Path, default=Path(tempfile.gettempdir()),
                         help="a folder on the disk to measure (a scratch folder is made in it and removed)")
@@ -425,20 +437,34 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--host-buffer-bytes", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def run_role(args: argparse.Namespace) -> None:
+    """A child process: one role's run, its figures printed as one line of JSON."""
+    from lightning_superpipe.memory import disk_trunk
+    from lightning_superpipe.memory.disk import limit_heap_retention
+
+    if args.trunk_in_memory:  # no trunk parameter has this many dimensions: all stay in host memory
+        disk_trunk.TRUNK_ON_DISK_MIN_DIMS = 1 << 30
+
+    limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike (see bench_disk.py)
+    runner = {"raw": run_raw, "save": save_model}.get(args.role, run_fit)
+    print(json.dumps(runner(args)))
+
+
+def write(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    print(json.dumps(figures, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+def main() -> None:
+    args = _parse_args()
     torch.set_num_threads(args.threads)
     if args.role is not None:
-        from lightning_superpipe.memory import disk_trunk
-        from lightning_superpipe.memory.disk import limit_heap_retention
-
-        if args.trunk_in_memory:  # no trunk parameter has this many dimensions: all stay in host memory
-            disk_trunk.TRUNK_ON_DISK_MIN_DIMS = 1 << 30
-
-        limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike (see bench_disk.py)
-        runner = {"raw": run_raw, "save": save_model}.get(args.role, run_fit)
-        print(json.dumps(runner(args)))
+        run_role(args)
         return
-
     params, layer = count_params(args)
     # fp32 master + two moments (12 B) and the spilled gradient (4 B) of one layer, page-rounded, per buffer.
     args.host_buffer_bytes = args.buffers * (-(-16 * layer // 4096) * 4096 + 4096)
@@ -455,10 +481,13 @@ def main() -> None:
             figures = (pieces if args.pieces else trunk if args.trunk else fused_read)(args)
         finally:
             shutil.rmtree(args.folder, ignore_errors=True)
-        print(json.dumps(figures, indent=2))
-        if args.json is not None:
-            args.json.write_text(json.dumps(figures, indent=2))
+        write(figures, args)
         return
+    write(compare(args, params, *all_runs(args)), args)
+
+
+def all_runs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The raw disk (before and after), and the host, disk, resumed, configured and loaded runs."""
     try:
         # The raw disk before and after the training runs: a shared virtual disk's throughput drifts within minutes.
         raws = [child("raw", args)]
@@ -477,7 +506,14 @@ def main() -> None:
         raws.append(child("raw", args))
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
+    return raws, {"host": host, "disk": disk, "resumed": resumed, "configured": configured, "loaded": loaded}
 
+
+def compare(
+    args: argparse.Namespace, params: int, raws: list[dict[str, Any]], runs: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The disk tier's figures against the host tier's and the raw disk's."""
+    host, disk = runs["host"], runs["disk"]
     later, steps_counted, read_bytes, write_bytes, read_busy, write_busy, busy = step_io(disk, args.steps)
     disk_step = sum(disk["step_s"][later]) / steps_counted
     host_step = sum(host["step_s"][later]) / len(host["step_s"][later])
@@ -524,6 +560,14 @@ def main() -> None:
         "step_disk_seconds": clock,
         "optimizer_step_after_backward_s_disk": sum(finish) / max(len(finish), 1),
     }
+    add_rss_figures(figures, runs)
+    return figures
+
+
+def add_rss_figures(figures: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    """Adds each run's peak RSS against the host tier's whole run, and the export's after the disk run."""
+    names = ("host", "disk", "resumed", "configured", "loaded")
+    host, disk, resumed, configured, loaded = (runs[name] for name in names)
     for phase in ("before_training", "training"):
         host_bytes, disk_bytes = figures[f"peak_rss_{phase}_host_bytes"], figures[f"peak_rss_{phase}_disk_bytes"]
         if host_bytes and disk_bytes:
@@ -545,9 +589,6 @@ def main() -> None:
         figures.update(export_s=disk["export_s"], export_gbps=disk["export_bytes"] / disk["export_s"] / GB,
                        peak_rss_export_bytes=disk["peak_rss_export_bytes"],
                        peak_rss_export_ratio=disk["peak_rss_export_bytes"] / whole[0])
-    print(json.dumps(figures, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":
