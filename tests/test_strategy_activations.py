@@ -228,8 +228,23 @@ def test_at_prefetch_0_a_blocks_weights_go_before_the_activations_that_come_back
         copies.append(("activations", packed.index))
         bring_back(self, packed)
 
+    # And the schedule's cursor only moves forward within a pass (acquiring a block twice would move it back).
+    cursors: list[list[int]] = []
+    start_pass, acquire_flat = StreamingEngine.start_pass, StreamingEngine.acquire_flat
+
+    def started(self: Any, training: bool) -> None:
+        cursors.append([])
+        start_pass(self, training)
+
+    def acquired(self: Any, index: int) -> Any:
+        flat = acquire_flat(self, index)
+        cursors[-1].append(self.schedule._cursor)
+        return flat
+
     monkeypatch.setattr(StreamingEngine, "_copy_in", weights)
     monkeypatch.setattr(activations_module.ActivationPlacement, "_bring_back", activations)
+    monkeypatch.setattr(StreamingEngine, "start_pass", started)
+    monkeypatch.setattr(StreamingEngine, "acquire_flat", acquired)
     blocks = 3  # the examples' layers: block 0's activations come back while block 1, streamed, computes
     placement = ["offload"] * blocks if modes == "offload" else ["offload", modes, "offload"]
     plain = tasks.plain_fit(name, max_steps=3)
@@ -242,3 +257,4 @@ def test_at_prefetch_0_a_blocks_weights_go_before_the_activations_that_come_back
             assert before[-1] == index + 1, f"block {index}'s activations went back before block {index + 1}'s weights"
             checked += 1
     assert checked > 0
+    assert all(positions == sorted(positions) for positions in cursors) and any(cursors)
