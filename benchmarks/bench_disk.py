@@ -288,7 +288,7 @@ def child(role: str, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", type=Path, default=Path(tempfile.gettempdir()),
                         help="a folder on the disk to measure (a scratch folder is made in it and removed)")
@@ -304,18 +304,27 @@ def main() -> None:
     parser.add_argument("--role", choices=["memory", "disk", "raw"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--raw-bytes", type=float, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def run_role(args: argparse.Namespace) -> None:
+    """A child process: one role's run, its figures printed as one line of JSON."""
+    # The same imports in every process, for equal baselines.
+    from lightning_superpipe.memory.disk import limit_heap_retention
+
+    if not args.keep_heap:
+        limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike
+
+    baseline = peak_rss_bytes()
+    runner = {"memory": run_memory, "disk": run_disk, "raw": run_raw}[args.role]
+    print(json.dumps({**runner(args), "import_rss_bytes": baseline}))
+
+
+def main() -> None:
+    args = _parse_args()
     torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
     if args.role is not None:
-        # The same imports in every process, for equal baselines.
-        from lightning_superpipe.memory.disk import limit_heap_retention
-
-        if not args.keep_heap:
-            limit_heap_retention()  # what the strategy does for a disk tier; in both runs alike
-
-        baseline = peak_rss_bytes()
-        runner = {"memory": run_memory, "disk": run_disk, "raw": run_raw}[args.role]
-        print(json.dumps({**runner(args), "import_rss_bytes": baseline}))
+        run_role(args)
         return
 
     shapes = block_shapes(args.state_gb, args.blocks)
@@ -336,7 +345,17 @@ def main() -> None:
         raw = child("raw", args)
     finally:
         shutil.rmtree(args.folder, ignore_errors=True)
+    figures = compare(args, params, state, memory, disk, raw)
+    print(json.dumps(figures, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures, indent=2))
 
+
+def compare(
+    args: argparse.Namespace, params: int, state: int, memory: dict[str, Any], disk: dict[str, Any],
+    raw: dict[str, Any],
+) -> dict[str, Any]:
+    """The disk tier's figures against the same training in memory and against the raw disk."""
     later, steps_counted, read_bytes, write_bytes, read_busy, write_busy, busy = step_io(disk, args.steps)
     disk_step = sum(disk["step_s"][later]) / steps_counted
     memory_step = sum(memory["step_s"][later]) / len(memory["step_s"][later])
@@ -374,9 +393,7 @@ def main() -> None:
         "step_read_vs_raw": read_bytes / read_busy / raw_read,
         "step_write_vs_raw": write_bytes / write_busy / raw_write,
     }
-    print(json.dumps(figures, indent=2))
-    if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=2))
+    return figures
 
 
 if __name__ == "__main__":

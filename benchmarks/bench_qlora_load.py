@@ -54,22 +54,16 @@ def _status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
-def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str, Any]:
-    """One fit in this process; the figures as a dict."""
+def lora_module(loading: str, folder: Path, torch_dtype: Any) -> Any:
+    """The LightningModule of a LoRA fine-tune of the model in ``folder``: loaded in ``__init__`` by
+    ``from_pretrained``, or (``loading == "configure_model"``) built in ``configure_model`` and given its weights by
+    ``load_safetensors``."""
     import lightning.pytorch as pl
     import torch
     from peft import LoraConfig, get_peft_model
-    from torch.utils.data import DataLoader
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_superpipe import SuperpipeStrategy, load_safetensors
-
-    torch_dtype = getattr(torch, DTYPES[dtype])
-    loading, _, tier = way.partition(":")
-    offload = tempfile.TemporaryDirectory(prefix="superpipe-qlora-tier-") if tier == "disk" else None
-    with open("/proc/self/clear_refs", "w") as refs:  # the peak resident set starts again from here
-        refs.write("5")
-    base_rss = _status("VmRSS")
+    from lightning_superpipe import load_safetensors
 
     class LoRA(pl.LightningModule):
         def __init__(self) -> None:
@@ -105,6 +99,25 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
+    return LoRA()
+
+
+def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str, Any]:
+    """One fit in this process; the figures as a dict."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoConfig
+
+    from lightning_superpipe import SuperpipeStrategy
+
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    loading, _, tier = way.partition(":")
+    offload = tempfile.TemporaryDirectory(prefix="superpipe-qlora-tier-") if tier == "disk" else None
+    with open("/proc/self/clear_refs", "w") as refs:  # the peak resident set starts again from here
+        refs.write("5")
+    base_rss = _status("VmRSS")
+
     class Peaks(pl.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
             self.loaded, self.settled = _status("VmHWM"), _status("VmRSS")
@@ -117,7 +130,7 @@ def child(way: str, folder: Path, dtype: str, steps: int, seq: int) -> dict[str,
     torch.manual_seed(0)
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     data = DataLoader(torch.randint(0, vocab, (steps, seq)), batch_size=1)
-    peaks, module = Peaks(), LoRA()
+    peaks, module = Peaks(), lora_module(loading, folder, torch_dtype)
     disk = {} if offload is None else dict(offload_device="disk", offload_path=offload.name)
     strategy = SuperpipeStrategy(quantize_frozen="nf4", **disk)
     trainer = pl.Trainer(accelerator="cpu", strategy=strategy, precision=PRECISIONS[dtype], max_steps=steps,
