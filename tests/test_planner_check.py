@@ -97,7 +97,6 @@ def test_the_profile_times_what_offloading_costs_compute(monkeypatch: pytest.Mon
     assert expected * 0.8 < profile.offload_compute_s_per_byte < expected * 1.5
 
 
-
 @pytest.mark.parametrize("mode", ["lazy", "thread"])
 def test_timing_offload_in_the_profile_changes_no_value_and_breaks_no_ordering(
     mode: str, monkeypatch: pytest.MonkeyPatch
@@ -112,6 +111,7 @@ def test_timing_offload_in_the_profile_changes_no_value_and_breaks_no_ordering(
     assert len(tried) == BudgetPlanner.PROFILED_STEPS and all(len(blocks) == 3 for blocks in tried)
     torch.testing.assert_close(torch.tensor(task.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
     assert tasks.max_relative_difference(task, plain) < 1e-5
+
 
 # ------------------------------------------------------------------ the correction, on synthetic profiles
 

@@ -424,11 +424,9 @@ def _speed(profilers: Sequence[StepProfiler], direction: str, asynchronous: bool
         slope, latency = np.polyfit(list(fastest), list(fastest.values()), 1)
         if slope > 0 and latency >= 0:
             return float(1 / slope)
-    speeds = []
-    for profiler in profilers:
-        seconds = sum(s for _, s in profiler.copies[direction])
-        if seconds > 0:
-            speeds.append(sum(n for n, _ in profiler.copies[direction]) / seconds)
+    speeds = [
+        sum(nbytes for nbytes, _ in p.copies[direction]) / p.copy_s[direction] for p in profilers if p.copy_s[direction]
+    ]
     return max(speeds, default=0.0)
 
 

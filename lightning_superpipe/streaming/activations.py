@@ -204,8 +204,7 @@ class ActivationPlacement:
         modes = self.engine.activation_modes
         if modes[index] != "offload" and (index == 0 or modes[index - 1] != "offload"):
             return
-        tensors = [value for value in tree_flatten(output)[0] if isinstance(value, Tensor)]
-        nodes = {id(tensor.grad_fn): tensor.grad_fn for tensor in tensors if tensor.grad_fn is not None}
+        nodes = {id(tensor.grad_fn): tensor.grad_fn for tensor in tensors_in(output) if tensor.grad_fn is not None}
         for node in nodes.values():
             node.register_prehook(lambda grads: self._backward_reaches(index))
 
@@ -224,10 +223,8 @@ class ActivationPlacement:
     def _bring_back(self, packed: _Offloaded) -> None:
         # The host copy must be complete before it is read back; it was issued during forward, long done by now.
         self.copier.wait_on_host(packed.copied)
-        host = packed.host
-        device = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.engine.device)
         what = f"activation of block {packed.index} brought back"
-        packed.ready = self.copier.to_device(device, packed.host, self.copier.mark_compute(), what)
+        device, packed.ready = _copy_to_device(self.copier, self.engine.device, packed.host, what)
         packed.device = device
         self._hold(packed.index, device, packed)
         # Brought back with its block but never read by backward (a saved tensor no gradient needed): its memory is
@@ -291,6 +288,18 @@ class ActivationPlacement:
             del self._storages[address]
             self.ledger.remove("activations", entry[0])
             self._block_bytes[entry[2]] -= entry[0]
+
+
+def tensors_in(tree: Any) -> list[Tensor]:
+    """The tensors among ``tree``'s leaves (nested tuples, lists and dicts: a block's arguments or output)."""
+    return [value for value in tree_flatten(tree)[0] if isinstance(value, Tensor)]
+
+
+def _copy_to_device(copier: Copier, device: torch.device, host: Tensor, what: str) -> tuple[Tensor, Event]:
+    """A new device tensor laid out as ``host``, and the copy of ``host`` into it, after the compute issued so far
+    (the allocator may hand it memory that compute just used)."""
+    tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    return tensor, copier.to_device(tensor, host, copier.mark_compute(), what)
 
 
 def _travels(tensor: Tensor) -> bool:
@@ -411,11 +420,9 @@ class OffloadTrial(torch.autograd.graph.saved_tensors_hooks):
         """Issues the copies back to the device of everything the call sent out (as ``"offload"``'s backward does,
         one block ahead), without waiting for them."""
         copier, device = self._placement.copier, self._placement.engine.device
+        what = f"activation of block {self._index} brought back for the profile"
         for packed in self._offloaded:
-            host = packed.host
-            back = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-            what = f"activation of block {self._index} brought back for the profile"
-            self._back.append((back, copier.to_device(back, host, copier.mark_compute(), what)))
+            self._back.append(_copy_to_device(copier, device, packed.host, what))
 
     def finish(self) -> None:
         """Orders compute after the copies back (their memory is then freed) and gives the host buffers back."""

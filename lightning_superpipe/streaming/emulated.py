@@ -360,6 +360,8 @@ class EmulatedCopier(Copier):
         ranges, self._freed_in_flight = self._freed_in_flight, []
         freed = [(r.last_copy[1], r.what) for r in ranges if r.last_copy is not None]
         freed += [(copy.seq, copy.what) for copy in self._queues["h2d"] if _held_only_by(copy)]
+        if not freed:
+            return
         waited = max((streams.get("h2d", 0) for streams in self._waited.values()), default=0)
         for seq, what in freed:
             if waited < seq:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -40,6 +40,7 @@ from lightning_superpipe.streaming.activations import (
     BlockActivations,
     OffloadTrial,
     RecomputedActivations,
+    tensors_in,
 )
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -181,7 +182,7 @@ class BlockStreamingHook:
             watched = live.keys() if self._mutated_buffers is None else self._mutated_buffers
             before = {key: live[key].clone() for key in watched}
             runs = [0]
-            self.engine.activations.hold_inputs(self.index, _tensors((args, kwargs)))
+            self.engine.activations.hold_inputs(self.index, tensors_in((args, kwargs)))
             output = checkpoint(self._checkpointed, runs, live, before, *args, use_reentrant=False, **kwargs)
             # The first checkpointed call shows which buffers the forward mutates; later calls copy only those.
             # Values are compared too: kernels such as batch norm's update running statistics in place without
@@ -234,7 +235,7 @@ class BlockStreamingHook:
         back afterwards; its result is dropped. Where offloading would copy anything, :meth:`_offload_trial` times
         it."""
         profiler = self.engine.profiler
-        profiler.block_inputs(self.index, _tensors((args, kwargs)))
+        profiler.block_inputs(self.index, tensors_in((args, kwargs)))
         # Cut from the real graph, but needing gradients where the inputs do: autograd then saves the same tensors.
         detach = partial(
             tree_map,
@@ -414,8 +415,7 @@ class CallerDeviceHook:
         self._handles = []
 
     def _to_device(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        caller = next((t.device for t in leaves if t.device != self.device), None)
+        caller = next((t.device for t in tensors_in((args, kwargs)) if t.device != self.device), None)
         self._caller_devices.append(caller)
         if caller is None:
             return args, kwargs
@@ -428,10 +428,6 @@ class CallerDeviceHook:
     @staticmethod
     def _move_to(device: torch.device) -> Callable[[Any], Any]:
         return lambda value: value.to(device) if isinstance(value, Tensor) else value
-
-
-def _tensors(tree: Any) -> list[Tensor]:
-    return [value for value in tree_flatten(tree)[0] if isinstance(value, Tensor)]
 
 
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:
