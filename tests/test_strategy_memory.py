@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import lightning_superpipe  # noqa: F401
-from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe import DeviceMemoryLogger, SuperpipeStrategy
 from tests import batches, tasks
 
 # Every test here runs on the plain CPU link and on the emulated asynchronous link in both modes.
@@ -62,17 +64,23 @@ def test_ledger_stays_within_the_knobs_bound(resident_blocks: int, prefetch: int
     assert probe.extra_references and max(probe.extra_references) == 0
 
 
-def test_memory_report_is_logged_and_counts_host_bytes() -> None:
+@pytest.mark.parametrize("logger_callback", [False, True], ids=["alone", "with DeviceMemoryLogger"])
+def test_memory_report_counts_host_bytes_and_is_logged_only_when_asked(logger_callback: bool) -> None:
     task = tasks.build_task("gpt2")
     strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1)
     seen: dict[str, int] = {}
+    logged: dict[str, Any] = {}
 
     class Snapshot(tasks.pl.Callback):
         def on_train_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
             seen.update(strategy.memory_report())
-            seen.update({k: v for k, v in trainer.callback_metrics.items() if k.startswith("superpipe/")})
+            logged.update(trainer.callback_metrics)
 
-    tasks.trainer(strategy, max_steps=2, callbacks=[Snapshot()]).fit(task, batches.data("lm"))
+    callbacks = [Snapshot(), *([DeviceMemoryLogger()] if logger_callback else [])]
+    tasks.trainer(strategy, max_steps=2, callbacks=callbacks).fit(task, batches.data("lm"))
+    # The strategy adds nothing to what the user logs (the task logs its loss); the callback adds its two figures.
+    ours = {key for key in logged if key.startswith("superpipe/")}
+    assert ours == ({"superpipe/device_bytes", "superpipe/peak_device_bytes"} if logger_callback else set())
     blocks = task.model.transformer.h
     assert seen["num_blocks"] == len(blocks) == 3
     assert seen["resident_blocks"] == 0 and seen["prefetch"] == 1
@@ -81,7 +89,8 @@ def test_memory_report_is_logged_and_counts_host_bytes() -> None:
     assert seen["param_bytes"] == seen["trainable_param_bytes"] == sum(p.numel() * 4 for p in task.parameters())
     assert seen["optimizer_state_bytes"] >= 2 * seen["trainable_param_bytes"]  # AdamW: two moments
     assert seen["peak_device_bytes"] >= 2 * seen["largest_block_bytes"] + seen["trunk_device_bytes"]  # two slots
-    assert float(seen["superpipe/peak_device_bytes"]) == seen["peak_device_bytes"]
+    if logger_callback:
+        assert float(logged["superpipe/peak_device_bytes"]) == seen["peak_device_bytes"]
 
 
 def test_backward_reads_weights_fetched_again_not_stale_copies() -> None:

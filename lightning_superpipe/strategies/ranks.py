@@ -46,6 +46,54 @@ _RNG_KEY = "superpipe_rng_states"
 _RANKS_RNG_KEY = "superpipe_rng_states_per_rank"
 
 
+def let_lightning_ask_about_ranks() -> None:
+    """Makes Lightning's ``is_distributed`` (``Trainer._accelerator_connector.is_distributed``) ask a
+    :class:`RanksStrategy` whether its run has several ranks.
+
+    Lightning answers ``True`` for every ``DDPStrategy`` subclass before it asks the strategy, and with that answer
+    refuses the batch-size finder (``Tuner.scale_batch_size``, ``BatchSizeFinder``) and skips nothing else a
+    single-device run would skip. A one-device run of this strategy is one process, as under
+    ``SingleDeviceStrategy``. Other strategies get Lightning's own answer. Idempotent.
+    """
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    lightnings = _AcceleratorConnector.__dict__["is_distributed"]
+    if getattr(lightnings.fget, "asks_ranks_strategy", False):
+        return
+
+    def is_distributed(connector: _AcceleratorConnector) -> bool:
+        strategy = connector.strategy
+        return strategy.several_ranks if isinstance(strategy, RanksStrategy) else lightnings.fget(connector)
+
+    is_distributed.asks_ranks_strategy = True  # type: ignore[attr-defined]
+    _AcceleratorConnector.is_distributed = property(is_distributed)  # type: ignore[method-assign,assignment]
+
+
+class _Rank:
+    """A rank figure (``global_rank``, ``local_rank``, ``node_rank``, ``world_size``): on several ranks the cluster
+    environment's, as under ``DDPStrategy``; on one, ``single`` without asking it (a SLURM or torchrun environment
+    around a one-device run need not define the node's variables), as under ``SingleDeviceStrategy``. Assignable as
+    that strategy's attributes are: a value set on the strategy is the one it answers from then on."""
+
+    def __init__(self, single: int) -> None:
+        self.single = single
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, strategy: Optional[RanksStrategy], owner: type) -> Any:
+        if strategy is None:
+            return self
+        if self.name in strategy.__dict__:
+            return strategy.__dict__[self.name]
+        if strategy.several_ranks and strategy.cluster_environment is not None:
+            return getattr(strategy.cluster_environment, self.name)()
+        return self.single
+
+    def __set__(self, strategy: RanksStrategy, value: int) -> None:
+        strategy.__dict__[self.name] = value
+
+
 class RanksStrategy(DDPStrategy):
     """One process per device (devices times nodes ranks), or this process alone for one device on one node."""
 
@@ -54,6 +102,11 @@ class RanksStrategy(DDPStrategy):
     node: Optional[NodeShare] = None
     #: Why ``shard_optimizer="auto"`` was not ``"node"``, each said once.
     _sharding_said: frozenset[str] = frozenset()
+
+    global_rank = _Rank(0)
+    local_rank = _Rank(0)
+    node_rank = _Rank(0)
+    world_size = _Rank(1)
 
     def resolve_sharding(self, options: SuperpipeOptions, trainer: Trainer) -> SuperpipeOptions:
         """``options`` for the run: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on

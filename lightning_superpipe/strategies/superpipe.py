@@ -273,10 +273,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         self.streaming.start_training_step()
-        output = super().training_step(*args, **kwargs)
-        assert self.lightning_module is not None
-        self.streaming.log_device_bytes(self.lightning_module)
-        return output
+        return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:

@@ -86,13 +86,6 @@ class StreamingSession:
         if self.planner is not None:
             self.planner.start_micro_batch(self.engine)
 
-    def log_device_bytes(self, module: Any) -> None:
-        """Logs the device bytes held now and at the peak (``superpipe/device_bytes``, ``superpipe/peak_device_bytes``)
-        from the ledger: the full report walks every parameter and optimizer state."""
-        ledger = self.engine.ledger
-        for key, value in (("device_bytes", ledger.total_bytes), ("peak_device_bytes", ledger.peak_bytes)):
-            module.log(f"superpipe/{key}", float(value), on_step=True, on_epoch=False)
-
     def finish_autograd_backward(self) -> None:
         """Between autograd's backward and the precision plugin's post-backward (``on_after_backward``): the
         gradients are brought home, so that user code there sees them complete."""

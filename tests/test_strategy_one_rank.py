@@ -1,0 +1,119 @@
+"""A run on one device is one process, as under Lightning's ``SingleDeviceStrategy``: the tuner works, the rank
+figures need no cluster variables and can be set as that strategy's can, and every Lightning step style trains as
+plain Lightning does. The strategy logs nothing the user did not log."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.tuner import Tuner
+from torch import nn
+
+import lightning_superpipe  # noqa: F401
+from lightning_superpipe import SuperpipeStrategy
+from tests import tasks
+
+pytestmark = pytest.mark.usefixtures("emulated_link")
+
+
+class _Stack(BoringModel):
+    """Three equal layers and a head, with the attributes the tuner scales (``batch_size``, ``learning_rate``)."""
+
+    def __init__(self, batch_size: int = 2, learning_rate: float = 1e-3) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)])
+        self.layer = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer(x)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return torch.utils.data.DataLoader(torch.randn(256, 32, generator=generator), batch_size=self.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.learning_rate)
+
+
+def _trainer(strategy: Any, **overrides: Any) -> tasks.pl.Trainer:
+    options: dict[str, Any] = dict(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, deterministic=True)
+    return tasks.trainer(strategy, **{**options, **overrides})
+
+
+def _stack() -> _Stack:
+    tasks.pl.seed_everything(3, verbose=False)
+    return _Stack()
+
+
+def test_the_batch_size_finder_runs_and_finds_what_it_finds_under_plain(tmp_path: Any) -> None:
+    found = {}
+    for strategy in ("auto", SuperpipeStrategy()):
+        model = _stack()
+        found[str(strategy)[:4]] = Tuner(_trainer(strategy, default_root_dir=tmp_path)).scale_batch_size(
+            model, mode="power", max_trials=4, steps_per_trial=2
+        )
+        assert model.batch_size == found[str(strategy)[:4]]
+    assert len(set(found.values())) == 1 and found["auto"] == 16  # 2, 4, 8, 16: four trials, none out of memory
+
+
+def test_the_learning_rate_finder_sees_the_losses_plain_sees(tmp_path: Any) -> None:
+    curves = []
+    for strategy in ("auto", SuperpipeStrategy()):
+        finder = Tuner(_trainer(strategy, default_root_dir=tmp_path)).lr_find(_stack(), num_training=20,
+                                                                          early_stop_threshold=None)
+        assert finder is not None
+        curves.append(finder.results)
+    assert curves[0]["lr"] == curves[1]["lr"]
+    torch.testing.assert_close(torch.tensor(curves[1]["loss"]), torch.tensor(curves[0]["loss"]), rtol=1e-5, atol=0)
+
+
+def test_a_one_device_run_inside_a_slurm_job_needs_no_node_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An interactive SLURM allocation: Lightning picks its SLURM environment, which reads SLURM_NODEID only when
+    # asked for a node rank; a single-device strategy never asks.
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "1", "SLURM_JOB_NAME": "job", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    strategy = SuperpipeStrategy()
+    trainer = _trainer(strategy, max_steps=2)
+    trainer.fit(_stack())
+    assert (strategy.global_rank, strategy.local_rank, strategy.node_rank, strategy.world_size) == (0, 0, 0, 1)
+    assert not trainer._accelerator_connector.is_distributed
+
+
+def test_rank_figures_can_be_set_as_on_a_single_device_strategy() -> None:
+    strategy = SuperpipeStrategy()
+    assert strategy.world_size == 1
+    strategy.world_size = 2
+    strategy.global_rank = 1
+    assert (strategy.world_size, strategy.global_rank, strategy.is_global_zero) == (2, 1, False)
+
+
+class _IteratorStep(_Stack):
+    """Lightning's iterator-style step: the step draws its batches itself, two per step here."""
+
+    def training_step(self, dataloader_iter: Iterator[Any]) -> Any:  # type: ignore[override]
+        first, _, _ = next(dataloader_iter)
+        second, _, _ = next(dataloader_iter)
+        loss = self(torch.cat([first, second])).sum()
+        self.log("loss", loss, batch_size=len(first))
+        return loss
+
+
+def test_an_iterator_style_training_step_trains_as_plain() -> None:
+    weights = []
+    for strategy in ("auto", SuperpipeStrategy()):
+        tasks.pl.seed_everything(3, verbose=False)
+        model = _IteratorStep()
+        trainer = _trainer(strategy, max_steps=4)
+        trainer.fit(model)
+        assert set(trainer.callback_metrics) == {"loss"}  # nothing logged but what the step logged
+        weights.append(model.state_dict())
+    assert tasks.max_relative_difference(weights[0], weights[1]) < 1e-6
