@@ -265,3 +265,55 @@ def _images(batches: int = 6, seed: int = 0) -> Any:
     x = torch.randn(batches * 4, 3, 8, 8, generator=generator)
     y = torch.randint(0, 5, (batches * 4,), generator=generator)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+# ---------------------------------------------------------------------------------------------------- pruning
+
+
+class _PruneAtEpochEnd(tasks.pl.Callback):
+    """``torch.nn.utils.prune`` at the end of each epoch, as ``ModelPruning`` does: the first time renames each
+    parameter (``weight`` -> ``weight_orig``) beside a new mask; the second replaces the hook and the mask."""
+
+    def __init__(self, module_names: tuple[str, ...]) -> None:
+        self.module_names = module_names
+
+    def on_train_epoch_end(self, trainer: tasks.pl.Trainer, pl_module: tasks.pl.LightningModule) -> None:
+        linears = [module for name, module in pl_module.named_modules()
+                   if isinstance(module, nn.Linear) and name.startswith(self.module_names)]
+        assert linears, self.module_names
+        for module in linears:
+            nn.utils.prune.l1_unstructured(module, "weight", amount=0.3)
+            nn.utils.prune.ln_structured(module, "weight", amount=0.2, n=2, dim=0)  # a container of both
+
+
+@pytest.mark.parametrize(
+    "where", [("model.model.layers",), ("model.lm_head",), ("model.model.layers", "model.lm_head")],
+    ids=["blocks", "trunk", "both"],
+)
+def test_parameters_pruned_mid_run_train_as_plain(where: tuple[str, ...]) -> None:
+    options = dict(max_steps=-1, max_epochs=3, limit_train_batches=4, accumulate_grad_batches=1)
+    plain, streamed = _plain_and_streamed(("prune", where), lambda s: tasks.fit(
+        "llama", s, callbacks=[_PruneAtEpochEnd(where)], **options
+    ))
+    _assert_same(streamed, plain)
+    masks = [key for key in streamed.state_dict() if key.endswith("weight_mask")]
+    assert masks and all((streamed.state_dict()[key] == 0).any() for key in masks)
+
+
+def test_model_pruning_callback_prunes_streamed_blocks_and_makes_it_permanent() -> None:
+    """Lightning's ``ModelPruning`` (its lottery-ticket reset off: it makes the pruned weights share storage with
+    its copy of the initial ones, which the strategy's host homes do not follow)."""
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def prune() -> ModelPruning:
+        return ModelPruning("l1_unstructured", amount=0.25, use_lottery_ticket_hypothesis=False,
+                            make_pruning_permanent=True)
+
+    options = dict(max_steps=-1, max_epochs=3, limit_train_batches=4, accumulate_grad_batches=1)
+    plain, streamed = _plain_and_streamed("model pruning", lambda s: tasks.fit("llama", s, callbacks=[prune()],
+                                                                               **options))
+    _assert_same(streamed, plain)
+    state = streamed.state_dict()
+    assert not [key for key in state if key.endswith(("_orig", "_mask"))]  # made permanent at the end
+    weights = [value for key, value in state.items() if key.startswith("model.model.layers") and "proj" in key]
+    assert weights and all((value == 0).float().mean() > 0.2 for value in weights)

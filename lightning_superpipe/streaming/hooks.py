@@ -44,6 +44,7 @@ from lightning_superpipe.streaming.activations import (
 )
 from lightning_superpipe.streaming.blocks import outermost
 from lightning_superpipe.streaming.engine import StreamingEngine
+from lightning_superpipe.streaming.pruning import PrunedWeights
 
 # (module that owns the parameter, attribute name, the host parameter)
 _Binding = tuple[nn.Module, str, nn.Parameter]
@@ -99,6 +100,16 @@ def _bindings(module: nn.Module, recurse: bool) -> list[_Binding]:
     ]
 
 
+def _buffer_bindings(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (owner, name) of a buffer under ``block``."""
+    return [(owner, name) for owner in block.modules() for name, buffer in owner._buffers.items() if buffer is not None]
+
+
+def _renamed(bindings: Sequence[_Binding]) -> list[_Binding]:
+    """The bindings whose name no longer holds their parameter."""
+    return [(owner, name, param) for owner, name, param in bindings if owner._parameters.get(name) is not param]
+
+
 @contextmanager
 def _bound(bindings: Sequence[_Binding], tensors: dict[nn.Parameter, Tensor]) -> Iterator[None]:
     for owner, name, param in bindings:
@@ -128,11 +139,10 @@ class BlockStreamingHook:
         # Parameters the block uses but does not stream (tied to the trunk or to another block): resident.
         streamed = {piece.param for piece in self._home.slices} if self._home is not None else set()
         self._resident = list({param: None for _, _, param in self._bindings if param not in streamed})
-        self._buffer_bindings = [
-            (owner, name) for owner in block.modules() for name, buffer in owner._buffers.items() if buffer is not None
-        ]
+        self._buffer_bindings = _buffer_bindings(block)
         # The buffers seen to change in a forward (None until the first checkpointed call has shown which).
         self._mutated_buffers: Optional[set[tuple[nn.Module, str]]] = None
+        self._pruning = PrunedWeights(block, recurse=True, device=engine.device)
         self._keeps_cache = bool(getattr(block, "_can_checkpoint_with_cache", False))
         self._census_running = False  # the census computes with the weights the call just used
         self._original_forward: Optional[Callable[..., Any]] = None
@@ -314,10 +324,13 @@ class BlockStreamingHook:
         profiler = self.engine.profiler
         if profiler is not None and first_run:
             profiler.enter("forward", self.index)
+        pruned: list[Any] = []
         try:
             with _bound(self._live_bindings(), tensors):
+                pruned = self._pruning.apply(args)
                 return self._original_forward(*args, **kwargs)
         finally:
+            self._pruning.restore(pruned, current=first_run and not self._census_running)
             if profiler is not None and first_run:
                 profiler.enter("trunk")
 
@@ -333,14 +346,26 @@ class BlockStreamingHook:
         return [binding for binding in self._bindings if binding[2] not in withheld] if withheld else self._bindings
 
     def _check_bindings(self) -> None:
-        for owner, name, param in self._live_bindings():
-            if owner._parameters.get(name) is not param:
-                raise RuntimeError(
+        if _renamed(self._live_bindings()) or self._pruning.stale():
+            self._bind_again()
+
+    def _bind_again(self) -> None:
+        """The block's parameters moved to other names (``torch.nn.utils.prune`` keeps ``weight`` as
+        ``weight_orig``, beside a new ``weight_mask`` buffer, and ``prune.remove`` puts it back): the same objects
+        are bound under their new names (:mod:`.pruning`). Any other change of the block's parameters is refused."""
+        bindings = _bindings(self.block, recurse=True)
+        if {id(param) for _, _, param in bindings} != {id(param) for _, _, param in self._bindings}:
+            owner, name, _ = next(binding for binding in _renamed(self._live_bindings()))
+            raise RuntimeError(
                     f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"
                     " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set"
                     " to a new `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values"
                     " in place (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
                 )
+        self._bindings = bindings
+        self._buffer_bindings = _buffer_bindings(self.block)
+        self._mutated_buffers = None  # which buffers a forward changes is learnt again
+        self._pruning.refresh()
 
 
 class TrunkHook:
@@ -354,8 +379,13 @@ class TrunkHook:
     def __init__(self, engine: StreamingEngine, module: nn.Module) -> None:
         self.engine = engine
         self.module = module
-        self._bindings = [b for b in _bindings(module, recurse=False) if engine.is_trunk(b[2])]
+        self._bindings = self._trunk_bindings()
+        self._pruning = PrunedWeights(module, recurse=False, device=engine.device)
+        self._pruned: list[Any] = []  # the product attributes a call's pruning hooks replaced, to put back
         self._handles: list[RemovableHandle] = []
+
+    def _trunk_bindings(self) -> list[_Binding]:
+        return [b for b in _bindings(self.module, recurse=False) if self.engine.is_trunk(b[2])]
 
     def attach(self) -> None:
         if self._handles:
@@ -372,13 +402,19 @@ class TrunkHook:
 
     @torch.compiler.disable
     def _bind(self, module: nn.Module, args: Any) -> None:
+        if _renamed(self._bindings) or self._pruning.stale():  # pruned (:mod:`.pruning`)
+            self._bindings = self._trunk_bindings()
+            self._pruning.refresh()
         for owner, name, param in self._bindings:
             owner._parameters[name] = _resident_tensor(self.engine, param)  # type: ignore[assignment]
+        self._pruned = self._pruning.apply(args)
 
     @torch.compiler.disable
     def _unbind(self, module: nn.Module, args: Any, output: Any) -> None:
         for owner, name, param in self._bindings:
             owner._parameters[name] = param
+        self._pruning.restore(self._pruned, current=True)
+        self._pruned = []
 
 
 class CallerDeviceHook:
