@@ -14,7 +14,7 @@ import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory import host_memory
 from lightning_superpipe.memory.host import HostMemoryError
-from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks
+from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks, setup
 from lightning_superpipe.streaming.blocks import assign_parameters
 from tests import batches, tasks
 
@@ -37,13 +37,30 @@ def test_several_devices_resolve_to_one_rank_each() -> None:
     assert tasks.trainer("superpipe").strategy.launcher is None  # one device: this process, no process group
 
 
-def test_a_model_without_blocks_says_how_to_name_them() -> None:
-    class Flat(tasks.Task):
-        def __init__(self) -> None:
-            super().__init__(lambda: nn.Linear(12, 3), "vector")
+class _Flat(tasks.Task):
+    def __init__(self) -> None:
+        super().__init__(lambda: nn.Linear(12, 3), "vector")
 
+
+def test_a_model_without_a_stack_runs_whole_on_the_device_and_says_how_to_name_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    infos: list[str] = []
+    monkeypatch.setattr(setup, "rank_zero_info", infos.append)
+    runs = []
+    for strategy in ("auto", "superpipe"):
+        tasks.pl.seed_everything(5, verbose=False)
+        task = _Flat()
+        tasks.trainer(strategy, max_steps=3).fit(task, batches.data("vector"))
+        runs.append(task)
+    said = [info for info in infos if "nothing streams" in info]
+    assert len(said) == 1 and "SuperpipeStrategy(blocks={MyLayer})" in said[0]
+    assert runs[1].losses == runs[0].losses and tasks.max_relative_difference(runs[0], runs[1]) == 0.0
+
+
+def test_a_block_policy_that_matches_nothing_says_how_to_name_them() -> None:
     with pytest.raises(NoBlocksFoundError, match=r"SuperpipeStrategy\(blocks=\{MyLayer\}\)"):
-        tasks.trainer("superpipe").fit(Flat(), batches.data("vector"))
+        tasks.trainer(SuperpipeStrategy(blocks={nn.Conv2d})).fit(_Flat(), batches.data("vector"))
 
 
 def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:

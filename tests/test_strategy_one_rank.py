@@ -4,6 +4,7 @@ plain Lightning does. The strategy logs nothing the user did not log."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterator
 
 import pytest
@@ -54,13 +55,13 @@ def _stack() -> _Stack:
 
 def test_the_batch_size_finder_runs_and_finds_what_it_finds_under_plain(tmp_path: Any) -> None:
     found = {}
-    for strategy in ("auto", SuperpipeStrategy()):
+    for name, strategy in (("plain", "auto"), ("superpipe", SuperpipeStrategy())):
         model = _stack()
-        found[str(strategy)[:4]] = Tuner(_trainer(strategy, default_root_dir=tmp_path)).scale_batch_size(
+        found[name] = Tuner(_trainer(strategy, default_root_dir=tmp_path)).scale_batch_size(
             model, mode="power", max_trials=4, steps_per_trial=2
         )
-        assert model.batch_size == found[str(strategy)[:4]]
-    assert len(set(found.values())) == 1 and found["auto"] == 16  # 2, 4, 8, 16: four trials, none out of memory
+        assert model.batch_size == found[name]
+    assert found["superpipe"] == found["plain"] == 16  # 2, 4, 8, 16: four trials, none out of memory
 
 
 def test_the_learning_rate_finder_sees_the_losses_plain_sees(tmp_path: Any) -> None:
@@ -117,3 +118,64 @@ def test_an_iterator_style_training_step_trains_as_plain() -> None:
         assert set(trainer.callback_metrics) == {"loss"}  # nothing logged but what the step logged
         weights.append(model.state_dict())
     assert tasks.max_relative_difference(weights[0], weights[1]) < 1e-6
+
+
+class _CopyMidRun(tasks.pl.Callback):
+    """What EMA-style and test callbacks do mid-run: deep-copy the module (and, with it, callbacks that hold its
+    bound ``log``), and compute with the copy."""
+
+    def __init__(self) -> None:
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: tasks.pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step != 2 or self.outputs:
+            return
+        copied = copy.deepcopy(pl_module)
+        copy.deepcopy(trainer.callbacks)
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            self.outputs.append((copied(x), pl_module(x)))
+
+
+def test_a_module_deep_copied_mid_run_computes_as_the_original_and_the_run_goes_on() -> None:
+    weights, outputs = [], []
+    # Under torch's one thread (the suite's), the strategy's optimizer step is pipelined: it must be done, and the
+    # resident copies made from it, before the callback calls the model.
+    for strategy in ("auto", SuperpipeStrategy()):
+        model, copier = _stack(), _CopyMidRun()
+        _trainer(strategy, max_steps=4, callbacks=[copier]).fit(model)
+        (copied, original), = copier.outputs
+        outputs.append((copied, original))
+        weights.append(model.state_dict())
+    assert tasks.max_relative_difference(weights[0], weights[1]) == 0.0
+    for plain, streamed in zip(*outputs):  # the copy and the original, each as under plain Lightning
+        torch.testing.assert_close(streamed, plain, rtol=0, atol=0)
+
+
+class _CheckpointKeys(tasks.pl.Callback):
+    def __init__(self) -> None:
+        self.saved: list[dict[str, Any]] = []
+        self.loaded: list[set[str]] = []
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self.saved.append(checkpoint)  # kept by reference, as Lightning's hook tests keep it
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self.loaded.append(set(checkpoint))
+
+
+def test_checkpoint_hooks_see_what_plain_lightning_gives_them(tmp_path: Any) -> None:
+    keys = []
+    for name, strategy in (("plain", "auto"), ("superpipe", SuperpipeStrategy())):
+        path = tmp_path / f"{name}.ckpt"
+        first = _CheckpointKeys()
+        trainer = _trainer(strategy, max_steps=2, callbacks=[first])
+        trainer.fit(_stack())
+        trainer.save_checkpoint(path)
+        resumed = _CheckpointKeys()
+        _trainer(strategy if strategy == "auto" else SuperpipeStrategy(), max_steps=3, callbacks=[resumed]).fit(
+            _stack(), ckpt_path=path)
+        keys.append(([set(saved) for saved in first.saved], resumed.loaded))
+    assert keys[1] == keys[0]
+    # The strategy's own entry (the RNG states, for an exact resume) is in the file all the same.
+    assert "superpipe_rng_states" in torch.load(tmp_path / "superpipe.ckpt", weights_only=False)

@@ -47,6 +47,8 @@ class CheckpointingStrategy(RanksStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         self._settle()
+        # What the strategy adds goes to the file, not into the dict the hooks were handed (and may keep).
+        checkpoint = dict(checkpoint)
         self.add_rng_states(checkpoint)
         # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
         with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):

@@ -237,9 +237,10 @@ class RanksStrategy(DDPStrategy):
             checkpoint[_RANKS_RNG_KEY] = every_ranks_rng_states(checkpoint[_RNG_KEY])
 
     def restore_rng_states(self, checkpoint: dict[str, Any]) -> None:
-        """This rank's RNG states from ``checkpoint``: its own if it was saved by as many ranks, else rank 0's."""
-        per_rank = checkpoint.get(_RANKS_RNG_KEY, [])
+        """This rank's RNG states from ``checkpoint``: its own if it was saved by as many ranks, else rank 0's. The
+        keys are taken out: the checkpoint the hooks see holds what plain Lightning's holds."""
+        per_rank, states = checkpoint.pop(_RANKS_RNG_KEY, []), checkpoint.pop(_RNG_KEY, None)
         if self.several_ranks and len(per_rank) == self.world_size:
             set_rng_states(per_rank[self.global_rank])
-        elif _RNG_KEY in checkpoint:
-            set_rng_states(checkpoint[_RNG_KEY])
+        elif states is not None:
+            set_rng_states(states)

@@ -131,7 +131,7 @@ class BlockStreamingHook:
     """
 
     def __init__(self, engine: StreamingEngine, index: int, block: nn.Module) -> None:
-        self.engine = engine
+        self.engine: Optional[StreamingEngine] = engine
         self.index = index
         self.block = block
         self._bindings = _bindings(block, recurse=True)
@@ -148,6 +148,9 @@ class BlockStreamingHook:
         self._original_forward: Optional[Callable[..., Any]] = None
         self._previous_instance_forward: Optional[Callable[..., Any]] = None
         self._checkpointing_turned_off: list[nn.Module] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _inert_copy, (type(self), self.block)
 
     def attach(self) -> None:
         if self._original_forward is not None:
@@ -174,6 +177,8 @@ class BlockStreamingHook:
     # compiles what runs between blocks.
     @torch.compiler.disable
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:  # a copy's (:func:`_inert_copy`)
+            return type(self.block).forward(self.block, *args, **kwargs)
         self._check_bindings()  # once per call: a recomputation runs with the bindings its first run checked
         if torch.is_grad_enabled():
             if not self._keeps_cache:
@@ -384,6 +389,9 @@ class TrunkHook:
         self._pruned: list[Any] = []  # the product attributes a call's pruning hooks replaced, to put back
         self._handles: list[RemovableHandle] = []
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _inert_copy, (type(self), self.module)
+
     def _trunk_bindings(self) -> list[_Binding]:
         return [b for b in _bindings(self.module, recurse=False) if self.engine.is_trunk(b[2])]
 
@@ -402,6 +410,8 @@ class TrunkHook:
 
     @torch.compiler.disable
     def _bind(self, module: nn.Module, args: Any) -> None:
+        if self.engine is None:  # a copy's (:func:`_inert_copy`)
+            return
         if _renamed(self._bindings) or self._pruning.stale():  # pruned (:mod:`.pruning`)
             self._bindings = self._trunk_bindings()
             self._pruning.refresh()
@@ -411,6 +421,8 @@ class TrunkHook:
 
     @torch.compiler.disable
     def _unbind(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.engine is None:
+            return
         for owner, name, param in self._bindings:
             owner._parameters[name] = param
         self._pruning.restore(self._pruned, current=True)
@@ -464,6 +476,17 @@ class CallerDeviceHook:
     @staticmethod
     def _move_to(device: torch.device) -> Callable[[Any], Any]:
         return lambda value: value.to(device) if isinstance(value, Tensor) else value
+
+
+def _inert_copy(cls: type[Any], module: nn.Module) -> Any:
+    """What a deep copy or a pickle of a module makes of a streaming hook attached to it (``copy.deepcopy(model)``
+    mid-run; Lightning gives every callback the LightningModule's bound ``log``, so copying a callback copies the
+    module): a hook of the same class with no engine, which does nothing. The copy computes as a plain module, with
+    its own copied host parameters; the run's engine is neither copied nor shared."""
+    hook = cls.__new__(cls)
+    hook.engine = None
+    hook.block = hook.module = module
+    return hook
 
 
 def _resident_tensor(engine: StreamingEngine, param: nn.Parameter, count_use: bool = True) -> Tensor:

@@ -8,10 +8,10 @@ engine, the planner, the disk tier and the ranks do around a step is read in one
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from time import perf_counter  # bound at import: a test's patch of time.perf_counter times its own code
 from typing import Any, Callable, Optional, Union
 
 from torch import nn
@@ -69,7 +69,7 @@ class StreamingSession:
         hook = BeforeZeroGrad([(owner, self.settle) for owner in [*optimizers, model]])  # pending steps read .grad
         hook.attach()
         self.hooks.append(hook)
-        barrier = settle_barrier(trainer, self.settle)
+        barrier = settle_barrier(trainer, self.settle_for_callbacks)
         trainer.callbacks.insert(0, barrier)
         self._barrier = (trainer.callbacks, barrier)
 
@@ -81,6 +81,13 @@ class StreamingSession:
         """Waits for the pending (pipelined) optimizer steps."""
         self.engine.pending.settle()
 
+    def settle_for_callbacks(self) -> None:
+        """Before a callback's hook that may read the weights or call the model between steps: the pending steps
+        done, and the device copies made from what they wrote (after a pipelined step the next pass would make
+        them: a call from the callback would compute with the resident blocks' and the trunk's old weights)."""
+        self.settle()
+        self.engine.sync_with_masters()
+
     def start_training_step(self) -> None:
         self.engine.start_pass(training=True)
         if self.planner is not None:
@@ -89,7 +96,7 @@ class StreamingSession:
     def finish_autograd_backward(self) -> None:
         """Between autograd's backward and the precision plugin's post-backward (``on_after_backward``): the
         gradients are brought home, so that user code there sees them complete."""
-        self._backward_end = time.perf_counter()
+        self._backward_end = perf_counter()
         self.engine.finish_backward()
         if self.planner is not None:
             self.planner.end_backward(self.engine)
@@ -113,7 +120,7 @@ class StreamingSession:
         mode = self.steps.choose(trainer, optimizer, sharded, measuring=measuring)
         closure = engine.home_kind.checked(closure)  # the disk tier refuses a step over gradients already consumed
         timed = planner.timed_closure(closure) if planner is not None else closure
-        start = time.perf_counter()
+        start = perf_counter()
         output = self.steps.run(trainer, optimizer, lambda: step(timed), mode)
         engine.home_kind.finish_step(optimizer)  # the disk tier's blocks: committed, or stepped from spilled gradients
         self.steps.homes_decided(engine.home_kind)
@@ -124,10 +131,10 @@ class StreamingSession:
                 share_stepped_on_node(engine, params, averager)
             else:
                 share_stepped(engine.homes, engine.trunk_parameters(), params, averager)
-        stepped = time.perf_counter()
+        stepped = perf_counter()
         # The next forward must stream the weights this step produced (a pipelined step's: once each is done).
         engine.refresh(changed=params, prepare=mode.mode != "pipelined")
-        now = time.perf_counter()
+        now = perf_counter()
         self.steps.exposed_s += now - max(self._backward_end, start)
         if planner is not None:  # after the profiled steps, the engine takes the plan
             after = self.steps.choose(trainer, optimizer, sharded, measuring=False) if measuring else mode

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -27,7 +28,13 @@ from lightning_superpipe.memory.frozen4bit import quantized_bytes, quantized_for
 from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
 from lightning_superpipe.memory.packed import packed_format, split_packed
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
-from lightning_superpipe.streaming.blocks import assign_parameters, describe, describe_stacks, find_blocks
+from lightning_superpipe.streaming.blocks import (
+    NoBlocksFoundError,
+    assign_parameters,
+    describe,
+    describe_stacks,
+    find_blocks,
+)
 from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.disk_tier import (
     BlockValuesHook,
@@ -115,7 +122,7 @@ def start_streaming(
             support yet, or ``quantize_frozen`` meets what it does not support (:class:`.QuantizedLayerError`);
             nothing was allocated.
     """
-    blocks = find_blocks(model, options.blocks)
+    blocks = blocks_or_none(model, options.blocks)
     check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
@@ -163,6 +170,19 @@ def start_streaming(
         if optimizer is not None:
             tier.manual_optimization = not trainer.lightning_module.automatic_optimization
     return StreamingSession(engine, hooks, planner, stacks, options.overlap_optimizer)
+
+
+def blocks_or_none(model: nn.Module, policy: Optional[Any]) -> list[nn.Module]:
+    """The blocks of ``model`` under ``policy``. With no policy given and no stack of layers found, none, said once:
+    the model then runs whole on the device, as under a single-device strategy."""
+    try:
+        return find_blocks(model, policy)
+    except NoBlocksFoundError as error:
+        if policy is not None:
+            raise
+        rank_zero_info(f"{error} Until then nothing streams: {type(model).__name__} stays on the device whole, as"
+                       " under a single-device strategy.")
+        return []
 
 
 def check_block_dtypes(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]]) -> None:
