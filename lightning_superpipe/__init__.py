@@ -10,8 +10,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_superpipe.generation import GenerationPolicy, generate
 from lightning_superpipe.moe import PagedMoECallback, PagingOptions
 from lightning_superpipe.planning import Plan
-from lightning_superpipe.strategies import DeviceMemoryLogger, SuperpipeStrategy
+from lightning_superpipe.strategies.memory_logger import DeviceMemoryLogger
 from lightning_superpipe.strategies.ranks import let_lightning_ask_about_ranks
+from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
 from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
 from lightning_superpipe.streaming.optimizers import register_per_parameter_optimizer

@@ -5,6 +5,7 @@ plain Lightning does. The strategy logs nothing the user did not log."""
 from __future__ import annotations
 
 import copy
+import pickle
 from typing import Any, Iterator
 
 import pytest
@@ -122,7 +123,7 @@ def test_an_iterator_style_training_step_trains_as_plain() -> None:
 
 class _CopyMidRun(tasks.pl.Callback):
     """What EMA-style and test callbacks do mid-run: deep-copy the module (and, with it, callbacks that hold its
-    bound ``log``), and compute with the copy."""
+    bound ``log``) or pickle the Trainer, and compute with the copy."""
 
     def __init__(self) -> None:
         self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -132,6 +133,10 @@ class _CopyMidRun(tasks.pl.Callback):
             return
         copied = copy.deepcopy(pl_module)
         copy.deepcopy(trainer.callbacks)
+        # The Trainer too: a copy of the strategy has the knobs and no run (the engine stays with the original).
+        unpickled = pickle.loads(pickle.dumps(trainer))
+        if isinstance(trainer.strategy, SuperpipeStrategy):
+            assert unpickled.strategy._streaming is None and trainer.strategy._streaming is not None
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             self.outputs.append((copied(x), pl_module(x)))

@@ -192,6 +192,12 @@ class RanksStrategy(DDPStrategy):
         on_every_rank(work, what) if self.several_ranks else work()
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Strategy's, looked up when called: DDP's adds advice about its wrapper's unused parameters, a wrapper this
+        # strategy does not use.
+        super(DDPStrategy, self).on_exception(exception)
+
+    @override
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
         return model  # not wrapped in DistributedDataParallel: the engine averages the gradients
 

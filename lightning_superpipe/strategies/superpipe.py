@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -152,6 +152,13 @@ class SuperpipeStrategy(CheckpointingStrategy):
         self._fitting = False
         self._last_report: Optional[dict[str, Any]] = None
 
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy gets (``copy.deepcopy``, pickling the Trainer; a callback that holds the Trainer is copied with
+        it): the knobs and what the last run left, without the run in progress, whose engine, threads and device
+        memory stay with this strategy."""
+        return {**super().__getstate__(), "_streaming": None}
+
     # ------------------------------------------------------------------ the knobs, as written (read-only)
 
     memory_budget = _knob("memory_budget")
@@ -195,6 +202,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
+        if self._streaming is not None:  # the gradients home before `on_after_backward`
+            self._streaming.watch_backward(self.precision_plugin)
         if self._fitting and self._streaming is not None:  # `zero_grad` is watched on Lightning's new wrappers too
             optimizers = [*self.optimizers, *self._lightning_optimizers]
             self._streaming.watch_zero_grad(self.model, optimizers)
@@ -270,24 +279,20 @@ class SuperpipeStrategy(CheckpointingStrategy):
     def engine(self) -> StreamingEngine:
         return self.streaming.engine
 
+    # Outside a run (its teardown took the hooks off) the model is a plain module in host memory, and Lightning's
+    # own step calls (a loop run by hand after `fit`) run as under a single-device strategy.
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self.streaming.start_training_step()
+        if self._streaming is not None:
+            self._streaming.start_training_step()
         return super().training_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        # The parent's sequence, with the gradients brought home between autograd's backward and the precision
-        # plugin's post-backward, which runs `on_after_backward`: user code there must see complete gradients.
-        assert self.lightning_module is not None
-        self.streaming.settle()  # a pipelined step reads `.grad`, which backward adds to
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        self.streaming.finish_autograd_backward()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._streaming is not None:
+            self._streaming.settle()  # a pipelined step reads `.grad`, which backward adds to
+        super().pre_backward(closure_loss)
 
     @override
     def optimizer_step(
@@ -299,7 +304,9 @@ class SuperpipeStrategy(CheckpointingStrategy):
     ) -> Any:
         assert self._lightning_module is not None
         parent = super().optimizer_step
-        return self.streaming.optimizer_step(
+        if self._streaming is None:
+            return parent(optimizer, closure, model, **kwargs)
+        return self._streaming.optimizer_step(
             self._lightning_module.trainer, optimizer, closure, lambda run: parent(optimizer, run, model, **kwargs)
         )
 
@@ -311,18 +318,21 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.streaming.forward_only():
+        with self._forward_only():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.streaming.forward_only():
+        with self._forward_only():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.streaming.forward_only():
+        with self._forward_only():
             return super().predict_step(*args, **kwargs)
+
+    def _forward_only(self) -> AbstractContextManager[None]:
+        return self._streaming.forward_only() if self._streaming is not None else nullcontext()
 
     # ------------------------------------------------------------------ memory report
 

@@ -38,7 +38,7 @@ from lightning_superpipe.streaming.optimizers import (
     per_parameter_optimizer_names,
     updates_each_parameter_alone,
 )
-from lightning_superpipe.streaming.pipelined import BeforeZeroGrad
+from lightning_superpipe.streaming.wrappers import BeforeCalls
 
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.engine import StreamingEngine
@@ -153,7 +153,7 @@ def _modules_holding(model: nn.Module, tier: DiskTier) -> list[tuple[nn.Module, 
     return [(module, params) for module, params in held if params]
 
 
-class ZeroGradHook(BeforeZeroGrad):
+class ZeroGradHook(BeforeCalls):
     """Tells the tier when the user zeroes gradients, which it must know because a block's gradients are in its
     files, not in ``.grad``: before ``zero_grad`` of the optimizer, of Lightning's wrapper of it, and of every module
     holding block parameters (the LightningModule's ``self.zero_grad()``), :meth:`DiskTier.zero_grad` hears which
@@ -162,12 +162,13 @@ class ZeroGradHook(BeforeZeroGrad):
 
     def __init__(self, tier: DiskTier, model: nn.Module, optimizers: Sequence[Any]) -> None:
         # An optimizer's groups are read at each call: BaseFinetuning adds the blocks' group mid-run.
-        targets: list[tuple[Any, Callable[[], None]]] = [
-            (o, lambda o=o: tier.zero_grad(p for group in o.param_groups for p in group["params"])) for o in optimizers
+        targets: list[tuple[Any, str, Callable[[], None]]] = [
+            (o, "zero_grad", lambda o=o: tier.zero_grad(p for group in o.param_groups for p in group["params"]))
+            for o in optimizers
         ]
         for module, held in _modules_holding(model, tier):
             params = [p for _, p in held]
-            targets.append((module, lambda params=params: tier.zero_grad(params)))
+            targets.append((module, "zero_grad", lambda params=params: tier.zero_grad(params)))
         super().__init__(targets)
 
 

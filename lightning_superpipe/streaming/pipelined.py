@@ -12,8 +12,8 @@ step.
 Each launched step uses the hyperparameters in force at launch (a scheduler stepping meanwhile changes the next
 step's; :func:`~.optimizers.shadow_of`). Whatever reads or writes weights, gradients or optimizer state before the
 next forward waits for every pending step first (:meth:`PipelinedStep.settle`): checkpoints, state dicts,
-validation, ``zero_grad`` (:class:`BeforeZeroGrad`), callbacks that may read weights (:class:`SettleBarrier`), the
-end of the run.
+validation, ``zero_grad``, the hooks of callbacks that may read weights (:func:`before_weight_readers`), the end
+of the run.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ from concurrent.futures import Executor, Future
 from time import perf_counter  # bound at import: a test's patch of time.perf_counter times its own code
 from typing import Any, Callable, Optional
 
+from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.memory.home import Home, KindSteps
 from lightning_superpipe.streaming.optimizers import shadow_of
 from lightning_superpipe.streaming.speculation import scale_gradients
+from lightning_superpipe.streaming.wrappers import BeforeCalls
 
 #: Lightning callbacks that read no weights in the training loop's hooks (or read them through the strategy's
 #: checkpoint calls, which wait themselves), by class name, so that their presence keeps the step pipelined.
 WEIGHT_BLIND_CALLBACKS = (
     "ModelCheckpoint", "LearningRateMonitor", "ProgressBar", "TQDMProgressBar", "RichProgressBar", "Timer",
-    "ModelSummary", "RichModelSummary", "EarlyStopping", "GradientAccumulationScheduler", "SettleBarrier",
+    "ModelSummary", "RichModelSummary", "EarlyStopping", "GradientAccumulationScheduler",
 )
 
 #: A callback whose class sets this attribute to ``True`` declares that its training-loop hooks read no weights.
@@ -104,6 +106,11 @@ class PipelinedStep:
             self._kind_steps.append(self._executor.submit(_run_kind_steps, kind_steps, futures))
         for param in late_trunk:
             self._late[param] = self._executor.submit(self._step, shadow_of(optimizer, [param]), kwargs, None)
+
+    @property
+    def launched(self) -> bool:
+        """Whether any step is launched and not yet waited for."""
+        return bool(self._blocks or self._trunk or self._late or self._kind_steps)
 
     @property
     def late_trunk(self) -> frozenset[nn.Parameter]:
@@ -181,86 +188,26 @@ def _run_kind_steps(kind_steps: KindSteps, futures: dict[int, Future[None]]) -> 
             future.set_result(None)
 
 
-class BeforeZeroGrad:
-    """Runs a callback before each ``zero_grad`` of some owners (optimizers, Lightning's wrappers of them, which call
-    ``Optimizer.zero_grad`` on themselves, modules), by wrapping it as an instance attribute; :meth:`detach` takes
-    the wrappers off.
-
-    Args:
-        targets: Each owner and what to run before its ``zero_grad``.
-    """
-
-    def __init__(self, targets: Sequence[tuple[Any, Callable[[], None]]]) -> None:
-        self._targets = list(targets)
-        self._wrapped: list[tuple[Any, Callable[..., Any]]] = []
-
-    def attach(self) -> None:
-        if self._wrapped:
-            return
-        for owner, before in self._targets:
-            original = owner.zero_grad
-
-            def zero_grad(*args: Any, original: Callable[..., Any] = original,
-                          before: Callable[[], None] = before, **kwargs: Any) -> Any:
-                before()
-                return original(*args, **kwargs)
-
-            vars(owner)["zero_grad"] = zero_grad
-            self._wrapped.append((owner, zero_grad))
-
-    def detach(self) -> None:
-        for owner, wrapper in self._wrapped:
-            if vars(owner).get("zero_grad") is wrapper:
-                del vars(owner)["zero_grad"]
-        self._wrapped = []
-
-
-def weight_readers(trainer: Any, hook: str) -> list[str]:
+def weight_readers(trainer: Any, hook: str) -> list[Any]:
     """The callbacks (and the LightningModule) that override ``hook`` and are not known to read no weights."""
-    from lightning.pytorch import Callback, LightningModule
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     readers = []
     module = trainer.lightning_module
     if module is not None and is_overridden(hook, module, LightningModule):
-        readers.append(type(module).__name__)
+        readers.append(module)
     for callback in trainer.callbacks:
         if not is_overridden(hook, callback, Callback) or getattr(callback, READS_NO_WEIGHTS, False):
             continue
         owner = next(k for k in type(callback).__mro__ if hook in vars(k))
         if owner.__name__ not in WEIGHT_BLIND_CALLBACKS:
-            readers.append(type(callback).__name__)
+            readers.append(callback)
     return readers
 
 
-def settle_barrier(trainer: Any, settle: Callable[[], None]) -> Any:
-    """A callback, to go first in ``trainer.callbacks``, that waits for the pending steps in the window hooks that a
-    callback or the LightningModule which may read weights overrides (``EMAWeightAveraging``, a user's callback).
-    Built here because Lightning is imported lazily."""
-    from lightning.pytorch import Callback
-
-    needed = {hook for hook in WINDOW_HOOKS if weight_readers(trainer, hook)}
-
-    class SettleBarrier(Callback):
-        """Waits for the pending optimizer steps before the hooks that may read weights."""
-
-        def _maybe(self, hook: str) -> None:
-            if hook in needed:
-                settle()
-
-        def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-            self._maybe("on_train_batch_end")
-
-        def on_train_epoch_end(self, *args: Any, **kwargs: Any) -> None:
-            self._maybe("on_train_epoch_end")
-
-        def on_train_epoch_start(self, *args: Any, **kwargs: Any) -> None:
-            self._maybe("on_train_epoch_start")
-
-        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-            self._maybe("on_train_batch_start")
-
-        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
-            self._maybe("on_train_end")
-
-    return SettleBarrier()
+def before_weight_readers(trainer: Any, settle: Callable[[], None]) -> BeforeCalls:
+    """Waits for the pending steps (``settle``) before each hook of :data:`WINDOW_HOOKS` that a callback or the
+    LightningModule which may read weights overrides (``EMAWeightAveraging``, a user's callback); the Trainer's
+    callbacks stay as the user gave them."""
+    return BeforeCalls([(reader, hook, settle) for hook in WINDOW_HOOKS for reader in weight_readers(trainer, hook)])

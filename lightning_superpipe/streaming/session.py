@@ -22,8 +22,9 @@ from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.pipelined import BeforeZeroGrad, settle_barrier
+from lightning_superpipe.streaming.pipelined import before_weight_readers
 from lightning_superpipe.streaming.step_modes import OptimizerSteps
+from lightning_superpipe.streaming.wrappers import BeforeCalls, WrappedMethod
 
 
 @dataclass
@@ -46,7 +47,7 @@ class StreamingSession:
     steps: Optional[OptimizerSteps] = None
     _stopped: bool = field(default=False, repr=False)
     _backward_end: float = field(default=0.0, repr=False)
-    _barrier: Any = field(default=None, repr=False)
+    _plugin: Any = field(default=None, repr=False)  # (the precision plugin, its own instance-level backward or None)
 
     def watch_zero_grad(self, model: nn.Module, optimizers: Sequence[Any]) -> None:
         """Under the disk tier while fitting: hooks the user's ``zero_grad`` calls, which the tier must see
@@ -59,19 +60,26 @@ class StreamingSession:
         hook.attach()
         self.hooks.append(hook)
 
+    def watch_backward(self, plugin: Any) -> None:
+        """Brings the gradients home between autograd's backward and the precision plugin's ``post_backward``, which
+        runs ``on_after_backward``: user code there must see them complete. Lightning's ``Strategy.backward`` calls
+        the plugin's ``backward`` and then its ``post_backward``, so the plugin's ``backward`` gets a wrapper (taken
+        off again by :meth:`stop`); the strategy keeps Lightning's own ``backward``."""
+        own = vars(plugin).get("backward")
+        plugin.backward = WrappedMethod(plugin.backward, after=self.finish_autograd_backward)
+        self._plugin = (plugin, own)
+
     def start_fit(self, trainer: Any, model: nn.Module, optimizers: Sequence[Any]) -> None:
         """As fitting starts: the optimizer steps get their modes, and whatever may read weights, gradients or
         optimizer state before a pipelined step is done waits for it (``zero_grad``; the training loop's hooks of
-        callbacks that may read weights, through a callback that goes first)."""
+        callbacks and of the LightningModule that may read weights)."""
         self.steps = OptimizerSteps(self.engine, self.overlap_optimizer, trainer.precision_plugin)
         if disk_tier_of(self.engine) is None and not self._sharded():  # those clip and unscale their own way
             self.steps.install()
-        hook = BeforeZeroGrad([(owner, self.settle) for owner in [*optimizers, model]])  # pending steps read .grad
-        hook.attach()
-        self.hooks.append(hook)
-        barrier = settle_barrier(trainer, self.settle_for_callbacks)
-        trainer.callbacks.insert(0, barrier)
-        self._barrier = (trainer.callbacks, barrier)
+        for hook in (BeforeCalls([(owner, "zero_grad", self.settle) for owner in [*optimizers, model]]),  # reads .grad
+                     before_weight_readers(trainer, self.settle_for_callbacks)):
+            hook.attach()
+            self.hooks.append(hook)
 
     def steps_report(self) -> dict[str, Any]:
         """The optimizer steps' modes and counts (:meth:`.OptimizerSteps.report`), once fitting started."""
@@ -85,8 +93,10 @@ class StreamingSession:
         """Before a callback's hook that may read the weights or call the model between steps: the pending steps
         done, and the device copies made from what they wrote (after a pipelined step the next pass would make
         them: a call from the callback would compute with the resident blocks' and the trunk's old weights)."""
+        pending = self.engine.pending.launched
         self.settle()
-        self.engine.sync_with_masters()
+        if pending and disk_tier_of(self.engine) is None:  # the tier's homes would read their files: its next pass
+            self.engine.sync_with_masters()
 
     def start_training_step(self) -> None:
         self.engine.start_pass(training=True)
@@ -169,11 +179,13 @@ class StreamingSession:
     def _stop_hooks(self) -> None:
         if self.steps is not None:
             self.steps.uninstall()
-        if self._barrier is not None:
-            callbacks, barrier = self._barrier
-            if barrier in callbacks:
-                callbacks.remove(barrier)
-            self._barrier = None
+        if self._plugin is not None:
+            plugin, own = self._plugin
+            if own is None:
+                vars(plugin).pop("backward", None)
+            else:
+                plugin.backward = own
+            self._plugin = None
         for hook in self.hooks:
             hook.detach()
         self.hooks = []
