@@ -105,9 +105,9 @@ def _buffer_bindings(block: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(owner, name) for owner in block.modules() for name, buffer in owner._buffers.items() if buffer is not None]
 
 
-def _renamed(bindings: Sequence[_Binding]) -> list[_Binding]:
-    """The bindings whose name no longer holds their parameter."""
-    return [(owner, name, param) for owner, name, param in bindings if owner._parameters.get(name) is not param]
+def _renamed(bindings: Sequence[_Binding]) -> Optional[_Binding]:
+    """The first binding whose name no longer holds its parameter (checked at every call: stops at the first)."""
+    return next((binding for binding in bindings if binding[0]._parameters.get(binding[1]) is not binding[2]), None)
 
 
 @contextmanager
@@ -351,7 +351,7 @@ class BlockStreamingHook:
         return [binding for binding in self._bindings if binding[2] not in withheld] if withheld else self._bindings
 
     def _check_bindings(self) -> None:
-        if _renamed(self._live_bindings()) or self._pruning.stale():
+        if _renamed(self._live_bindings()) is not None or self._pruning.stale():
             self._bind_again()
 
     def _bind_again(self) -> None:
@@ -360,13 +360,13 @@ class BlockStreamingHook:
         are bound under their new names (:mod:`.pruning`). Any other change of the block's parameters is refused."""
         bindings = _bindings(self.block, recurse=True)
         if {id(param) for _, _, param in bindings} != {id(param) for _, _, param in self._bindings}:
-            owner, name, _ = next(binding for binding in _renamed(self._live_bindings()))
+            owner, name, _ = _renamed(self._live_bindings()) or next(iter(self._live_bindings()))
             raise RuntimeError(
-                    f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"
-                    " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set"
-                    " to a new `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values"
-                    " in place (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
-                )
+                f"The parameter {type(owner).__name__}.{name} of streamed block {self.index} was replaced by"
+                " another object during the run (e.g. `load_state_dict(assign=True)`, or a module attribute set"
+                " to a new `nn.Parameter`). SuperpipeStrategy streams the parameters it set up with: change values"
+                " in place (`load_state_dict(...)`, `param.copy_(...)` under `torch.no_grad()`) instead."
+            )
         self._bindings = bindings
         self._buffer_bindings = _buffer_bindings(self.block)
         self._mutated_buffers = None  # which buffers a forward changes is learnt again
@@ -412,7 +412,7 @@ class TrunkHook:
     def _bind(self, module: nn.Module, args: Any) -> None:
         if self.engine is None:  # a copy's (:func:`_inert_copy`)
             return
-        if _renamed(self._bindings) or self._pruning.stale():  # pruned (:mod:`.pruning`)
+        if _renamed(self._bindings) is not None or self._pruning.stale():  # pruned (:mod:`.pruning`)
             self._bindings = self._trunk_bindings()
             self._pruning.refresh()
         for owner, name, param in self._bindings:
