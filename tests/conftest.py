@@ -62,7 +62,7 @@ _LONGEST_FIRST = (
     "test_strategy_disk.py",  # 338
     "test_strategy_ddp.py",  # 245, two processes a run
     "test_recipes_cli.py",  # 150
-    "test_lightning_suite.py",  # 100, Lightning's own tests in one process of their own
+    "test_lightning_suite.py",  # 45, Lightning's own tests in one process of their own
     "test_disk_crash.py",  # 146, nine processes one after the other
     "test_step_modes.py",  # 139
     "test_strategy_lifecycle.py",  # 130
