@@ -51,10 +51,9 @@ def let_lightning_ask_about_ranks() -> None:
     :class:`RanksStrategy` whether its run has several ranks.
 
     Lightning answers ``True`` for every ``DDPStrategy`` subclass before it asks the strategy, and with that answer
-    refuses the batch-size finder (``Tuner.scale_batch_size``, ``BatchSizeFinder``) and skips nothing else a
-    single-device run would skip. A one-device run of this strategy is one process, as under
-    ``SingleDeviceStrategy``. Other strategies get Lightning's own answer. Idempotent.
-    """
+    refuses the batch-size finder (``Tuner.scale_batch_size``, ``BatchSizeFinder``). A one-device run of this
+    strategy is one process, as under ``SingleDeviceStrategy``. Other strategies get Lightning's own answer.
+    Idempotent."""
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     lightnings = _AcceleratorConnector.__dict__["is_distributed"]
