@@ -24,7 +24,7 @@ from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import Hook
 from lightning_superpipe.streaming.pipelined import before_weight_readers
 from lightning_superpipe.streaming.step_modes import OptimizerSteps
-from lightning_superpipe.streaming.wrappers import BeforeCalls, WrappedMethod
+from lightning_superpipe.streaming.wrappers import BeforeCalls
 
 
 @dataclass
@@ -47,7 +47,6 @@ class StreamingSession:
     steps: Optional[OptimizerSteps] = None
     _stopped: bool = field(default=False, repr=False)
     _backward_end: float = field(default=0.0, repr=False)
-    _plugin: Any = field(default=None, repr=False)  # (the precision plugin, its own instance-level backward or None)
 
     def watch_zero_grad(self, model: nn.Module, optimizers: Sequence[Any]) -> None:
         """Under the disk tier while fitting: hooks the user's ``zero_grad`` calls, which the tier must see
@@ -63,11 +62,11 @@ class StreamingSession:
     def watch_backward(self, plugin: Any) -> None:
         """Brings the gradients home between autograd's backward and the precision plugin's ``post_backward``, which
         runs ``on_after_backward``: user code there must see them complete. Lightning's ``Strategy.backward`` calls
-        the plugin's ``backward`` and then its ``post_backward``, so the plugin's ``backward`` gets a wrapper (taken
-        off again by :meth:`stop`); the strategy keeps Lightning's own ``backward``."""
-        own = vars(plugin).get("backward")
-        plugin.backward = WrappedMethod(plugin.backward, after=self.finish_autograd_backward)
-        self._plugin = (plugin, own)
+        the plugin's ``backward`` and then its ``post_backward``, so the plugin's ``backward`` gets a wrapper (one of
+        :attr:`hooks`, taken off by :meth:`stop`); the strategy keeps Lightning's own ``backward``."""
+        hook = BeforeCalls([(plugin, "backward", None, self.finish_autograd_backward)])
+        hook.attach()
+        self.hooks.append(hook)
 
     def start_fit(self, trainer: Any, model: nn.Module, optimizers: Sequence[Any]) -> None:
         """As fitting starts: the optimizer steps get their modes, and whatever may read weights, gradients or
@@ -179,14 +178,7 @@ class StreamingSession:
     def _stop_hooks(self) -> None:
         if self.steps is not None:
             self.steps.uninstall()
-        if self._plugin is not None:
-            plugin, own = self._plugin
-            if own is None:
-                vars(plugin).pop("backward", None)
-            else:
-                plugin.backward = own
-            self._plugin = None
-        for hook in self.hooks:
+        for hook in reversed(self.hooks):  # last on, first off: a wrapper may wrap an earlier one
             hook.detach()
         self.hooks = []
         self.engine.close()

@@ -42,24 +42,29 @@ def _itself(value: Any) -> Any:
 
 
 class BeforeCalls:
-    """Runs a function before each call of some objects' methods (``(owner, method name, function)``), by wrapping
-    each as an instance attribute (:class:`WrappedMethod`); :meth:`detach` takes the wrappers off. Attaching or
-    detaching twice is harmless."""
+    """Wraps some objects' methods as instance attributes (:class:`WrappedMethod`): each target is ``(owner, method
+    name, before)`` or ``(owner, method name, before, after)``, ``before`` or ``after`` ``None`` for nothing.
+    :meth:`detach` puts back what each owner had (its own instance attribute, if any). Attaching or detaching twice is
+    harmless."""
 
-    def __init__(self, targets: Sequence[tuple[Any, str, Callable[[], None]]]) -> None:
+    def __init__(self, targets: Sequence[tuple[Any, ...]]) -> None:
         self._targets = list(targets)
-        self._wrapped: list[tuple[Any, str, WrappedMethod]] = []
+        self._wrapped: list[tuple[Any, str, WrappedMethod, Any]] = []
 
     def attach(self) -> None:
         if self._wrapped:
             return
-        for owner, name, before in self._targets:
-            wrapper = WrappedMethod(getattr(owner, name), before=before)
+        for owner, name, before, *after in self._targets:
+            own = vars(owner).get(name)
+            wrapper = WrappedMethod(getattr(owner, name), before=before, after=after[0] if after else None)
             vars(owner)[name] = wrapper
-            self._wrapped.append((owner, name, wrapper))
+            self._wrapped.append((owner, name, wrapper, own))
 
     def detach(self) -> None:
-        for owner, name, wrapper in self._wrapped:
+        for owner, name, wrapper, own in self._wrapped:
             if vars(owner).get(name) is wrapper:
-                del vars(owner)[name]
+                if own is None:
+                    del vars(owner)[name]
+                else:
+                    vars(owner)[name] = own
         self._wrapped = []
