@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.planning.budget import resolve_budget
 from lightning_superpipe.planning.cost import predict
+from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
 from lightning_superpipe.planning.solver import minimum_plan
 from lightning_superpipe.streaming import activations
 from tests import batches, tasks
@@ -106,8 +108,13 @@ def test_the_trunks_gradients_that_arrive_after_the_blocks_are_not_counted_with_
         predicted = predict(profile, [], 1, [mode] * blocks).peak_bytes
         assert measured <= predicted
         if mode == "keep":
-            # Tight: the bound no longer adds the late gradients to every block's activations.
-            assert predicted - measured < late.numel() * late.element_size()
+            # Tight: the bound no longer adds the late gradients to every block's activations. (It may count a few
+            # bytes twice that are never on the device together: the embedding's token ids, saved through the blocks'
+            # backward, beside the late gradients, which arrive as the embedding's backward frees them; at the head's
+            # moment, the head's gradients beside all it saved, which its backward frees as they arrive.)
+            slack = late.numel() * late.element_size() + profile.outside_activation_bytes_in_blocks
+            slack += profile.trunk_gradient_bytes_in_blocks or 0
+            assert predicted - measured < slack
 
 
 def test_profiled_steps_leave_no_activations_behind() -> None:
@@ -131,14 +138,21 @@ def test_budgets_from_the_least_to_the_whole_model_hold_and_train_as_plain(emula
     everything = int(1.2 * predict(profile, range(len(profile.blocks)), 1, ["keep"] * len(profile.blocks)).peak_bytes)
     plain = tasks.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
     plans = []
-    for budget in (least, (least + everything) // 2, everything):
+    for budget in np.linspace(least, everything, 5).astype(int).tolist():
         strategy = SuperpipeStrategy(memory_budget=budget)
         task = tasks.fit("llama", strategy, accumulate_grad_batches=1, gradient_clip_val=None)
         report = strategy.memory_report()
+        # The budget is a ceiling: the ledger counts every byte of the run on the device, the activations saved
+        # outside the blocks (embeddings, head, loss) included, and no step went over it.
+        assert report["peak_outside_activation_bytes"] > 0
         assert report["peak_device_bytes"] <= budget
         # The bytes promised: the run's peak is within the most any placement it applied was predicted to hold.
         promised = [strategy.plan.predicted_peak_bytes] + [c["predicted_peak_bytes"] for c in strategy.plan.checks]
         assert report["peak_device_bytes"] <= max(promised)
+        # And the prediction is close: within 5% of what the placement measured once applied.
+        measured = strategy.plan.measured_peak_bytes
+        assert measured is not None and abs(strategy.plan.predicted_peak_bytes - measured) <= 0.05 * measured
+        assert strategy._planner.peak_corrections == 0
         assert report["plan"]["budget_bytes"] == budget
         np.testing.assert_allclose(task.losses, plain.losses, rtol=1e-5)
         assert tasks.max_relative_difference(task, plain) < 1e-5
@@ -155,9 +169,38 @@ def test_budgets_from_the_least_to_the_whole_model_hold_and_train_as_plain(emula
     # (timing noise on a shared machine can) may make the gradients' copies bind, where every placement ties and
     # the least memory is taken.
     first = [plan.checks[0] if plan.checks else plan.as_dict() for plan in plans]
-    assert "recompute" not in first[2]["activations"]
+    assert "recompute" not in first[-1]["activations"]
     if emulated_link == "cpu":
-        assert len(first[0]["resident"]) < len(first[2]["resident"]) == len(profile.blocks)
+        assert len(first[0]["resident"]) < len(first[-1]["resident"]) == len(profile.blocks)
+
+
+def test_a_plan_whose_measured_peak_goes_over_the_budget_is_solved_again_below_it(
+    monkeypatch: pytest.MonkeyPatch, emulated_link: str
+) -> None:
+    # A profile that counts half the activations: the plan it gives keeps more than the budget holds. The first step
+    # in it measures the excess, the model's margin takes it, and the placement solved again holds.
+    profiled = BudgetPlanner._profile
+
+    def understated(self: BudgetPlanner, *args: Any, **kwargs: Any) -> Any:
+        profile = profiled(self, *args, **kwargs)
+        halved = [dataclasses.replace(block, kept_bytes=block.kept_bytes // 2) for block in profile.blocks]
+        return dataclasses.replace(profile, blocks=halved)
+
+    monkeypatch.setattr(BudgetPlanner, "_profile", understated)
+    profile = _profiled()._planner.profile  # halved too
+    blocks = len(profile.blocks)
+    # Room for every block resident with its activations kept, as the halved profile counts them, not as they are.
+    budget = predict(profile, range(blocks), 1, ["keep"] * blocks).peak_bytes
+    plain = tasks.fit("llama", "auto", accumulate_grad_batches=1, gradient_clip_val=None)
+    strategy = SuperpipeStrategy(memory_budget=budget)
+    task = tasks.fit("llama", strategy, max_steps=8, accumulate_grad_batches=1, gradient_clip_val=None)
+    planner = strategy._planner
+    assert planner.peak_corrections >= 1
+    grown = planner.profile.blocks[0].kept_bytes / profile.blocks[0].kept_bytes
+    assert 1.5 < grown < 2.5  # the model's activations grew back towards what they are (twice the halved ones)
+    assert strategy.plan.measured_peak_bytes is not None and strategy.plan.measured_peak_bytes <= budget
+    assert strategy.plan.predicted_peak_bytes <= budget
+    np.testing.assert_allclose(task.losses, plain.losses[: len(task.losses)], rtol=1e-5)
 
 
 def test_knobs_the_user_sets_are_constraints_of_the_plan() -> None:
@@ -191,3 +234,22 @@ def test_an_evaluation_run_keeps_as_many_blocks_resident_as_the_budget_holds() -
     block = report["largest_block_bytes"]
     tight, _ = validate(SuperpipeStrategy(memory_budget=report["trunk_device_bytes"] + 2 * block + block // 2))
     assert tight.memory_report()["resident_blocks"] == 0
+
+
+def test_a_budget_below_any_placement_advises_only_what_would_lower_it() -> None:
+    def refusal(block: torch.nn.Module) -> str:
+        params = [list(block.parameters())]
+        static = static_costs(params, [], None, training=True)
+        planner = BudgetPlanner(1024, torch.device("cpu"), None, None, None)
+        with pytest.raises(MisconfigurationException, match="any placement of this model needs more") as raised:
+            planner.first_placement(static, training=True)
+        return str(raised.value)
+
+    full = torch.nn.Linear(64, 64)
+    said = refusal(full)
+    assert "train fewer parameters (e.g. LoRA)" in said and "precision='bf16-true'" in said
+    # LoRA-like in bf16: a frozen base, a few trainable weights, 16-bit: only the budget is left to raise.
+    adapted = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)).to(torch.bfloat16)
+    adapted[0].weight.requires_grad_(False)
+    said = refusal(adapted)
+    assert "LoRA" not in said and "bf16" not in said and said.endswith("plus the activations.")

@@ -12,10 +12,12 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.tuner import Tuner
+from lightning.pytorch.utilities.memory import is_oom_error
 from torch import nn
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.planning.planner import BudgetExceededError
 from tests import tasks
 
 pytestmark = pytest.mark.usefixtures("emulated_link")
@@ -63,6 +65,26 @@ def test_the_batch_size_finder_runs_and_finds_what_it_finds_under_plain(tmp_path
         )
         assert model.batch_size == found[name]
     assert found["superpipe"] == found["plain"] == 16  # 2, 4, 8, 16: four trials, none out of memory
+
+
+def test_the_batch_size_finder_finds_the_largest_batch_within_the_memory_budget(tmp_path: Any) -> None:
+    # 29,000 bytes: the least placement of this model holds a batch of 32 rows (25 KB; 16 rows: 15 KB), not one of 64.
+    budget = 29_000
+    found = {}
+    for name, strategy in (("unbounded", SuperpipeStrategy()), ("budget", SuperpipeStrategy(memory_budget=budget))):
+        found[name] = Tuner(_trainer(strategy, default_root_dir=tmp_path)).scale_batch_size(
+            _stack(), mode="power", max_trials=6, steps_per_trial=3
+        )
+        if name == "budget":
+            # Each larger batch was planned again; 64 rows were refused before they ran, as an out-of-memory error.
+            assert strategy._last_report is not None and strategy._last_report["peak_device_bytes"] <= budget
+    assert (found["unbounded"], found["budget"]) == (64, 32)
+    # A first batch too large for the budget fails once profiled, with the error the finder backs off from.
+    model = _stack()
+    model.batch_size = 64
+    with pytest.raises(BudgetExceededError, match="memory_budget=29000.*out of memory") as raised:
+        _trainer(SuperpipeStrategy(memory_budget=budget), max_steps=3).fit(model)
+    assert is_oom_error(raised.value)
 
 
 def test_the_learning_rate_finder_sees_the_losses_plain_sees(tmp_path: Any) -> None:

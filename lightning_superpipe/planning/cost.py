@@ -89,26 +89,34 @@ from summing these.
 
 Device bytes at the worst moment, ``peak = static + weights + activations``:
 
-* ``static = trunk_bytes + T_in + margin_bytes``, with ``T_in`` the trunk's gradients that can be on the device
-  during the blocks' backward (``trunk_gradient_bytes_in_blocks``: of the weights used after the first block); the
+* ``static = trunk_bytes + T_in + margin_bytes + X_in``, with ``T_in`` the trunk's gradients that can be on the
+  device during the blocks' backward (``trunk_gradient_bytes_in_blocks``: of the weights used after the first
+  block; on a synchronous link, what the profiled step held then, ``trunk_gradient_bytes_held_in_blocks``); the
   others, ``T_late = trunk_gradient_bytes - T_in`` (an untied embedding's), arrive after block 0's backward and
-  count at the moment ``(0, False)`` only.
+  count at the moment ``(0, False)`` only. ``X_in`` (``outside_activation_bytes_in_blocks``) is what
+  the step saved outside the blocks and still holds during their backward (the embeddings'); the rest of what it
+  saves there, ``X_head = outside_activation_bytes - X_in`` (the head's logits, the loss), counts at the head's
+  moment only.
 * ``weights = sum_i r_i weight_bytes_i + slots``, ``slots = min(p + 1, n_s) * max_{i streamed} weight_bytes_i``
   with ``n_s`` the number of streamed blocks (0 when none is): ``p + 1`` slots, of which only as many are allocated
   as there are blocks to stream.
 * ``activations`` (block gradients included) is the most over two moments of each backward position ``i``:
 
   - as block ``i``'s backward starts, ``A_i + L_i``: ``A_i = sum_{j <= i} (k_j kept_j + o_j small_j + c_j input_j) +
-    c_i kept_i + o_i offloaded_i + o_{i-1} offloaded_{i-1}``, what blocks not yet through backward hold, plus block
-    ``i``'s recomputed or returned activations, plus block ``i - 1``'s, brought back while ``i`` computes (absent
-    for ``i = 0``); ``L_i = min(block_gradient_bytes, a gradient_bytes_{i+1})``, block ``i + 1``'s gradients still
-    on their way out (none for the last block, whose backward runs first);
+    c_i (kept_i - saved_input_i) + o_i offloaded_i + o_{i-1} offloaded_{i-1}``, what blocks not yet through
+    backward hold, plus block ``i``'s recomputed (less its inputs, which the checkpoint holds already) or returned
+    activations, plus block ``i - 1``'s, brought back while ``i`` computes (absent for ``i = 0``); ``L_i =
+    min(block_gradient_bytes, a gradient_bytes_{i+1})``, block ``i + 1``'s gradients still on their way out (none
+    for the last block, whose backward runs first);
   - as it delivers its gradients, ``D_i + G_i``: ``D_i = sum_{j < i} (...) + c_i input_i + o_{i-1}
     offloaded_{i-1}`` (block ``i``'s own activations were freed by its backward; a checkpoint's inputs go with the
     checkpoint, after it), ``G_i = min(block_gradient_bytes, gradient_bytes_i + L_i)``.
 
   So the moment all activations are held meets the gradients of one block at most, and the moment two blocks of
   gradients are on the device meets one block fewer of activations.
+* The head's moment (forward done; reached before any block's backward): ``sum_j (k_j kept_j + o_j small_j + c_j
+  input_j) + X_head - T_in``, every block's held activations beside all the step saved outside them, and no
+  trunk gradient yet (the head's backward frees what it saved before its weights' gradients are delivered).
 """
 
 from __future__ import annotations
@@ -131,6 +139,7 @@ PEAK_PARTS: tuple[str, ...] = (
     "resident_weights",
     "slots",
     "activations",
+    "outside_activations",
 )
 
 
@@ -243,7 +252,8 @@ def held_bytes(block: BlockCosts, mode: str) -> int:
 
 def in_use_bytes(block: BlockCosts, mode: str) -> int:
     """What its activations add while its own backward runs: recomputed, or brought back from the host."""
-    return {"keep": 0, "offload": block.offloaded_bytes, "recompute": block.kept_bytes}[mode]
+    recomputed = block.kept_bytes - block.saved_input_bytes  # its inputs are the checkpoint's, held already
+    return {"keep": 0, "offload": block.offloaded_bytes, "recompute": recomputed}[mode]
 
 
 def leaving_bytes(profile: Profile) -> list[int]:
@@ -295,11 +305,22 @@ def block_memory(profile: Profile, modes: Sequence[str]) -> tuple[list[int], lis
 
 def static_bytes(profile: Profile) -> dict[str, int]:
     """The peak's parts that no placement changes (the trunk's gradients that blocks' backward can meet)."""
+    held = profile.trunk_gradient_bytes_held_in_blocks
     return {
         "trunk": profile.trunk_bytes,
-        "trunk_gradients": profile.trunk_gradient_bytes - late_trunk_gradient_bytes(profile),
+        "trunk_gradients": profile.trunk_gradient_bytes - late_trunk_gradient_bytes(profile) if held is None else held,
         "margin": profile.margin_bytes,
+        "outside_activations": profile.outside_activation_bytes_in_blocks,
     }
+
+
+def head_extra_bytes(profile: Profile) -> int:
+    """What the head's moment holds beyond :func:`static_bytes` (may be negative): as forward ends, everything the
+    step saved outside the blocks (the head's logits and loss with the embeddings'), and no trunk gradient yet. (The
+    head's backward frees what it saved before its weights' gradients are delivered, and those meet the blocks'
+    backward, counted there.)"""
+    static = static_bytes(profile)
+    return profile.outside_activation_bytes - static["outside_activations"] - static["trunk_gradients"]
 
 
 def late_trunk_gradient_bytes(profile: Profile) -> int:
@@ -363,15 +384,20 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
 
     held, in_use, returned = block_memory(profile, modes)
     moments = memory_moments(profile, modes)
+    # The head's moment, as forward ends: every block's activations beside the head's (no block gradient yet). It
+    # stands for position N with the blocks' moments: backward reaches it first.
+    moments[(count, True)] = (sum(held), 0)
+    extra = {(count, True): head_extra_bytes(profile), (0, False): late_trunk_gradient_bytes(profile)}
     # Backward runs from the last block, so among equal peaks the highest position is the first moment it is reached.
-    positions = [(i, starting) for i in range(count - 1, -1, -1) for starting in (True, False)]
-    late = late_trunk_gradient_bytes(profile)
-    peak_at, starting = max(positions, key=lambda moment: sum(moments[moment]) + (late if moment == (0, False) else 0))
+    positions = [(count, True)] + [(i, starting) for i in range(count - 1, -1, -1) for starting in (True, False)]
+    peak_at, starting = max(positions, key=lambda moment: sum(moments[moment]) + extra.get(moment, 0))
     activation_bytes, gradient_bytes = moments[(peak_at, starting)]
 
     slots, slot_bytes = slot_shape(profile, resident, prefetch)
     breakdown = static_bytes(profile)
-    breakdown["trunk_gradients"] += late if (peak_at, starting) == (0, False) else 0
+    breakdown["trunk_gradients"] += extra[(0, False)] if (peak_at, starting) == (0, False) else 0
+    if peak_at == count:
+        breakdown["trunk_gradients"], breakdown["outside_activations"] = 0, profile.outside_activation_bytes
     breakdown["resident_weights"] = sum(blocks[i].weight_bytes for i in resident)
     breakdown["slots"] = slots * slot_bytes
     breakdown["block_gradients"] = gradient_bytes
@@ -380,7 +406,7 @@ def predict(profile: Profile, resident: Collection[int], prefetch: int, modes: S
     per_block: list[dict[str, Union[float, int]]] = []
     for i, (block, (forward, backward)) in enumerate(zip(blocks, times)):
         device = block.weight_bytes if i in resident else 0
-        device += held[i] if i < peak_at or (i == peak_at and starting) else 0
+        device += held[i] if i < peak_at or (i == peak_at and starting) else 0  # all of them at the head's moment
         device += in_use[i] if i == peak_at and starting else 0
         device += block.input_bytes if i == peak_at and not starting and modes[i] == "recompute" else 0
         device += returned[i] if i == peak_at - 1 else 0

@@ -29,7 +29,7 @@ class Plan:
         predicted_step_s: Predicted seconds per optimizer step.
         predicted_peak_bytes: Predicted device bytes at the step's worst moment.
         breakdown: The peak's parts (``trunk``, ``trunk_gradients``, ``block_gradients``, ``margin``,
-            ``resident_weights``, ``slots``, ``activations``).
+            ``resident_weights``, ``slots``, ``activations``, ``outside_activations``).
         blocks: Per block: ``index``, ``placement`` (``"resident"`` or ``"streamed"``), ``activations``,
             ``predicted_ms`` (its forward and backward per micro-batch, its own copies included, by the per-layer
             rule of :mod:`.cost`: for display, the step time is not their sum) and ``device_bytes`` (its resident
@@ -43,6 +43,9 @@ class Plan:
             predicted, and the term it set), in order.
         checks: Each placement the check applied and timed: ``resident``, ``prefetch``, ``activations``,
             ``predicted_step_s`` and ``predicted_peak_bytes`` (when applied) and ``measured_step_s``.
+        measured_peak_bytes: The most device bytes held at once over the steps run in this placement (the
+            strategy's ledger: weights, gradients, activations in and outside the blocks; on CUDA, at least what the
+            allocator measured), or ``None`` before a step ran in it.
     """
 
     resident: frozenset[int]
@@ -57,6 +60,7 @@ class Plan:
     measured_step_s: Optional[float] = None
     corrections: tuple[str, ...] = ()
     checks: tuple[dict[str, Any], ...] = ()
+    measured_peak_bytes: Optional[int] = None
 
     @classmethod
     def from_prediction(
@@ -136,6 +140,8 @@ class Plan:
         if self.measured_step_s is not None:
             measured = self.measured_step_s * 1e3
             lines.append(f"measured step   {measured:.2f} ms (the fastest of the steps timed once applied)")
+        if self.measured_peak_bytes is not None:
+            lines.append(f"measured peak   {format_bytes(self.measured_peak_bytes)} (the most at once, once applied)")
         lines += [f"correction {n}    {text}" for n, text in enumerate(self.corrections, 1)]
         return "\n".join(lines)
 
@@ -154,4 +160,5 @@ class Plan:
             "measured_step_s": self.measured_step_s,
             "corrections": list(self.corrections),
             "checks": [dict(check) for check in self.checks],
+            "measured_peak_bytes": self.measured_peak_bytes,
         }

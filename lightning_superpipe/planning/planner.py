@@ -40,16 +40,24 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from lightning_superpipe.memory.host import transfer_bytes, travels_in
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
 from lightning_superpipe.planning.check import PlanCheck
+from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
 from lightning_superpipe.planning.solver import InfeasibleBudget, solve
 from lightning_superpipe.units import format_bytes
 
 T = TypeVar("T")
+
+
+class BudgetExceededError(torch.OutOfMemoryError, MisconfigurationException):
+    """No placement holds a batch within ``memory_budget``: the device memory the run may use is the budget, so this
+    is an out-of-memory error, raised before the memory is taken (a ``torch.OutOfMemoryError``, which Lightning's
+    batch-size finder backs off from), and a misconfiguration (a ``MisconfigurationException``)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,10 @@ class StaticCosts:
     trunk_gradient_bytes: int
     block_bytes: list[int]
     largest_gradient_bytes: int
+    #: The share of the parameters' elements that train, and the widest element the blocks travel in (bytes): what
+    #: the advice of a refused budget can suggest (LoRA where most train, 16 bits where they travel in 32).
+    trainable_share: float = 0.0
+    widest_itemsize: int = 2
 
     def least_bytes(self, slots: int) -> int:
         """What the placement with no resident block and ``slots`` slots holds before any activation."""
@@ -79,7 +91,11 @@ def static_costs(
         return travels_in(params, transfer_dtype)
 
     trainable = [[p for p in block if p.requires_grad] for block in block_params]
+    every = [p for block in block_params for p in block] + list(trunk_params)
+    numel = sum(p.numel() for p in every)
     return StaticCosts(
+        trainable_share=sum(p.numel() for p in every if p.requires_grad) / numel if numel else 0.0,
+        widest_itemsize=max((dtype_of(block).itemsize for block in block_params if block), default=2),
         trunk_bytes=sum(p.numel() * p.element_size() for p in trunk_params),
         trunk_gradient_bytes=_gradient_bytes(trunk_params) if training else 0,
         block_bytes=[transfer_bytes(block, dtype_of(block)) if block else 0 for block in block_params],
@@ -132,6 +148,10 @@ class BudgetPlanner:
         #: Times the plan once applied, and corrects it (after the profiled steps).
         self.check: Optional[PlanCheck] = None
         self._step_start: Optional[float] = None
+        #: The most tensor elements of a batch profiled so far: a larger batch is profiled again.
+        self._profiled_elements = 0
+        #: Times an applied plan's measured peak went over the budget and the model was corrected.
+        self.peak_corrections = 0
 
     # ------------------------------------------------------------------ before allocating
 
@@ -150,7 +170,7 @@ class BudgetPlanner:
                 f" ({format_bytes(static.trunk_bytes)}), their gradients ({format_bytes(static.trunk_gradient_bytes)}),"
                 f" one slot of the largest block ({format_bytes(max(static.block_bytes, default=0))}) and that"
                 f" block's gradients ({format_bytes(static.largest_gradient_bytes)}). Raise the budget to at least"
-                f" {format_bytes(least)} plus the activations, or train fewer parameters (e.g. LoRA) or in bf16."
+                f" {format_bytes(least)} plus the activations{_lighter(static)}."
             )
         if training:
             # One slot: the activations are not known yet, and the profiler times every copy on its own anyway, so
@@ -174,6 +194,52 @@ class BudgetPlanner:
     def profiling(self) -> bool:
         """Whether the run is still in its profiled steps (the optimizer then steps after backward)."""
         return self.plan is None
+
+    def see_batch(self, engine: Any, batch: Any) -> None:
+        """Before a micro-batch's pass: a batch of more elements than any profiled (a longer sequence, a larger batch
+        from Lightning's batch-size finder) may hold more activations than the plan has room for, so the run goes back
+        to the least placement and profiles again."""
+        elements = sum(tensor.numel() for tensor in _tensors_in(batch))
+        if elements <= self._profiled_elements:
+            return
+        first, profiled = self._profiled_elements == 0, self._profiled_elements
+        if not first and self.profile is not None:
+            self._refuse_if_too_large(self.profile, elements / profiled, elements)
+        self._profiled_elements = elements
+        if first or (self.plan is None and not self._samples and not self._profiling_step):
+            return
+        self._restart(engine)
+        rank_zero_info(
+            f"SuperpipeStrategy: a batch of {elements} elements is larger than any it planned for; {self.call}"
+            " profiles it again in the least placement."
+        )
+
+    def _refuse_if_too_large(self, profile: Profile, ratio: float, elements: int) -> None:
+        """Refuses a batch ``ratio`` times the profiled one whose activations, grown as many times, leave no
+        placement within the budget: it would go over the budget in the least placement as it is profiled (a
+        lower bound where activations grow faster than the batch, as attention's may with the sequence).
+
+        Raises:
+            BudgetExceededError: Before the batch's pass, the plan for the smaller batch staying as it was.
+        """
+        try:
+            solve(grown_activations(profile, ratio), self.budget_bytes, **self.pinned)
+        except InfeasibleBudget as error:
+            raise BudgetExceededError(
+                f"{self.call}: a batch of {elements} elements, {ratio:.3g} times the one profiled, would hold"
+                f" {ratio:.3g} times its activations: {error} (Raised as torch.OutOfMemoryError before the batch runs,"
+                " as CUDA's out of memory error would be, so that Lightning's batch-size finder backs off.)"
+            ) from error
+
+    def _restart(self, engine: Any) -> None:
+        """Back to the least placement, profiling from the next micro-batch on."""
+        if self._profiler is not None:
+            self._profiler.pause()
+            self._profiler.stop()
+        self.plan, self.profile, self.check, self._profiler = None, None, None, None
+        self._samples, self._closure_s, self._profiling_step, self._step_start = [], 0.0, False, None
+        engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
+        engine.replan([], 0, "recompute")
 
     def start_micro_batch(self, engine: Any) -> None:
         """Profiles the first micro-batch of each profiled step; while the plan is checked, starts the step's
@@ -220,7 +286,9 @@ class BudgetPlanner:
             MisconfigurationException: If no placement fits the budget with the measured activations.
         """
         if self.plan is not None:
-            self._checked_step(engine)
+            if self._within_budget(engine):
+                self._checked_step(engine)
+            engine.ledger.start_window()
             return
         if not self._samples:
             return
@@ -237,15 +305,66 @@ class BudgetPlanner:
         # Every rank solves from rank 0's profile and times each checked step as the slowest rank's: the ranks then
         # take the same plan and the same corrections (each rank's own timings would differ by noise).
         self.profile = rank_zero_value(self._profile(engine, micro_batches, overlap))
+        self._apply(engine, self._solve_or_refuse(engine, self.profile), "SuperpipeStrategy's plan for {call}:")
+
+    def _solve_or_refuse(self, engine: Any, profile: Profile) -> Plan:
+        """The plan of ``profile``; where none fits, the run is back in the least placement, profiling afresh from
+        the next batch, and the error is raised.
+
+        Raises:
+            BudgetExceededError: If no placement fits the budget with the measured activations.
+        """
         try:
-            plan = solve(self.profile, self.budget_bytes, **self.pinned)
+            return solve(profile, self.budget_bytes, **self.pinned)
         except InfeasibleBudget as error:
-            raise MisconfigurationException(f"{self.call}: {error}") from error
+            # Lightning's batch-size finder goes on with a smaller batch: that one is profiled as a first one.
+            self._restart(engine)
+            self._profiled_elements = 0
+            raise BudgetExceededError(
+                f"{self.call}: {error} (Raised as torch.OutOfMemoryError, as CUDA's out of memory error would be"
+                " for this batch, so that Lightning's batch-size finder backs off.)"
+            ) from error
+
+    def _apply(self, engine: Any, plan: Plan, title: str) -> None:
+        """Places the engine as ``plan`` says, checks it from now on, and prints its table under ``title``."""
+        engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
         engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
+        assert self.profile is not None
         self.plan = plan
         self.check = PlanCheck(self.profile, plan, self._solve)
-        rank_zero_info(f"SuperpipeStrategy's plan for {self.call}:\n{plan.table()}\nIt is checked once applied:"
+        engine.ledger.start_window()
+        rank_zero_info(f"{title.format(call=self.call)}\n{plan.table()}\nIt is checked once applied:"
                        f" {PlanCheck.cost()}.")
+
+    def _within_budget(self, engine: Any) -> bool:
+        """After a step in the plan: its measured peak joins the plan; where it went over the budget, the model's
+        margin takes the excess and the placement is solved for again and applied (before the next step).
+        Returns whether the plan stayed.
+
+        Raises:
+            BudgetExceededError: If no placement fits the budget with the corrected margin.
+        """
+        assert self.plan is not None and self.profile is not None
+        measured = engine.ledger.window_peak_bytes
+        if engine.device.type == "cuda":  # what the allocator holds too (its rounding, what is not saved)
+            measured = max(measured, torch.cuda.max_memory_allocated(engine.device))
+        measured = slowest_rank(measured)
+        peak = max(measured, self.plan.measured_peak_bytes or 0)
+        self.plan = dataclasses.replace(self.plan, measured_peak_bytes=peak)
+        if self.check is not None:
+            self.check.plan = dataclasses.replace(self.check.plan, measured_peak_bytes=peak)
+        if measured <= self.budget_bytes:
+            return True
+        self.profile, correction = correct_peak(self.profile, self.plan, measured)
+        self.peak_corrections += 1
+        self._step_start = None
+        title = (
+            f"SuperpipeStrategy measured a peak of {format_bytes(measured)} against {format_bytes(self.budget_bytes)}"
+            f" for {{call}} ({format_bytes(self.plan.predicted_peak_bytes)} predicted): {correction}, and the"
+            " placement is solved for again:"
+        )
+        self._apply(engine, self._solve_or_refuse(engine, self.profile), title)
+        return False
 
     def _solve(self, profile: Profile) -> Plan:
         """The plan of ``profile`` for this run's budget and pinned knobs (a corrected profile fits it too: the
@@ -263,6 +382,7 @@ class BudgetPlanner:
         if plan is not None:
             engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
             engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
+            self.plan = self.check.plan = dataclasses.replace(plan, measured_peak_bytes=None)
         if line is not None:
             rank_zero_info(line + (f"\n{plan.table()}" if plan is not None else ""))
 
@@ -290,6 +410,7 @@ class BudgetPlanner:
                 offloaded_bytes=max(p.offloaded_bytes[i] for p in profilers),
                 small_bytes=max(p.small_bytes[i] for p in profilers),
                 input_bytes=max(p.input_bytes[i] for p in profilers),
+                saved_input_bytes=min(p.saved_input_bytes[i] for p in profilers),
                 optimizer_s=numel[i] * per_element_s,
             )
             for i, home in enumerate(engine.homes)
@@ -321,8 +442,67 @@ class BudgetPlanner:
                 {id(p): p for profiler in profilers for p in profiler.used_after_blocks.values()}.values()
             ),
             copy_spread=min(_copy_spread(p) for p in profilers),
+            outside_activation_bytes=max(p.outside_bytes for p in profilers),
+            outside_activation_bytes_in_blocks=max(p.outside_bytes_in_blocks for p in profilers),
+            trunk_gradient_bytes_held_in_blocks=(
+                None if engine.copier.asynchronous else max(p.trunk_gradient_bytes_in_blocks for p in profilers)
+            ),
             offload_compute_s_per_byte=_offload_compute_per_byte(profilers),
         )
+
+
+#: The :class:`~.profile.BlockCosts` fields that grow with the batch.
+_ACTIVATIONS = ("kept_bytes", "offloaded_bytes", "small_bytes", "input_bytes", "saved_input_bytes")
+
+
+def grown_activations(profile: Profile, ratio: float) -> Profile:
+    """``profile`` with every activation figure (the blocks' and those saved outside them) ``ratio`` times as large."""
+    return dataclasses.replace(
+        profile,
+        blocks=[dataclasses.replace(block, **{name: int(getattr(block, name) * ratio) for name in _ACTIVATIONS})
+                for block in profile.blocks],
+        outside_activation_bytes=int(profile.outside_activation_bytes * ratio),
+        outside_activation_bytes_in_blocks=int(profile.outside_activation_bytes_in_blocks * ratio),
+    )
+
+
+def correct_peak(profile: Profile, plan: Plan, measured: int) -> tuple[Profile, str]:
+    """The profile corrected so that ``plan``'s placement is predicted to hold ``measured`` bytes at its peak, and
+    the correction in words: the activations grown by the least factor that gets there (what a placement holds
+    beyond its weights is its activations, and those of another placement grow alike), or where they cannot (too few
+    of them at the peak), the margin by the difference."""
+
+    def peak(factor: float) -> int:
+        return predict(grown_activations(profile, factor), plan.resident, plan.prefetch, plan.activations).peak_bytes
+
+    low, high = 1.0, 2.0
+    while peak(high) < measured and high < 2**10:
+        low, high = high, 2 * high
+    if peak(high) >= measured:
+        for _ in range(40):
+            middle = (low + high) / 2
+            low, high = (middle, high) if peak(middle) < measured else (low, middle)
+        return grown_activations(profile, high), f"the model's activations grow {high:.3f}x"
+    excess = measured - peak(1.0)
+    return dataclasses.replace(profile, margin_bytes=profile.margin_bytes + excess), (
+        f"the model's margin grows by {format_bytes(excess)}"
+    )
+
+
+def _tensors_in(tree: Any) -> list[Tensor]:
+    """The tensors among ``tree``'s leaves (a batch: a tensor, or nested tuples, lists and dicts of them)."""
+    return [value for value in tree_flatten(tree)[0] if isinstance(value, Tensor)]
+
+
+def _lighter(static: StaticCosts) -> str:
+    """What else would lower a refused budget's least placement, as the end of its sentence: train fewer parameters
+    where most train, 16-bit weights where they travel in 32 bits."""
+    ways = []
+    if static.trainable_share > 0.5:
+        ways.append("train fewer parameters (e.g. LoRA)")
+    if static.widest_itemsize >= 4:
+        ways.append("train in 16 bits (`precision='bf16-true'`)")
+    return f", or {' or '.join(ways)}" if ways else ""
 
 
 def _gradient_bytes(params: Iterable[Tensor]) -> int:
@@ -365,7 +545,7 @@ def _alike_blocks_alike(blocks: list[BlockCosts]) -> list[BlockCosts]:
     groups: dict[tuple[int, ...], list[int]] = {}
     for index, block in enumerate(blocks):
         key = (block.weight_bytes, block.gradient_bytes, block.kept_bytes, block.offloaded_bytes, block.small_bytes,
-               block.input_bytes)
+               block.input_bytes, block.saved_input_bytes)
         groups.setdefault(key, []).append(index)
     alike = list(blocks)
     for members in groups.values():
@@ -430,4 +610,4 @@ def _speed(profilers: Sequence[StepProfiler], direction: str, asynchronous: bool
     return max(speeds, default=0.0)
 
 
-__all__ = ["BudgetPlanner", "InfeasibleBudget", "StaticCosts", "static_costs"]
+__all__ = ["BudgetExceededError", "BudgetPlanner", "InfeasibleBudget", "StaticCosts", "static_costs"]

@@ -33,6 +33,8 @@ class BlockCosts:
         offloaded_bytes: What ``"offload"`` copies to the host in forward and back in backward.
         small_bytes: What ``"offload"`` leaves on the device (saved tensors below the offload threshold).
         input_bytes: What ``"recompute"`` holds until backward: its inputs, saved by the checkpoint.
+        saved_input_bytes: Of ``kept_bytes``, its own inputs (a norm saves its input): under ``"recompute"`` the
+            checkpoint holds them already, and the recomputation saves the same storage again.
         optimizer_s: The host optimizer step over its parameters.
     """
 
@@ -46,6 +48,7 @@ class BlockCosts:
     small_bytes: int
     input_bytes: int
     optimizer_s: float
+    saved_input_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class Profile:
             of the weights a forward uses after its first block (a final norm, a head, a tied embedding). The
             others' (an untied embedding's) arrive only after every block's backward. ``None``: all of them.
         block_gradient_bytes: The most device bytes of block gradients waiting to leave at once.
-        margin_bytes: Device bytes the ledger does not count (the allocator's overhead, activations outside blocks)
-            measured on CUDA during the profiled step; 0 on the CPU.
+        margin_bytes: Device bytes the ledger does not count (the allocator's rounding and cache, what is not saved
+            for backward) measured on CUDA during the profiled step; 0 on the CPU. :mod:`.check` raises it where
+            an applied plan's peak exceeds its prediction.
         trunk_update_bytes: Bytes of the weights outside blocks that each optimizer step changes: copied to the device
             again at the start of each step, and their gradients off it at the end of each backward.
         offload_compute_s_per_byte: Compute time each offloaded byte costs a block, in its forward (the copy out)
@@ -86,6 +90,16 @@ class Profile:
             copy ran alone): 1 in a profile; set from a measured step by :mod:`.check`.
         step_overhead_s: Seconds per step that no term of the model accounts for: 0 in a profile; set from a
             measured step by :mod:`.check` when no other term can explain it.
+        outside_activation_bytes: The most device bytes a step saves for backward outside the blocks at once
+            (embeddings, a final norm, the head's logits, the loss): held as forward ends and while the head's
+            backward runs, beside every block's activations.
+        outside_activation_bytes_in_blocks: Of those, the most still held while blocks run backward (the head's
+            are freed by then).
+        trunk_gradient_bytes_held_in_blocks: Where copies are synchronous (the CPU link), the most trunk gradients
+            the profiled step held while blocks ran backward: each leaves as it is delivered, so that is what any
+            placement holds then (a tied weight's, waiting for its last part). ``None`` where copies run beside
+            compute and a gradient waits for its copy as long as the link makes it: the bound
+            ``trunk_gradient_bytes_in_blocks`` then.
         copy_spread: How far a weights' copy's time strays from the median copy's (per byte), on average, as a
             fraction of it: what a prefetch of 1 exposes and a deeper one hides (:mod:`.cost`). Measured over the
             profiled copies; set from a measured step by :mod:`.check` when a plan at prefetch 1 runs slower than
@@ -111,6 +125,9 @@ class Profile:
     copy_spread: float = 0.0
     trunk_gradient_bytes_in_blocks: Optional[int] = None
     head_s: float = 0.0
+    outside_activation_bytes: int = 0
+    outside_activation_bytes_in_blocks: int = 0
+    trunk_gradient_bytes_held_in_blocks: Optional[int] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -163,6 +180,7 @@ class StepProfiler:
         self.copies: dict[str, list[tuple[int, float]]] = {"h2d": [], "d2h": []}
         self.recompute_s = [0.0] * num_blocks
         self.input_bytes = [0] * num_blocks
+        self.saved_input_bytes = [0] * num_blocks
         self.kept_bytes = [0] * num_blocks
         self.offloaded_bytes = [0] * num_blocks
         self.small_bytes = [0] * num_blocks
@@ -182,11 +200,16 @@ class StepProfiler:
         self.used_after_blocks: dict[int, Tensor] = {}
         #: Per block that offloads anything, its :class:`OffloadTiming`.
         self.offload_trials: dict[int, OffloadTiming] = {}
+        #: What the micro-batch saved outside the blocks: the most at once, and the most while blocks ran backward.
+        self.outside_bytes = 0
+        self.outside_bytes_in_blocks = 0
+        self.trunk_gradient_bytes_in_blocks = 0
 
     def start(self) -> None:
         """Starts the clock in the trunk and makes the copier's copies timed and synchronous."""
         copier = self._copier
         self.engine.profiler = self
+        self.engine.activations.start_outside_window()
         self._since = self._now()
         for name, direction in (("to_device", "h2d"), ("to_host", "d2h")):
             setattr(copier, name, self._timed(getattr(copier, name), direction))
@@ -195,6 +218,7 @@ class StepProfiler:
         """Stops the clock at the end of backward; copies are still timed (see :meth:`stop`)."""
         self.enter("census")  # what follows is no part of the micro-batch
         self.engine.profiler = None
+        self.outside_bytes = self.engine.activations.outside_peak_bytes
         self._copy_s_at_pause = sum(self.copy_s.values())
 
     def stop(self) -> float:
@@ -212,7 +236,11 @@ class StepProfiler:
             self._add(self._phase, now - self._since)
             self._phase, self._since = (phase, index), now
             self._blocks_started = self._blocks_started or phase == "forward"
-            self._backward_started = self._backward_started or phase in ("backward", "recompute")
+            if phase in ("backward", "recompute"):
+                self._backward_started = True
+                self.outside_bytes_in_blocks = max(self.outside_bytes_in_blocks, self.engine.activations.outside_bytes)
+                held = self.engine.ledger.held["trunk_gradients"]
+                self.trunk_gradient_bytes_in_blocks = max(self.trunk_gradient_bytes_in_blocks, held)
 
     def trunk_use(self, param: Tensor) -> None:
         """A forward uses the trunk's parameter ``param`` (one whose gradient it will deliver)."""
@@ -269,6 +297,7 @@ class StepProfiler:
             if address not in self._saved_inputs:
                 if address in self._block_input_addresses:
                     self._saved_inputs.add(address)
+                    self.saved_input_bytes[index] += nbytes
                 self.kept_bytes[index] += nbytes
                 self.small_bytes[index] += nbytes if address in census.small else 0
         self.offloaded_bytes[index] += census.offloaded_bytes

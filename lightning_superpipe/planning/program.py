@@ -52,10 +52,10 @@ Constraints:
   m - 1`` and ``n_s >= m``, which ``N z_m >= (N - n_r) - (m - 1) - N (1 - sum_{p >= m-1} q_p)`` forces, and ``y_m >=
   W - w_1 (1 - z_m)``.
 * ``h_i = h_{i-1} + kept_i m_{i,keep} + small_i m_{i,offload} + input_i m_{i,recompute}`` (a variable per position
-  keeps the matrix sparse), ``a >= h_i + kept_i m_{i,recompute} + offloaded_i m_{i,offload} + offloaded_{i-1}
-  m_{i-1,offload} + L_i`` (block ``i``'s backward starts) and ``a >= h_{i-1} + input_i m_{i,recompute} +
-  offloaded_{i-1} m_{i-1,offload} + G_i`` (it delivers its gradients; for ``i = 0`` also ``+ T_late``), with
-  :mod:`.cost`'s constants ``L_i``, ``G_i``, ``T_late``.
+  keeps the matrix sparse), ``a >= h_i + (kept_i - saved_input_i) m_{i,recompute} + offloaded_i m_{i,offload} +
+  offloaded_{i-1} m_{i-1,offload} + L_i`` (block ``i``'s backward starts) and ``a >= h_{i-1} + input_i m_{i,recompute} +
+  offloaded_{i-1} m_{i-1,offload} + G_i`` (it delivers its gradients; for ``i = 0`` also ``+ T_late``), and ``a >=
+  h_{N-1} + X_head - T_in`` (the head's moment), with :mod:`.cost`'s constants ``L_i``, ``G_i``, ``T_late``, ``X_head``.
 * ``peak = static + sum_K R_K weight_bytes_K + W + sum_m y_m + a <= budget``.
 * Pinned knobs: ``n_r = resident_blocks``; ``P`` is the pinned prefetch; ``m`` fixed to the pinned modes.
 

@@ -9,6 +9,7 @@ from typing import Optional
 from lightning_superpipe.planning.cost import (
     MODES,
     gradient_bytes_at,
+    head_extra_bytes,
     held_bytes,
     in_use_bytes,
     late_trunk_gradient_bytes,
@@ -84,4 +85,6 @@ class _PeakTerms:
             # its gradients leave (after block 0's, the trunk's late gradients arrive)
             late = late_trunk_gradient_bytes(profile) if i == 0 else 0
             self._add(activations - before - inputs - returned, (delivered[i] + late) * nbytes, math.inf)
+        # the head's moment: forward is done, every block holds its activations, the head its logits and loss
+        self._add(activations - held, head_extra_bytes(profile) * nbytes, math.inf)
         return activations

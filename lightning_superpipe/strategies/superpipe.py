@@ -175,6 +175,12 @@ class SuperpipeStrategy(CheckpointingStrategy):
     shard_optimizer = _knob("shard_optimizer")
     quantize_frozen = _knob("quantize_frozen")
 
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer has chosen the device: knobs that depend on it fail now, before the model or the data.
+        self.options.validate_for(self.root_device)
+        super()._configure_launcher()
+
     @property
     def run_options(self) -> SuperpipeOptions:
         """The knobs of the current (or last) run, with ``shard_optimizer="auto"`` resolved; before one, as written."""
@@ -284,9 +290,10 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._streaming is not None:
-            self._streaming.start_training_step()
-        return super().training_step(*args, **kwargs)
+        if self._streaming is None:
+            return super().training_step(*args, **kwargs)
+        with self._streaming.training_step(args[0] if args else kwargs.get("batch")):
+            return super().training_step(*args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -348,7 +355,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
         params, streaming = list(self.lightning_module.parameters()), self.streaming
         streaming.settle()  # the optimizer state it counts
         engine, stacks = streaming.engine, streaming.stacks
-        report = strategy_report(engine, params, self.optimizers, stacks, self.plan, self.root_device)
+        profile = self._planner.profile if self._planner is not None else None
+        report = strategy_report(engine, params, self.optimizers, stacks, self.plan, self.root_device, profile)
         return {**report, **streaming.steps_report()}
 
     @classmethod

@@ -273,7 +273,7 @@ class ActivationPlacement:
         entry = self._storages.get(address)
         if entry is None:
             entry = self._storages[address] = [storage.nbytes(), 0, index]
-            self.ledger.add("activations", entry[0])
+            self.ledger.add(_category(index), entry[0])
             self._block_bytes[index] += entry[0]
             self.block_peaks[index] = max(self.block_peaks[index], self._block_bytes[index])
         entry[1] += 1
@@ -286,8 +286,51 @@ class ActivationPlacement:
         entry[1] -= 1
         if entry[1] == 0:
             del self._storages[address]
-            self.ledger.remove("activations", entry[0])
+            self.ledger.remove(_category(entry[2]), entry[0])
             self._block_bytes[entry[2]] -= entry[0]
+
+    # ------------------------------------------------------------------ outside the blocks
+
+    def is_outside_activation(self, tensor: Tensor) -> bool:
+        """Whether a tensor saved outside every block call is an activation on the device: not a weight (the
+        trunk's resident copies, a block's buffer, a dense weight made from a packed one)."""
+        if tensor.device != self.engine.device:
+            return False
+        address = tensor.untyped_storage().data_ptr()
+        if self.engine.is_persistent(address) or self.engine.materialized.holds(address):
+            return False
+        return not any(
+            flat is not None and flat.untyped_storage().data_ptr() == address
+            for flat in map(self.engine.held_flat, range(len(self.engine.homes)))
+        )
+
+    def hold_outside(self, tensor: Tensor) -> None:
+        """Counts a tensor saved outside the blocks (embeddings, final norm, head, loss) until its storage is
+        freed: category ``"outside_activations"`` of the ledger (a storage a block counts already is counted once)."""
+        self.hold_storage(OUTSIDE, tensor)
+
+    @property
+    def outside_bytes(self) -> int:
+        """The device bytes saved outside the blocks and held now."""
+        return self._block_bytes[OUTSIDE]
+
+    def start_outside_window(self) -> None:
+        """Starts measuring :attr:`outside_peak_bytes` afresh (a planner's profiled step)."""
+        self.block_peaks[OUTSIDE] = self._block_bytes[OUTSIDE]
+
+    @property
+    def outside_peak_bytes(self) -> int:
+        """The most device bytes saved outside the blocks at once, since :meth:`start_outside_window`."""
+        return self.block_peaks[OUTSIDE]
+
+
+#: The index under which :class:`ActivationPlacement` counts what is saved outside every block call.
+OUTSIDE = -1
+
+
+def _category(index: int) -> str:
+    """The ledger's category of activations counted under ``index`` (a block's, or :data:`OUTSIDE`)."""
+    return "outside_activations" if index == OUTSIDE else "activations"
 
 
 def tensors_in(tree: Any) -> list[Tensor]:
@@ -362,6 +405,28 @@ class BlockActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, placement: ActivationPlacement, index: int, offload: bool) -> None:
         super().__init__(lambda tensor: placement.pack(index, offload, tensor), placement.unpack)
+
+
+class OutsideActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Counts what a training step saves for backward outside every block call (embeddings, a final norm, the head's
+    logits, the loss): around the whole step, these hooks are the ones autograd calls wherever no block's own are
+    active. Nothing moves: each saved activation is counted in the ledger (``"outside_activations"``) while its
+    storage lives, so the ledger's peak is everything the run holds on the device, and a planner knows the part
+    that no placement changes.
+
+    Args:
+        placement: The engine's placement.
+    """
+
+    def __init__(self, placement: ActivationPlacement) -> None:
+        def pack(tensor: Tensor) -> Tensor:
+            if placement.is_outside_activation(tensor):
+                placement.hold_outside(tensor)
+            # An alias without autograd history, as the census's: a saved output that holds its own node would be a
+            # reference cycle through C++ if backward never ran.
+            return tensor.detach()
+
+        super().__init__(pack, lambda tensor: tensor)
 
 
 class RecomputedActivations(torch.autograd.graph.saved_tensors_hooks):

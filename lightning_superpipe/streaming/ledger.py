@@ -13,12 +13,13 @@ from lightning_superpipe.memory.home import ParamSlice
 if TYPE_CHECKING:
     from lightning_superpipe.streaming.engine import StreamingEngine
 
-#: What the strategy puts on the device: slots and resident blocks, the resident copies of the parameters outside
+#: What a run puts on the device: slots and resident blocks, the resident copies of the parameters outside
 #: blocks, the gradients of each while they wait to leave, the activations blocks save for backward when they
-#: are kept or brought back rather than recomputed, and the dense weights made from packed ones
-#: (``quantize_frozen``'s dequantized matrices) while they live.
+#: are kept or brought back rather than recomputed, what a training step saves outside the blocks (embeddings,
+#: head, loss), and the dense weights made from packed ones (``quantize_frozen``'s dequantized matrices) while
+#: they live.
 CATEGORIES = ("block_weights", "trunk_weights", "block_gradients", "trunk_gradients", "activations",
-              "dequantized_weights")
+              "outside_activations", "dequantized_weights")
 
 
 class DeviceLedger:
@@ -32,6 +33,8 @@ class DeviceLedger:
         self.held = dict.fromkeys(CATEGORIES, 0)
         self.peaks = dict.fromkeys(CATEGORIES, 0)
         self.peak_bytes = 0
+        #: The most held at once since :meth:`start_window` (a planner's check of one step).
+        self.window_peak_bytes = 0
 
     @property
     def total_bytes(self) -> int:
@@ -45,7 +48,13 @@ class DeviceLedger:
     def add(self, category: str, nbytes: int) -> None:
         self.held[category] += nbytes
         self.peaks[category] = max(self.peaks[category], self.held[category])
-        self.peak_bytes = max(self.peak_bytes, self.total_bytes)
+        total = self.total_bytes
+        self.peak_bytes = max(self.peak_bytes, total)
+        self.window_peak_bytes = max(self.window_peak_bytes, total)
+
+    def start_window(self) -> None:
+        """Starts :attr:`window_peak_bytes` again from what is held now."""
+        self.window_peak_bytes = self.total_bytes
 
     def remove(self, category: str, nbytes: int) -> None:
         self.held[category] -= nbytes
@@ -113,7 +122,8 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
 
     Returns:
         ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
-        blocks, and the gradients of both while they wait to leave), ``device_bytes`` (held now),
+        blocks, the gradients of both while they wait to leave, and the activations saved for backward, in the
+        blocks and outside them), ``device_bytes`` (held now),
         ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
         once), ``peak_dequantized_weight_bytes`` (``quantize_frozen``'s dense matrices, most at once; held
         inside ``device_bytes`` and ``peak_device_bytes`` too), ``largest_block_bytes``, ``num_blocks``,
@@ -123,6 +133,8 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
         maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
         of it),
         ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
+        ``peak_outside_activation_bytes`` (what training steps saved outside the blocks: embeddings, head, loss;
+        most at once),
         ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
         ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
         backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
@@ -145,6 +157,7 @@ def engine_report(engine: StreamingEngine) -> dict[str, Any]:
         "shared_host_bytes": engine.arena.shared_bytes,
         "pinned_host_bytes": engine.pinned_bytes(),
         "peak_activation_bytes": engine.ledger.peaks["activations"],
+        "peak_outside_activation_bytes": engine.ledger.peaks["outside_activations"],
         "host_activation_bytes": engine.activations.peak_host_bytes,
         "peak_activation_bytes_per_block": [engine.activations.block_peaks[i] for i in range(len(engine.homes))],
         "overlapped_block_steps": engine.overlap.blocks_stepped,

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.planning.planner import BudgetPlanner
+from lightning_superpipe.streaming.activations import OutsideActivations
 from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -97,10 +98,17 @@ class StreamingSession:
         if pending and disk_tier_of(self.engine) is None:  # the tier's homes would read their files: its next pass
             self.engine.sync_with_masters()
 
-    def start_training_step(self) -> None:
+    @contextmanager
+    def training_step(self, batch: Any) -> Iterator[None]:
+        """Around the LightningModule's ``training_step``: starts the pass, lets the planner see the batch, and
+        counts what the step saves for backward outside the blocks (:class:`~.activations.OutsideActivations`)."""
+        if self.planner is not None:
+            self.planner.see_batch(self.engine, batch)
         self.engine.start_pass(training=True)
         if self.planner is not None:
             self.planner.start_micro_batch(self.engine)
+        with OutsideActivations(self.engine.activations):
+            yield
 
     def finish_autograd_backward(self) -> None:
         """Between autograd's backward and the precision plugin's post-backward (``on_after_backward``): the

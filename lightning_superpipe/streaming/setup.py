@@ -469,16 +469,25 @@ def _clip_shared(plugin: Any, averager: GradientAverager, optimizer: Optimizer, 
 
 def strategy_report(
     engine: StreamingEngine, params: list[nn.Parameter], optimizers: Sequence[Optimizer], stacks: list[str],
-    plan: Any, device: torch.device,
+    plan: Any, device: torch.device, profile: Any = None,
 ) -> dict[str, Any]:
-    """The strategy's memory report (see :meth:`SuperpipeStrategy.memory_report`)."""
+    """The strategy's memory report (see :meth:`SuperpipeStrategy.memory_report`); with the planner's ``profile``,
+    ``profiled_activation_bytes``: what a step saves for backward, as the profiled step counted it (every block's
+    as ``"keep"`` would hold it, each storage once, and what it saved outside the blocks), which is what plain
+    training saves."""
     report: dict[str, Any] = {
         **engine.memory_report(),
         **training_state_bytes(params, optimizers),
         "streamed_stacks": list(stacks),
     }
+    # What the optimizer's `state` holds, and what the homes keep of it elsewhere (files).
+    report["optimizer_state_bytes"] += report.get("home_optimizer_state_bytes", 0)
     if plan is not None:
         report["plan"] = plan.as_dict()
+    if profile is not None:
+        report["profiled_activation_bytes"] = (
+            sum(block.kept_bytes for block in profile.blocks) + profile.outside_activation_bytes
+        )
     if device.type == "cuda":
         report["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     return report
