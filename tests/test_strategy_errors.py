@@ -16,6 +16,7 @@ from lightning_superpipe.memory import host_memory
 from lightning_superpipe.memory.host import HostMemoryError
 from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks, setup
 from lightning_superpipe.streaming.blocks import assign_parameters
+from lightning_superpipe.streaming.options import KnobError
 from tests import batches, tasks
 
 
@@ -58,14 +59,27 @@ def test_a_model_without_a_stack_runs_whole_on_the_device_and_says_how_to_name_b
     assert runs[1].losses == runs[0].losses and tasks.max_relative_difference(runs[0], runs[1]) == 0.0
 
 
+def test_a_share_of_free_memory_on_a_cpu_device_is_refused_as_the_trainer_is_made() -> None:
+    # Before the model is built or any data read: the Trainer has chosen the device, which is all the check needs.
+    for budget in ("80%", "auto"):
+        with pytest.raises(KnobError, match=rf"memory_budget='{budget}'\) takes a share of the device's free memory"):
+            tasks.trainer(SuperpipeStrategy(memory_budget=budget))
+
+
 def test_a_block_policy_that_matches_nothing_says_how_to_name_them() -> None:
     with pytest.raises(NoBlocksFoundError, match=r"SuperpipeStrategy\(blocks=\{MyLayer\}\)"):
         tasks.trainer(SuperpipeStrategy(blocks={nn.Conv2d})).fit(_Flat(), batches.data("vector"))
 
 
-def test_knobs_larger_than_the_model_are_clamped_with_a_warning() -> None:
-    strategy = SuperpipeStrategy(resident_blocks=9, prefetch=5)
-    with pytest.warns(UserWarning, match=r"resident_blocks=9\) is more than the number of blocks \(4\); using 4"):
+def test_more_resident_blocks_than_the_model_has_is_an_error_and_a_deep_prefetch_is_clamped() -> None:
+    # A count of blocks the model does not have is a mistake (the wrong model, or the wrong knob): said before the run.
+    with pytest.raises(MisconfigurationException, match=r"resident_blocks=9\): the model has 4 blocks, so it is"):
+        tasks.trainer(SuperpipeStrategy(resident_blocks=9), max_steps=1).fit(
+            tasks.build_task("sequential"), batches.data("vector")
+        )
+    # A prefetch deeper than the blocks that stream fetches them all: the most there is, with a warning.
+    strategy = SuperpipeStrategy(resident_blocks=4, prefetch=5)
+    with pytest.warns(UserWarning, match=r"prefetch=5\) is more than the number of streamed blocks \(0\); using 0"):
         tasks.trainer(strategy, max_steps=1).fit(tasks.build_task("sequential"), batches.data("vector"))
     assert strategy.memory_report()["resident_blocks"] == 4
     assert strategy.memory_report()["prefetch"] == 0

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_superpipe.memory.disk import DiskSpaceError, DiskTierError, preflight
 from lightning_superpipe.memory.frozen4bit import MODES as QUANTIZE_MODES
 from lightning_superpipe.memory.frozen4bit import bitsandbytes_installed
-from lightning_superpipe.planning.budget import MemoryBudget, parse_budget
+from lightning_superpipe.planning.budget import MemoryBudget, parse_budget, resolve_budget
 from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, _as_predicate
 from lightning_superpipe.streaming.emulated import EmulatedLink
@@ -104,6 +105,22 @@ class SuperpipeOptions:
         except ValueError as error:
             raise KnobError(str(error)) from None
 
+    def validate_for(self, device: torch.device) -> None:
+        """Checks the knobs whose meaning depends on the compute device, once the Trainer has chosen it (before the
+        model is built or data are read): a share of free device memory needs a CUDA device.
+
+        Raises:
+            KnobError: With the user's call and what would be accepted.
+        """
+        if self.memory_budget is None:
+            return
+        try:
+            budget = parse_budget(self.memory_budget, f"SuperpipeStrategy(memory_budget={self.memory_budget!r})")
+            if budget.nbytes is None and device.type != "cuda":
+                resolve_budget(self.memory_budget, device)  # raises, saying what to give instead
+        except ValueError as error:
+            raise KnobError(str(error)) from None
+
     def _check_streaming(self) -> None:
         if self.memory_budget is not None:  # a share of free memory is read from the device when the run starts
             parse_budget(self.memory_budget, f"SuperpipeStrategy(memory_budget={self.memory_budget!r})")
@@ -180,11 +197,16 @@ class SuperpipeOptions:
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
     def check_for_model(self, num_blocks: int) -> None:
-        """What needs the model: one activation mode per block of the ``num_blocks``.
+        """What needs the model: at most ``num_blocks`` resident, one activation mode per block.
 
         Raises:
             ValueError: With the user's call.
         """
+        if self.resident_blocks is not None and self.resident_blocks > num_blocks:
+            raise ValueError(
+                f"SuperpipeStrategy(resident_blocks={self.resident_blocks!r}): the model has {num_blocks} blocks, so it"
+                f" is an int from 0 to {num_blocks}, or None to let the planner choose."
+            )
         if self.activations is not None:
             per_block_modes(self.activations, num_blocks)
 
