@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,14 @@ def test_the_superpipe_peak_is_compared_with_plain_training_with_its_activations
     summary = report.summary
     assert summary is not None and summary.superpipe_peak_device_bytes is not None
     assert summary.plain_activation_bytes == HAND_COUNTED_OUTSIDE + HAND_COUNTED_BLOCKS
-    # The ledger counts the blocks' activations; the ones outside them join it for the ratio.
+    # The ledger counts the blocks' activations and the ones outside them: all kept, as many as plain training
+    # saves (the first block's input, a ReLU's output saved outside the blocks too, counts once, as outside).
     assert summary.outside_blocks_activation_bytes == HAND_COUNTED_OUTSIDE
-    assert summary.compared_peak_bytes == summary.superpipe_peak_device_bytes + HAND_COUNTED_OUTSIDE
+    report = summary.strategy_report
+    assert report is not None
+    assert report["peak_outside_activation_bytes"] == HAND_COUNTED_OUTSIDE + BATCH * WIDTH * FLOAT
+    assert report["peak_activation_bytes"] + report["peak_outside_activation_bytes"] == summary.plain_activation_bytes
+    assert summary.compared_peak_bytes == summary.superpipe_peak_device_bytes
     ratio = summary.compared_peak_bytes / summary.plain_peak_bytes
     assert dict(summary.rows())["device peak / plain peak (activations included)"] == f"{100 * ratio:.1f} %"
 
@@ -189,3 +195,65 @@ def test_taking_the_first_batch_leaves_the_data_module_as_it_was(tmp_path: Path)
     tasks.trainer("auto", max_steps=1, accumulate_grad_batches=1, callbacks=[report, Watch()],
                   default_root_dir=tmp_path).fit(Squares(), datamodule=data)
     assert seen == [None] and report.summary is not None and report.summary.plain_activation_bytes
+
+
+class LateSquares(Squares):
+    """Squares whose stack is built in ``configure_model``: under the disk tier its weights are never whole in memory,
+    so plain training's activations cannot be measured before the run."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+        self.losses = []
+
+    def configure_model(self) -> None:
+        # Blocks that save their input, not their output (as a transformer's): ReLU's output is what it and the
+        # Linear after it save. Plain training saves x, each block's ReLU output, the last ReLU's and the head's output:
+        # the hand count of `stack()` again.
+        if not hasattr(self, "model"):
+            self.model = nn.Sequential(
+                nn.Linear(4, WIDTH),
+                nn.Sequential(*[nn.Sequential(nn.ReLU(), nn.Linear(WIDTH, WIDTH)) for _ in range(2)]),
+                nn.ReLU(), nn.Linear(WIDTH, 2),
+            )
+
+
+def test_under_the_disk_tier_the_plain_side_counts_the_optimizer_state_in_files_and_the_run_s_activations(
+    tmp_path: Path,
+) -> None:
+    report = MemoryReport(plot=False, progress_bar=False)
+    pl.seed_everything(3, verbose=False)
+    module = LateSquares()
+    (tmp_path / "tier").mkdir()
+    strategy = SuperpipeStrategy(offload_device="disk", offload_path=tmp_path / "tier", memory_budget="1GiB")
+    trainer = tasks.trainer(strategy, max_steps=4, accumulate_grad_batches=1, callbacks=[report],
+                            default_root_dir=tmp_path)
+    trainer.fit(module, loader())
+    summary = report.summary
+    assert summary is not None
+    # AdamW's two moments per trainable weight, most of them in the tier's files, and a step count per tensor.
+    trainable = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert 2 * trainable <= summary.optimizer_state_bytes <= 2 * trainable + 4 * 64
+    # Plain training's activations: as many as a plain step saves, counted by the planner's profiled step.
+    assert summary.plain_activations_source == "counted in the profiled step"
+    assert summary.plain_activation_bytes == HAND_COUNTED_OUTSIDE + HAND_COUNTED_BLOCKS
+    rows = dict(summary.rows())
+    counted = rows["  activations saved for backward (counted in the profiled step)"]
+    assert counted == f"{summary.plain_activation_bytes} B"
+    assert "device peak / plain peak (activations included)" in rows
+
+
+def test_a_run_stopped_by_an_exception_still_writes_its_report(tmp_path: Path) -> None:
+    class Stop(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                raise RuntimeError("stopped by hand")
+
+    report = MemoryReport(plot=False, progress_bar=False)
+    with pytest.raises(RuntimeError, match="stopped by hand"):
+        fit_squares(tmp_path, [report, Stop()], SuperpipeStrategy(resident_blocks=0))
+    written = json.loads(next(tmp_path.rglob("memory_report.json")).read_text())
+    assert written["interrupted"] is True and written["stage"] == "fit" and written["steps"] == 2
+    assert written["superpipe_peak_device_bytes"] > 0
+    # The whole process's host memory beside what the strategy allocated: the process holds far more.
+    assert written["process_peak_host_bytes"] > 10 * written["host_bytes"] > 0
+    assert "interrupted" in report.summary.table().splitlines()[0]

@@ -537,7 +537,8 @@ class DiskTier(Homes):
         again), ``disk_trunk_parameters`` and ``disk_trunk_bytes`` (the trunk parameters in the files, and their
         committed records' bytes), and ``disk_seconds``: where the tier's time went over the run
         (:class:`~lightning_superpipe.memory.disk.IoClock`: the disk busy, reads and writes in flight, ``fsync``, waits
-        for pool buffers, for reads, for durable writes, and the step's arithmetic)."""
+        for pool buffers, for reads, for durable writes, and the step's arithmetic), and
+        ``home_optimizer_state_bytes`` (the optimizer state in the files)."""
         folder = self.store.path
         files = [f for f in folder.iterdir() if f.name.startswith(("block", "grad"))] if folder.is_dir() else []
         return {
@@ -550,6 +551,10 @@ class DiskTier(Homes):
             "disk_fused_reads": self.reads.fused_reads,
             "disk_trunk_parameters": len(self.trunk),
             "disk_trunk_bytes": sum(self.store.records[index].file_bytes for index in self.trunk.values()),
+            # The optimizer state of the parameters in the files, which the optimizer's own `state` does not hold.
+            "home_optimizer_state_bytes": sum(
+                entry.nbytes for record in self.store.records for entry in record.entries if entry.key is not None
+            ),
             "disk_seconds": self.store.io_seconds(),
             **(self.frozen.memory_report() if self.frozen is not None else {}),
         }

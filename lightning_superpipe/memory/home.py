@@ -283,7 +283,9 @@ class Homes:
         return []
 
     def memory_report(self) -> dict[str, Any]:
-        """The kind's own figures for the strategy's memory report."""
+        """The kind's own figures for the strategy's memory report. ``home_optimizer_state_bytes``, where the kind
+        keeps optimizer state of its own outside the optimizer's ``state`` (in files), joins the strategy's
+        ``optimizer_state_bytes``."""
         return {}
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -130,8 +131,17 @@ class MemorySummary:
     outside_blocks_activation_bytes: int | None = None
     #: Why the activations were not measured, when they were not.
     plain_activations_note: str = ""
+    #: How plain training's activations were had: ``"measured"`` (a plain step on the first batch, before the run) or
+    #: ``"counted in the profiled step"`` (where the weights are not built before the run, as under the disk tier:
+    #: what the superpipe planner's profiled step saw each block and the rest of the step save for backward).
+    plain_activations_source: str = "measured"
     #: Optimizer steps the run took (``fit``), for the figures per step.
     steps: int = 0
+    #: The most host memory the process held at once (its peak resident set, everything: the libraries, the model as
+    #: loaded, the data, the strategy's buffers), where the platform reports it.
+    process_peak_host_bytes: int | None = None
+    #: Whether the stage ended by an exception (a Ctrl-C, an error): the figures are those up to it.
+    interrupted: bool = False
 
     @property
     def sampled_max_bytes(self) -> int | None:
@@ -157,13 +167,13 @@ class MemorySummary:
 
     @property
     def uncounted_activation_bytes(self) -> int:
-        """Activations the run held that :attr:`peak_bytes` leaves out: those outside the streamed blocks for the
-        superpipe ledger (it counts the blocks' own), all of them for samples taken after a batch; none for CUDA's
-        peak, which counts every allocation."""
+        """Activations the run held that :attr:`peak_bytes` leaves out: all of them for samples taken after a batch;
+        none for CUDA's peak, which counts every allocation, nor for the superpipe ledger, which counts what the step
+        saves for backward in the blocks and outside them."""
         if self.plain_activation_bytes is None or self.cuda_max_allocated_bytes is not None:
             return 0
         if self.superpipe_peak_device_bytes is not None:
-            return self.outside_blocks_activation_bytes or 0
+            return 0
         return self.plain_activation_bytes if self.samples else 0
 
     @property
@@ -195,18 +205,21 @@ class MemorySummary:
             rows.append(("  block gradients, most at once", format_bytes(report["peak_block_gradient_bytes"])))
         if report.get("peak_activation_bytes"):
             rows.append(("  kept activations, most at once", format_bytes(report["peak_activation_bytes"])))
+        if report.get("peak_outside_activation_bytes"):
+            rows.append(("  activations outside the blocks, most at once",
+                         format_bytes(report["peak_outside_activation_bytes"])))
         if self.cuda_max_allocated_bytes is not None:
             rows.append(("peak CUDA memory allocated", format_bytes(self.cuda_max_allocated_bytes)))
         if self.cuda_max_allocated_bytes is None and self.superpipe_peak_device_bytes is None and self.samples:
             rows.append(("most on device after a batch", format_bytes(self.sampled_max_bytes or 0)))
         if self.uncounted_activation_bytes:
-            # Both sides of the ratio count the same activations: add those the count above leaves out.
-            ledger = self.superpipe_peak_device_bytes is not None
-            what = "outside the blocks, not in its count" if ledger else "of the step, freed by then"
-            rows.append((f"  activations {what}", format_bytes(self.uncounted_activation_bytes)))
+            # Both sides of the ratio count the same activations: add those the samples above leave out.
+            rows.append(("  activations of the step, freed by then", format_bytes(self.uncounted_activation_bytes)))
             rows.append(("device peak, activations included", format_bytes(self.compared_peak_bytes or 0)))
         if self.host_bytes is not None:
-            rows.append(("held in host memory", format_bytes(self.host_bytes)))
+            rows.append(("host memory the strategy allocated (homes, copies, staging)", format_bytes(self.host_bytes)))
+        if self.process_peak_host_bytes is not None:
+            rows.append(("host memory of the whole process, most at once", format_bytes(self.process_peak_host_bytes)))
         rows += self._four_bit_rows(report)
         paged = self.paged_moe
         if paged:
@@ -255,7 +268,8 @@ class MemorySummary:
             rows.append(("  gradients", format_bytes(self.gradient_bytes)))
             rows.append(("  optimizer state", format_bytes(self.optimizer_state_bytes)))
         if measured:
-            rows.append(("  activations saved for backward (measured)", format_bytes(self.plain_activation_bytes or 0)))
+            rows.append((f"  activations saved for backward ({self.plain_activations_source})",
+                         format_bytes(self.plain_activation_bytes or 0)))
         rows.append(("  total", format_bytes(self.plain_peak_bytes)))
         return rows
 
@@ -290,7 +304,8 @@ class MemorySummary:
         rows = self.rows()
         label_width = max(len(label) for label, _ in rows)
         value_width = max(len(value) for _, value in rows)
-        title = [f"Device memory: {self.stage} with {self.strategy} on {self.device}"]
+        title = [f"Device memory: {self.stage} with {self.strategy} on {self.device}"
+                 + (" (interrupted: the figures up to then)" if self.interrupted else "")]
         title += [f"streaming {stack}" for stack in (self.strategy_report or {}).get("streamed_stacks", [])]
         rule = "-" * (label_width + value_width + 3)
         # Section titles have no value: no trailing blanks after them.
@@ -454,6 +469,11 @@ class MemoryReport(Callback):
         )
         device = trainer.strategy.root_device
         activations = self.activations if training else None
+        plain_activations = activations.total_bytes if activations is not None else None
+        source = "measured"
+        if training and plain_activations is None:
+            plain_activations = activations_counted_in_run(report)
+            source = "counted in the profiled step"
         return MemorySummary(
             stage=stage,
             strategy=describe_strategy(trainer, report),
@@ -473,10 +493,12 @@ class MemoryReport(Callback):
             strategy_report=report or None,
             samples=list(self.samples),
             planned_step_s=self._planned_step_s(trainer),
-            plain_activation_bytes=activations.total_bytes if activations is not None else None,
+            plain_activation_bytes=plain_activations,
+            plain_activations_source=source,
             outside_blocks_activation_bytes=activations.outside_blocks_bytes if activations is not None else None,
             plain_activations_note=self._activations_note if training else "",
             steps=trainer.global_step if training else 0,
+            process_peak_host_bytes=process_peak_host_bytes(),
         )
 
     def _planned_step_s(self, trainer: Trainer) -> float | None:
@@ -488,6 +510,20 @@ class MemoryReport(Callback):
 
         times = [seconds for step, seconds in self._step_times.items() if step > BudgetPlanner.PROFILED_STEPS]
         return statistics.median(times) if times else None
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A stage stopped by an exception (Ctrl-C, an error) still gets its table and files, with the figures up to
+        then: Lightning calls no ``teardown`` of callbacks after one."""
+        stage = trainer.state.stage
+        if self.summary is not None or stage is None:
+            return
+        name = {"train": "fit", "sanity_check": "fit"}.get(stage.value, stage.value)
+        try:
+            self.summary = self.summarize(trainer, pl_module, name)
+            self.summary.interrupted = True
+            self.teardown(trainer, pl_module, name)
+        except Exception as error:  # the report must not hide the exception that stopped the run
+            log.warning("MemoryReport could not write the interrupted run's report: %r", error)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # On several ranks `log_dir` is a broadcast from rank 0: every rank asks, or rank 0 waits for ever.
@@ -508,6 +544,24 @@ class MemoryReport(Callback):
             if plot_path is not None:
                 written.append(plot_path)
         print("Memory report written to " + ", ".join(str(path) for path in written), flush=True)
+
+
+def activations_counted_in_run(report: dict[str, Any]) -> int | None:
+    """Plain training's activations from what the superpipe strategy's planner counted in its profiled step (every
+    block's saved tensors as plain training holds them, each storage once, and those saved outside the blocks), or
+    ``None`` without a plan (``memory_budget``)."""
+    return report.get("profiled_activation_bytes")
+
+
+def process_peak_host_bytes() -> int | None:
+    """The process's peak resident set in bytes (``getrusage``: kilobytes on Linux, bytes on macOS), or ``None``
+    where there is no ``resource`` module (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def describe_strategy(trainer: Trainer, report: dict[str, Any]) -> str:
@@ -571,8 +625,7 @@ def _peak_label(summary: MemorySummary) -> str:
         return "peak so far: all CUDA allocations (activations included)"
     if summary.superpipe_peak_device_bytes is None:
         return "peak so far"
-    counted = "peak so far: the strategy's weights, gradients and activations"
-    return counted + (" (those outside the blocks added)" if summary.uncounted_activation_bytes else "")
+    return "peak so far: the strategy's weights, gradients and activations"
 
 
 def _plain_label(summary: MemorySummary) -> str:
