@@ -1,5 +1,6 @@
 """How :class:`~lightning_superpipe.SuperpipeStrategy` saves and restores a run: Lightning's checkpoint calls, with
-the disk tier's files beside the ``.ckpt``, the RNG states of every rank, and pending optimizer steps waited for.
+the disk tier's files beside the ``.ckpt``, the RNG states of every rank, pending optimizer steps waited for, and
+a file that holds the bytes of the tensors saved, not the whole blocks they are views into.
 
 A base class of the strategy, so that the strategy's module stays the glue between Lightning's hooks and the
 streaming engine.
@@ -22,6 +23,7 @@ from lightning_superpipe.streaming.checkpoints import (
     blocks_left_to_files,
     load_model_state,
     load_optimizer_states,
+    saved_bytes_only,
     tier_files_beside,
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
@@ -52,7 +54,9 @@ class CheckpointingStrategy(RanksStrategy):
         self.add_rng_states(checkpoint)
         # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
         with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            # Here, below every checkpoint IO plugin, and after the tier has dropped what its files hold.
+            written = saved_bytes_only(checkpoint) if self.is_global_zero else checkpoint
+            super().save_checkpoint(written, filepath, storage_options=storage_options)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
