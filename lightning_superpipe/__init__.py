@@ -5,10 +5,11 @@ and has no entry point for third-party ones. It also lets Lightning ask the stra
 (:func:`~lightning_superpipe.strategies.ranks.let_lightning_ask_about_ranks`): on one device it has one.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_superpipe.generation import GenerationPolicy, generate
-from lightning_superpipe.moe import PagedMoECallback, PagingOptions
 from lightning_superpipe.planning import Plan
 from lightning_superpipe.strategies.memory_logger import DeviceMemoryLogger
 from lightning_superpipe.strategies.ranks import let_lightning_ask_about_ranks
@@ -18,8 +19,30 @@ from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolati
 from lightning_superpipe.streaming.optimizers import register_per_parameter_optimizer
 from lightning_superpipe.streaming.options import SuperpipeOptions
 
+if TYPE_CHECKING:
+    from lightning_superpipe.generation import GenerationPolicy, generate
+    from lightning_superpipe.moe import PagedMoECallback, PagingOptions
+
 SuperpipeStrategy.register_strategies(StrategyRegistry)
 let_lightning_ask_about_ranks()
+
+#: Names imported from their room on first use: generation and MoE paging (which loads transformers' MoE
+#: integration) are not needed to register the strategy, nor by ``superpipe --help``.
+_LAZY_NAMES = {
+    "GenerationPolicy": "lightning_superpipe.generation",
+    "generate": "lightning_superpipe.generation",
+    "PagedMoECallback": "lightning_superpipe.moe",
+    "PagingOptions": "lightning_superpipe.moe",
+}
+
+
+def __getattr__(name: str) -> Any:
+    room = _LAZY_NAMES.get(name)
+    if room is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(room), name)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
 
 __all__ = [
     "DeviceMemoryLogger",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_superpipe.recipes import ByteTokenizer, RecipeError, TextDataModule, load_tokenizer
+from lightning_superpipe.recipes.errors import TokenizerError
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
 from lightning_superpipe.recipes.text_data import (
     PromptCollator,
@@ -18,7 +20,7 @@ from lightning_superpipe.recipes.text_data import (
     read_documents,
     split_rows,
 )
-from lightning_superpipe.recipes.tokenization import PretrainedTokenizer
+from lightning_superpipe.recipes.tokenization import PretrainedTokenizer, check_tokenizer
 
 
 def test_byte_tokenizer_round_trips_any_text_and_drops_special_ids() -> None:
@@ -33,9 +35,16 @@ def test_byte_tokenizer_round_trips_any_text_and_drops_special_ids() -> None:
     assert tokenizer.decode(list("é".encode())[:1]) == "\ufffd"
 
 
-def test_load_tokenizer_uses_the_model_folders_tokenizer_else_bytes(tmp_path: Path) -> None:
-    assert isinstance(load_tokenizer(None), ByteTokenizer)
-    with_tokenizer = save_tiny_pretrained(tmp_path / "with", num_hidden_layers=1)
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model folder with its tokenizer, as ``save_pretrained`` writes both."""
+    return save_tiny_pretrained(tmp_path_factory.mktemp("with_tokenizer"), num_hidden_layers=1)
+
+
+def test_load_tokenizer_uses_the_model_folders_tokenizer_and_bytes_only_without_a_folder_or_when_asked(
+    tmp_path: Path, with_tokenizer: Path
+) -> None:
+    assert isinstance(load_tokenizer(None), ByteTokenizer)  # a model built from a config
     tokenizer = load_tokenizer(with_tokenizer)
     assert isinstance(tokenizer, PretrainedTokenizer)
     text = "The for statement is used to iterate over the elements of a sequence."
@@ -43,7 +52,55 @@ def test_load_tokenizer_uses_the_model_folders_tokenizer_else_bytes(tmp_path: Pa
     assert ids[0] == tokenizer.bos_token_id
     assert len(ids) < len(text.encode()) / 2  # a real subword vocabulary, not bytes
     assert tokenizer.decode(ids) == text
-    assert isinstance(load_tokenizer(save_tiny_pretrained(tmp_path / "without", with_tokenizer=False)), ByteTokenizer)
+    without = save_tiny_pretrained(tmp_path / "without", with_tokenizer=False, num_hidden_layers=1)
+    assert isinstance(load_tokenizer(without, byte_level=True), ByteTokenizer)
+    assert isinstance(load_tokenizer(with_tokenizer, byte_level=True), ByteTokenizer)
+
+
+def config_only(folder: Path, tokenizer_class: str) -> Path:
+    """A folder whose only tokenizer file is ``tokenizer_config.json``, as a checkpoint copied without its vocabulary
+    files is."""
+    folder.mkdir()
+    settings = {"tokenizer_class": tokenizer_class, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp, _: tmp / "missing", "tokenizer path '{path}' does not exist"),
+        (lambda tmp, _: save_tiny_pretrained(tmp / "no_tokenizer", with_tokenizer=False, num_hidden_layers=1),
+         "'{path}' has no tokenizer files (tokenizer.json, tokenizer_config.json, "),
+        # A Qwen2 checkpoint without vocab.json and merges.txt: a tokenizer of one token that encodes text as nothing.
+        (lambda tmp, _: config_only(tmp / "qwen2", "Qwen2Tokenizer"),
+         "the tokenizer in '{path}' cannot encode text: it has 1 token ids and turns 'The quick brown fox"),
+        (lambda tmp, _: config_only(tmp / "llama", "LlamaTokenizer"), "the tokenizer in '{path}' cannot encode text:"),
+        # A fast tokenizer's config without its tokenizer.json: transformers cannot build it.
+        (lambda tmp, good: config_only(tmp / "fast", json.loads((good / "tokenizer_config.json").read_text())
+                                       ["tokenizer_class"]),
+         "cannot load the tokenizer in '{path}': "),
+    ],
+    ids=["missing", "no tokenizer files", "qwen2 config only", "llama config only", "fast config only"],
+)
+def test_a_tokenizer_that_cannot_encode_text_is_one_clear_error(
+    tmp_path: Path, with_tokenizer: Path, make: Any, message: str
+) -> None:
+    path = make(tmp_path, with_tokenizer)
+    with pytest.raises(TokenizerError) as caught:
+        load_tokenizer(path)
+    assert str(caught.value).startswith(message.format(path=path)), str(caught.value)
+
+
+def test_the_tokenizer_check_passes_what_round_trips_and_refuses_what_does_not() -> None:
+    check_tokenizer(ByteTokenizer(), "bytes")
+
+    class Lossy(ByteTokenizer):
+        def decode(self, token_ids: Sequence[int]) -> str:  # drops the digits, as a vocabulary without them would
+            return "".join(c for c in super().decode(token_ids) if not c.isdigit())
+
+    with pytest.raises(TokenizerError, match="the tokenizer in 'lossy' cannot encode text: it has 259 token ids"):
+        check_tokenizer(Lossy(), "lossy")
 
 
 def test_the_embedded_corpus_is_pythons_documentation() -> None:

@@ -17,6 +17,7 @@ from lightning_superpipe.recipes import (
     OptimizerSettings,
     QuantizationSettings,
     RecipeError,
+    TokenizerError,
 )
 from lightning_superpipe.recipes.causal_lm import WarmupCosine
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
@@ -125,11 +126,31 @@ def test_a_local_pretrained_model_is_loaded_as_saved(pretrained: Path) -> None:
     input_ids = torch.tensor([[1, 40, 41, 42, 43]])
     with torch.no_grad():
         torch.testing.assert_close(module.forward(input_ids), reference(input_ids).logits, rtol=0, atol=0)
-    # A tokenizer with more ids than the embedding gets them added, keeping the existing rows.
-    grown = CausalLMModule(pretrained_path=str(pretrained), vocab_size=400)
+    # A tokenizer with more ids than the embedding gets them added when asked, keeping the existing rows.
+    grown = CausalLMModule(pretrained_path=str(pretrained), vocab_size=400, resize_token_embeddings=True)
     embedding = grown.model.get_input_embeddings().weight
     assert embedding.shape[0] == 400
     torch.testing.assert_close(embedding[:384], reference.get_input_embeddings().weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("in_configure_model", [False, True])
+def test_a_tokenizer_with_more_ids_than_the_model_embeds_is_refused_before_the_weights_are_read(
+    tmp_path: Path, pretrained: Path, in_configure_model: bool
+) -> None:
+    """Ids past the embedding would index outside it; the error comes from ``config.json``, before any weight is read
+    (the folder's weights are corrupt here, which loading would report instead)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text((pretrained / "config.json").read_text())
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(TokenizerError) as caught:
+        CausalLMModule(pretrained_path=str(folder), vocab_size=385, build_in_configure_model=in_configure_model)
+    assert str(caught.value).startswith(
+        f"the tokenizer has 385 token ids but the model in '{folder}' embeds 384: ids past its embeddings"
+    )
+    # As many ids as rows, or fewer (rows padded for speed), is what pretrained models ship with.
+    with pytest.raises(RecipeError, match="cannot load a causal LM from"):
+        CausalLMModule(pretrained_path=str(folder), vocab_size=384)
 
 
 def test_lora_trains_only_the_adapters_and_starts_as_the_base_model() -> None:
@@ -259,7 +280,8 @@ def test_built_in_configure_model_a_pretrained_model_is_loaded_as_saved(pretrain
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(pretrained)
-    module = CausalLMModule(pretrained_path=str(pretrained), vocab_size=400, build_in_configure_model=True)
+    module = CausalLMModule(pretrained_path=str(pretrained), vocab_size=400, build_in_configure_model=True,
+                            resize_token_embeddings=True)
     assert module.model is None  # built where the strategy decides how
     module.configure_model()
     embedding = module.model.get_input_embeddings().weight

@@ -22,7 +22,14 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_superpipe.recipes.errors import RecipeError
-from lightning_superpipe.recipes.model_building import add_lora, build_from_config, check_folder, load_pretrained
+from lightning_superpipe.recipes.model_building import (
+    add_lora,
+    build_from_config,
+    check_folder,
+    check_vocabulary,
+    embedding_rows_in_config,
+    load_pretrained,
+)
 from lightning_superpipe.recipes.quantized_base import prepare_for_training, quantized, require_bitsandbytes
 from lightning_superpipe.recipes.settings import (
     GenerationSettings,
@@ -50,6 +57,9 @@ RNG_STATE_KEY = "causal_lm_rng_states"
 class CausalLMModule(LightningModule):
     """Causal-LM fine-tuning (full or LoRA), evaluation with loss and perplexity, and text generation.
 
+    Logs ``train/loss`` (on the progress bar) and ``train/lr`` every training step, and ``val/loss`` and ``val/ppl``
+    (``test/...`` for ``test``) once per evaluation.
+
     Args:
         pretrained_path: Local folder saved with ``save_pretrained`` (``config.json`` and weights, optionally the
             tokenizer); loaded offline. ``None`` builds a randomly initialised model from ``model_type`` and
@@ -65,7 +75,10 @@ class CausalLMModule(LightningModule):
         optimizer: Optimizer and learning-rate schedule.
         generation: How ``predict`` continues prompts.
         vocab_size: Token ids the tokenizer produces; the ``superpipe`` command sets it from the data module. A
-            random model gets exactly this many embedding rows; a pretrained one is resized only if it has fewer.
+            random model gets exactly this many embedding rows; more than a pretrained one embeds is an error
+            (:class:`~lightning_superpipe.recipes.errors.TokenizerError`) unless ``resize_token_embeddings``.
+        resize_token_embeddings: Add embedding rows, randomly initialised, when the tokenizer has more token ids
+            than the pretrained model embeds (a tokenizer given tokens of its own); off, that is an error.
         build_in_configure_model: Build the model in ``configure_model`` rather than here. Under
             ``SuperpipeStrategy(offload_device="disk")`` its blocks are then initialized, or read from
             ``pretrained_path``'s safetensors files, one at a time into the tier's files, so that the model never
@@ -86,6 +99,7 @@ class CausalLMModule(LightningModule):
         generation: GenerationSettings = GenerationSettings(),
         vocab_size: int | None = None,
         build_in_configure_model: bool = False,
+        resize_token_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -115,7 +129,8 @@ class CausalLMModule(LightningModule):
         self.model: nn.Module | None = None
         if build_in_configure_model:
             if pretrained_path is not None:
-                check_folder(pretrained_path, safetensors_only=True)
+                folder = check_folder(pretrained_path, safetensors_only=True)
+                check_vocabulary(pretrained_path, vocab_size, embedding_rows_in_config(folder), resize_token_embeddings)
             else:
                 with torch.device("meta"):  # the settings' errors now, without the memory
                     build_from_config(model_type, config or {}, dtype, vocab_size)
@@ -137,7 +152,8 @@ class CausalLMModule(LightningModule):
         if settings["pretrained_path"] is not None:
             model = load_pretrained(settings["pretrained_path"], settings["dtype"], settings["vocab_size"],
                                     tensor_by_tensor=settings["build_in_configure_model"],
-                                    quantization=self.quantization)
+                                    quantization=self.quantization,
+                                    resize_token_embeddings=settings.get("resize_token_embeddings", False))
         else:
             model = build_from_config(settings["model_type"], settings["config"] or {}, settings["dtype"],
                                       settings["vocab_size"])
@@ -160,7 +176,13 @@ class CausalLMModule(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        batch_size = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        # The schedule's rate for this step, logged here rather than by Lightning's LearningRateMonitor, which refuses
+        # to run without a logger (`--trainer.logger false`).
+        schedules = self.trainer.lr_scheduler_configs
+        if schedules:
+            self.log("train/lr", float(schedules[0].scheduler.get_last_lr()[0]), batch_size=batch_size)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -20,6 +20,15 @@ class RecipeError(ValueError):
     """
 
 
+class TokenizerError(RecipeError):
+    """A tokenizer the recipe cannot train with: missing, unloadable, unable to encode ordinary text, or with more
+    token ids than the model embeds.
+
+    Raised before any text is tokenized and before the model's weights are loaded, so that a run never packs its
+    data with a tokenizer that turns it into nothing, or feeds the model ids past its embeddings.
+    """
+
+
 # Lines of jsonargparse's nested messages that explain its search rather than the user's mistake.
 _NOISE = re.compile(
     r"^(Does not validate against any of the Union subtypes"

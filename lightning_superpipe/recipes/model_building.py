@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_superpipe.recipes.errors import RecipeError, did_you_mean, first_line
+from lightning_superpipe.recipes.errors import RecipeError, TokenizerError, did_you_mean, first_line
 from lightning_superpipe.recipes.quantized_base import load_quantized
 from lightning_superpipe.recipes.settings import LoRASettings, QuantizationSettings
 
@@ -185,22 +185,63 @@ def check_folder(pretrained_path: str, safetensors_only: bool = False) -> Path:
     return folder
 
 
+def embedding_rows_in_config(folder: Path) -> int | None:
+    """The vocabulary size ``config.json`` in ``folder`` declares (its text model's, for a multimodal one); ``None``
+    if the configuration cannot be read, which loading the model then reports."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(text_config, "vocab_size", None)
+    return rows if isinstance(rows, int) else None
+
+
+def check_vocabulary(pretrained_path: str, vocab_size: int | None, embedding_rows: int | None, resize: bool) -> None:
+    """Refuse a tokenizer with more token ids than the model embeds, unless the embeddings may grow.
+
+    Ids past the embedding would index outside it (on a GPU, a device-side assertion deep in the first forward). A
+    tokenizer with fewer ids than the model embeds is common (rows padded to a multiple of 64) and fine.
+
+    Args:
+        pretrained_path: The model's folder, for the message.
+        vocab_size: Token ids the tokenizer produces (``len(tokenizer)``); ``None``: not known, nothing to check.
+        embedding_rows: Rows of the model's input embeddings; ``None``: not known, nothing to check.
+        resize: ``model.resize_token_embeddings``: the embeddings will grow to ``vocab_size`` instead.
+
+    Raises:
+        TokenizerError: If ``vocab_size`` exceeds ``embedding_rows`` and ``resize`` is off.
+    """
+    if vocab_size is None or embedding_rows is None or vocab_size <= embedding_rows or resize:
+        return
+    raise TokenizerError(
+        f"the tokenizer has {vocab_size} token ids but the model in '{pretrained_path}' embeds {embedding_rows}: "
+        "ids past its embeddings cannot be trained on; use the tokenizer saved with the model (data.tokenizer_path), "
+        "or set model.resize_token_embeddings: true to add rows for the new ids (they start random)"
+    )
+
+
 def load_pretrained(
     pretrained_path: str, dtype: str, vocab_size: int | None, tensor_by_tensor: bool = False,
-    quantization: QuantizationSettings | None = None,
+    quantization: QuantizationSettings | None = None, resize_token_embeddings: bool = False,
 ) -> nn.Module:
     """The causal LM saved in ``pretrained_path``, loaded offline, in training mode.
 
     Args:
         pretrained_path: A folder saved with ``save_pretrained``.
         dtype: A key of :data:`DTYPES`, or ``auto`` for the checkpoint's own dtype.
-        vocab_size: Token ids the tokenizer produces; the embeddings are resized if they have fewer rows.
+        vocab_size: Token ids the tokenizer produces; more than the model embeds is an error unless
+            ``resize_token_embeddings``.
         tensor_by_tensor: Build the model from its ``config.json`` and read each weight from the safetensors files
             (:func:`~lightning_superpipe.load_safetensors`), for the disk tier's deferred blocks.
         quantization: Load the linear layers in 4 bits (QLoRA's base; :mod:`.quantized_base`).
+        resize_token_embeddings: Add embedding rows (random) when the tokenizer has more ids than the model embeds.
 
     Raises:
         RecipeError: If the folder holds no loadable causal LM.
+        TokenizerError: If the tokenizer has more ids than the model embeds (:func:`check_vocabulary`).
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -208,6 +249,8 @@ def load_pretrained(
     from lightning_superpipe.streaming.deferred_init import load_safetensors
 
     folder = check_folder(pretrained_path, safetensors_only=tensor_by_tensor)
+    # From config.json first: a tokenizer the model cannot embed is refused before its weights are read.
+    check_vocabulary(pretrained_path, vocab_size, embedding_rows_in_config(folder), resize_token_embeddings)
     try:
         if quantization is not None:
             model = load_quantized(folder, quantization, "auto" if dtype == "auto" else DTYPES[dtype])
@@ -230,9 +273,10 @@ def load_pretrained(
     # Lightning keeps whatever mode the module starts ``fit`` in.
     model.train()
     embedding_rows = model.get_input_embeddings().num_embeddings
+    check_vocabulary(pretrained_path, vocab_size, embedding_rows, resize_token_embeddings)
     if vocab_size is not None and vocab_size > embedding_rows:
-        log.warning(
-            "The tokenizer has %d ids but '%s' embeds %d; resizing the embeddings (new rows start random).",
+        log.info(
+            "The tokenizer has %d ids and '%s' embeds %d: resizing the embeddings (the new rows start random).",
             vocab_size,
             pretrained_path,
             embedding_rows,

@@ -46,7 +46,8 @@ def save_tiny_pretrained(
     Args:
         folder: Where to write ``config.json``, ``model.safetensors`` and the tokenizer files.
         model_type: A ``transformers`` model type with a causal-LM class.
-        with_tokenizer: Also save a tokenizer; without one, recipes fall back to byte-level tokens.
+        with_tokenizer: Also save a tokenizer; without one, the recipes refuse the folder unless asked for byte-level
+            tokens (`data.byte_tokenizer: true`).
         **config: Values replacing the small default sizes.
 
     Returns:

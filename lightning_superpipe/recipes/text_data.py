@@ -361,8 +361,11 @@ class TextDataModule(LightningDataModule):
         data_path: A text file, a folder of ``.txt``/``.md``/``.rst``/``.jsonl`` files, or a JSONL file; ``None``
             (the default) uses Python's documentation, which ships with every CPython.
         text_field: The field holding the text in JSONL records.
-        tokenizer_path: Folder of the model's tokenizer; ``None`` or a folder without tokenizer files uses a
-            byte-level tokenizer. The ``superpipe`` command sets it to ``model.pretrained_path``.
+        tokenizer_path: Folder of the model's tokenizer, checked to load and to encode text
+            (:func:`~lightning_superpipe.recipes.load_tokenizer`); ``None`` uses a byte-level tokenizer, for a model
+            built from a config. The ``superpipe`` command sets it to ``model.pretrained_path`` unless given.
+        byte_tokenizer: Use the byte-level tokenizer (UTF-8 bytes, 259 ids) whatever ``tokenizer_path`` holds: for a
+            pretrained model whose folder has no tokenizer, which is otherwise an error.
         seq_len: Tokens per training sequence.
         batch_size: Sequences (or prompts) per batch.
         val_fraction: Share of the packed sequences held out for validation, in ``(0, 1]``.
@@ -386,6 +389,7 @@ class TextDataModule(LightningDataModule):
         data_path: str | None = None,
         text_field: str = "text",
         tokenizer_path: str | None = None,
+        byte_tokenizer: bool = False,
         seq_len: int = 128,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -434,7 +438,7 @@ class TextDataModule(LightningDataModule):
         if predict_batch_size is not None and predict_batch_size < 1:
             raise RecipeError(f"data.predict_batch_size must be at least 1, got {predict_batch_size}")
         self.predict_batch_size = predict_batch_size
-        self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path, byte_level=byte_tokenizer)
         self.train_set: PackedSequences | None = None
         self.val_set: PackedSequences | None = None
         self._train_loader: ResumableDataLoader | None = None

@@ -1,4 +1,7 @@
-"""Tokenizers for the recipes: the model's own (from a local folder) or a byte-level fallback.
+"""Tokenizers for the recipes: the model's own (from a local folder, checked to encode text) or UTF-8 bytes.
+
+Bytes are for a model built from a config, or when asked for (``data.byte_tokenizer``): a pretrained model's folder
+without a usable tokenizer is an error, not a silent switch to bytes.
 
 Both kinds are wrapped behind the small :class:`TextTokenizer` protocol, which is all the data module and the
 generation step need: encode a document, decode generated ids, and know the special ids used for packing,
@@ -7,18 +10,17 @@ padding and stopping.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from lightning_superpipe.recipes.errors import RecipeError, first_line
-
-log = logging.getLogger(__name__)
+from lightning_superpipe.recipes.errors import TokenizerError, first_line
 
 #: Files whose presence marks a folder as holding a ``transformers`` tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+#: Ordinary text that every language model's tokenizer encodes and decodes back (whitespace and case aside).
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog: 0123456789 times, (twice) as fast!"
 
 
 @runtime_checkable
@@ -143,36 +145,72 @@ def has_tokenizer_files(folder: Path) -> bool:
     return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(model_path: str | Path | None) -> TextTokenizer:
-    """The tokenizer to use with the model in ``model_path``.
+def same_text(decoded: str, text: str) -> bool:
+    """Whether ``decoded`` is ``text`` up to whitespace and case, which some tokenizers normalize."""
+    return " ".join(decoded.split()).casefold() == " ".join(text.split()).casefold()
+
+
+def check_tokenizer(tokenizer: TextTokenizer, where: str) -> None:
+    """Refuse a tokenizer that cannot encode ordinary text and decode it back.
+
+    A folder whose only tokenizer file is ``tokenizer_config.json`` loads, for some tokenizer classes, as a tokenizer
+    of one token that encodes any text as nothing: the run would then pack its data into a handful of end-of-text
+    tokens and train on those.
 
     Args:
-        model_path: A local folder saved with ``save_pretrained``, or ``None`` for a model built from a config.
-
-    Returns:
-        The folder's own tokenizer when it has one, else a :class:`ByteTokenizer`.
+        tokenizer: The tokenizer to check.
+        where: The folder it came from, for the message.
 
     Raises:
-        RecipeError: If the folder has tokenizer files that ``transformers`` cannot load.
+        TokenizerError: If :data:`PROBE_TEXT` does not survive encoding and decoding.
     """
-    if model_path is None:
+    ids = tokenizer.encode(PROBE_TEXT)
+    decoded = tokenizer.decode(ids)
+    if not same_text(decoded, PROBE_TEXT):
+        shown = ids if len(ids) <= 8 else [*ids[:8], "..."]
+        raise TokenizerError(
+            f"the tokenizer in '{where}' cannot encode text: it has {tokenizer.vocab_size} token ids and turns "
+            f"{PROBE_TEXT!r} into {shown}, which decodes to {decoded!r}; copy the model's tokenizer files "
+            "(tokenizer.json, or the vocabulary files its tokenizer_config.json names) into the folder, or set "
+            "data.byte_tokenizer: true to train on UTF-8 bytes"
+        )
+
+
+def load_tokenizer(tokenizer_path: str | Path | None, byte_level: bool = False) -> TextTokenizer:
+    """The tokenizer in ``tokenizer_path``, checked to encode text, or a :class:`ByteTokenizer`.
+
+    Args:
+        tokenizer_path: A local folder with the files of a ``transformers`` tokenizer (usually the model's own
+            folder, saved with ``save_pretrained``), or ``None`` for a model built from a config.
+        byte_level: Use a :class:`ByteTokenizer` whatever ``tokenizer_path`` holds.
+
+    Returns:
+        A :class:`ByteTokenizer` for ``None`` or ``byte_level``; else the folder's tokenizer.
+
+    Raises:
+        TokenizerError: If the folder does not exist or has no tokenizer files, if ``transformers`` cannot load them,
+            or if the tokenizer cannot encode ordinary text (:func:`check_tokenizer`).
+    """
+    if tokenizer_path is None or byte_level:
         return ByteTokenizer()
-    folder = Path(model_path).expanduser()
+    folder = Path(tokenizer_path).expanduser()
+    if not folder.exists():
+        raise TokenizerError(f"tokenizer path '{tokenizer_path}' does not exist")
     if not folder.is_dir() or not has_tokenizer_files(folder):
-        # A missing model folder is reported by the model, which is built from the same path; here we only decide
-        # which tokenizer to use.
-        if folder.is_dir():
-            log.warning(
-                "No tokenizer files in '%s' (looked for %s); using a byte-level tokenizer.",
-                model_path,
-                ", ".join(TOKENIZER_FILES),
-            )
-        return ByteTokenizer()
+        what = "is a file" if not folder.is_dir() else f"has no tokenizer files ({', '.join(TOKENIZER_FILES)})"
+        raise TokenizerError(
+            f"'{tokenizer_path}' {what}: a pretrained model needs its own tokenizer; point data.tokenizer_path at "
+            "the folder holding it, or set data.byte_tokenizer: true to train on UTF-8 bytes (the model then learns "
+            "a new vocabulary from scratch)"
+        )
 
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, TypeError) as error:
-        raise RecipeError(f"cannot load the tokenizer in '{model_path}': {first_line(error)}") from error
-    return PretrainedTokenizer(tokenizer)
+        tokenizer = PretrainedTokenizer(AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImportError) as error:
+        # transformers raises any of these for missing vocabulary files, unknown classes, malformed JSON or a
+        # library the tokenizer's class needs (sentencepiece).
+        raise TokenizerError(f"cannot load the tokenizer in '{tokenizer_path}': {first_line(error)}") from error
+    check_tokenizer(tokenizer, str(tokenizer_path))
+    return tokenizer
