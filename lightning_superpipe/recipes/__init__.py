@@ -2,9 +2,11 @@
 
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, TrainingInterrupted
-from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.errors import RecipeError, TokenizerError
+from lightning_superpipe.recipes.export import ExportCheckpoints, export_pretrained
 from lightning_superpipe.recipes.generation_writer import GenerationWriter
 from lightning_superpipe.recipes.memory_report import MemoryReport
+from lightning_superpipe.recipes.progress import LoggingProgressBar, ThroughputLogger
 from lightning_superpipe.recipes.settings import (
     GenerationSettings,
     LoRASettings,
@@ -17,8 +19,10 @@ from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenize
 __all__ = [
     "ByteTokenizer",
     "CausalLMModule",
+    "ExportCheckpoints",
     "GenerationSettings",
     "GenerationWriter",
+    "LoggingProgressBar",
     "LoRASettings",
     "QuantizationSettings",
     "MemoryReport",
@@ -29,6 +33,9 @@ __all__ = [
     "ResumableSampler",
     "TextDataModule",
     "TextTokenizer",
+    "ThroughputLogger",
+    "TokenizerError",
     "TrainingInterrupted",
+    "export_pretrained",
     "load_tokenizer",
 ]

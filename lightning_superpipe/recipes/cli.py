@@ -6,6 +6,7 @@ Usage::
     superpipe fit --config recipes/finetune_lora.yaml --trainer.max_steps 10 --model.lora.rank 4
     superpipe validate --config recipes/eval_moe_paged.yaml
     superpipe predict --config recipes/finetune_lora.yaml --ckpt_path superpipe_logs/.../last.ckpt
+    superpipe export --ckpt_path superpipe_logs/.../last.ckpt --output_dir my-adapter
 
 Ctrl-C or SIGTERM during ``fit`` saves ``last.ckpt`` after the current step and prints the command that resumes.
 """
@@ -26,13 +27,13 @@ from typing import Any
 from jsonargparse import ArgumentError, Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 # Registers the "superpipe" strategy name with Lightning before the recipe is parsed.
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory import HostMemoryError
-from lightning_superpipe.moe import UnsupportedMoEModelError
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.checkpointing import ResumableCheckpoint, TrainingInterrupted
 from lightning_superpipe.recipes.errors import (
@@ -42,6 +43,9 @@ from lightning_superpipe.recipes.errors import (
     first_line,
     raised_by_jsonargparse,
 )
+from lightning_superpipe.recipes.export import export_command
+from lightning_superpipe.recipes.model_building import check_folder
+from lightning_superpipe.recipes.progress import LoggingProgressBar, is_terminal
 from lightning_superpipe.recipes.text_data import TextDataModule
 from lightning_superpipe.streaming import NoBlocksFoundError
 from lightning_superpipe.streaming.options import KnobError, SuperpipeOptions
@@ -52,27 +56,36 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ArgumentError,
     MisconfigurationException,
     FileNotFoundError,
-    UnsupportedMoEModelError,
     NoBlocksFoundError,
     HostMemoryError,
 )
+#: A user error of MoE paging, raised only by its code: named here rather than imported, since importing the paging
+#: code (and transformers' MoE integration) costs ``superpipe --help`` and every recipe without experts.
+MOE_USER_ERROR = ("lightning_superpipe.moe.layouts", "UnsupportedMoEModelError")
 #: Set to 1 to see the traceback of a user error too.
 TRACEBACK_ENV = "SUPERPIPE_TRACEBACK"
 #: Model settings that say how to run the model rather than what it is; the recipe's values win over a checkpoint's.
 RUN_SETTINGS = ("optimizer", "generation")
 SUBCOMMANDS = tuple(LightningCLI.subcommands())
+#: What ``superpipe --help`` says of the subcommand that is not LightningCLI's.
+EXPORT_HELP = (
+    "superpipe export --ckpt_path CKPT --output_dir DIR writes a checkpoint's model for transformers and peft: a LoRA"
+    " adapter folder, or a save_pretrained folder for a full fine-tune (superpipe export --help)."
+)
 
 
 class SuperpipeCLI(LightningCLI):
     """``LightningCLI`` for :class:`CausalLMModule` and :class:`TextDataModule`, with the two wired together.
 
-    The tokenizer is read from the model's folder (``model.pretrained_path``), and the model's vocabulary follows the
-    tokenizer, so a recipe names the model once. Configuration errors become :class:`RecipeError` with a one-line
-    message.
+    The tokenizer is read from the model's folder (``model.pretrained_path``) unless ``data.tokenizer_path`` names
+    another, and the model's vocabulary follows the tokenizer, so a recipe names the model once. Where standard error
+    is not a terminal, plain progress lines (:class:`LoggingProgressBar`) replace Lightning's progress bar.
+    Configuration errors become :class:`RecipeError` with a one-line message.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.pretrained_path", "data.tokenizer_path")
+        # `data.tokenizer_path` defaults to the model's folder in `before_instantiate_classes`, not by a link: the
+        # target of a link cannot be given on the command line.
         parser.link_arguments("data.vocab_size", "model.vocab_size", apply_on="instantiate")
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -90,10 +103,16 @@ class SuperpipeCLI(LightningCLI):
         # model, its LoRA adapters, the vocabulary) but not for how to run it now: ``predict --ckpt_path ...
         # --model.generation.max_new_tokens 8`` must generate 8 tokens, not as many as the training recipe said.
         subcommand = self.config.get("subcommand")
-        prefix = f"{subcommand}.model" if subcommand else "model"
+        prefix = f"{subcommand}." if subcommand else ""
         for key, value in self._run_settings.items():
-            self.config[f"{prefix}.{key}"] = value
-        check_strategy_knobs(self.config.get(f"{subcommand}.trainer.strategy" if subcommand else "trainer.strategy"))
+            self.config[f"{prefix}model.{key}"] = value
+        check_strategy_knobs(self.config.get(f"{prefix}trainer.strategy"))
+        pretrained_path = self.config.get(f"{prefix}model.pretrained_path")
+        if pretrained_path is not None:
+            # The model's folder is where its tokenizer is looked for, so a wrong path is reported as the model's.
+            check_folder(pretrained_path)
+            if self.config.get(f"{prefix}data.tokenizer_path") is None:
+                self.config[f"{prefix}data.tokenizer_path"] = pretrained_path
 
     def _known_keys(self) -> list[str]:
         parsers = getattr(self, "_subcommand_parsers", {}) or {"": self.parser}
@@ -110,6 +129,10 @@ class SuperpipeCLI(LightningCLI):
             raise RecipeError(describe_construction_error(error)) from error
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        settings = {**(self._get(self.config_init, "trainer", default={}) or {}), **kwargs}
+        if wants_plain_progress(settings.get("enable_progress_bar"), settings.get("callbacks")):
+            callbacks = settings.get("callbacks") or []
+            kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), LoggingProgressBar()]
         # Lightning checks the trainer's settings (strategy name, accelerator, precision) only when it is created,
         # and raises ValueError or MisconfigurationException: both mean a wrong value under ``trainer``.
         try:
@@ -139,6 +162,14 @@ class SuperpipeCLI(LightningCLI):
             if interruptions:
                 raise interruptions[0] from None
             raise
+
+
+def wants_plain_progress(enable_progress_bar: bool | None, callbacks: Any) -> bool:
+    """Whether the run gets :class:`LoggingProgressBar` in place of Lightning's bar: where standard error is not a
+    terminal, the bar is not turned off, and the recipe names no progress bar of its own."""
+    listed = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks is not None else []
+    chosen = any(isinstance(callback, ProgressBar) for callback in listed)
+    return enable_progress_bar is not False and not chosen and not is_terminal()
 
 
 def check_strategy_knobs(strategy: Any) -> None:
@@ -172,6 +203,13 @@ def check_strategy_knobs(strategy: Any) -> None:
         SuperpipeOptions(**knobs)
     except KnobError as error:
         raise RecipeError(f"trainer.strategy: {error}") from error
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """:data:`USER_ERRORS`, with MoE paging's once its code is loaded (it cannot have raised before)."""
+    module_name, class_name = MOE_USER_ERROR
+    module = sys.modules.get(module_name)
+    return (*USER_ERRORS, getattr(module, class_name)) if module is not None else USER_ERRORS
 
 
 def resume_command(args: Sequence[str], checkpoint_path: str) -> str:
@@ -217,15 +255,17 @@ class CurrentStderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def show_recipe_messages() -> None:
-    """Print the recipes' informational messages (what was packed, how many parameters LoRA trains) to stderr,
-    as Lightning does for its own, unless the application has configured logging for them already."""
-    logger = logging.getLogger("lightning_superpipe.recipes")
-    if not logger.handlers:
-        handler = CurrentStderrHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    """Print the recipes' informational messages (what was packed, how many parameters LoRA trains) and the paged
+    experts' calibration progress to stderr, as Lightning does for its own, unless the application has configured
+    logging for them already."""
+    for name in ("lightning_superpipe.recipes", "lightning_superpipe.moe"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = CurrentStderrHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
 
 def main(args: Sequence[str] | None = None) -> None:
@@ -240,17 +280,21 @@ def main(args: Sequence[str] | None = None) -> None:
     # What the resume command repeats; LightningCLI itself reads ``sys.argv`` when no ``args`` are given.
     arguments = list(args) if args is not None else sys.argv[1:]
     try:
+        if arguments[:1] == ["export"]:  # no trainer and no data: not one of LightningCLI's subcommands
+            export_command(arguments[1:])
+            return
         SuperpipeCLI(
             CausalLMModule,
             TextDataModule,
             args=list(args) if args is not None else None,
             # Raise instead of printing usage and exiting, so that ``main`` can report the error on one line.
-            parser_kwargs={"exit_on_error": False, **{name: {"exit_on_error": False} for name in SUBCOMMANDS}},
+            parser_kwargs={"exit_on_error": False, "epilog": EXPORT_HELP,
+                           **{name: {"exit_on_error": False} for name in SUBCOMMANDS}},
             save_config_kwargs={"overwrite": True},
             # Optimizer and schedule are set under ``model.optimizer``, where the CPU-fast AdamW is chosen.
             auto_configure_optimizers=False,
         )
-    except USER_ERRORS as error:
+    except user_errors() as error:  # evaluated as an error goes by, when MoE paging may have been loaded
         if os.environ.get(TRACEBACK_ENV) == "1":
             raise
         print(f"superpipe: error: {one_line(error)}", file=sys.stderr, flush=True)

@@ -26,10 +26,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.memory.disk import DiskStore, DiskTierError, checkpoint_folder, preflight
+from lightning_superpipe.memory.disk.folder import map_committed_masters
 from lightning_superpipe.memory.disk_budget import check_disk_host_room, disk_host_bytes
 from lightning_superpipe.memory.disk_homes import READ_AHEAD, DiskHome, DiskTier
 from lightning_superpipe.streaming.optimizers import (
@@ -61,6 +62,7 @@ __all__ = [  # the tier itself is a kind of home (memory/); what Lightning sees 
     "add_to_checkpoint",
     "check_optimizer_state",
     "check_training",
+    "checkpoint_block_values",
     "checkpoint_saved",
     "check_disk_host_room",
     "disk_host_bytes",
@@ -348,6 +350,16 @@ def resume_folder(ckpt_path: Union[str, os.PathLike[str]], manifest: Mapping[str
             f" {os.fspath(ckpt_path)!r} was saved at step {manifest.get('step')}: they do not belong together."
         )
     return folder
+
+
+def checkpoint_block_values(ckpt_path: Union[str, os.PathLike[str]], manifest: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The block parameters' values of the disk-tier checkpoint ``ckpt_path`` (whose manifest is ``manifest``), by
+    name, mapped copy-on-write from the files beside it (no host memory until read): its weights without a resume.
+
+    Raises:
+        DiskTierError: The files are missing, incomplete, or of another step.
+    """
+    return map_committed_masters(resume_folder(ckpt_path, manifest, "disk"))
 
 
 def remove_snapshot(ckpt_path: Union[str, os.PathLike[str]]) -> None:

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.file_io import CHUNK_BYTES, _check_length, _fsync_dir, _io_error
@@ -84,6 +85,30 @@ def _check_manifest(folder: Path, manifest: Mapping[str, Any], blocks: Sequence[
                 " Restore the folder from a checkpoint's copy (DiskStore.restore)."
             ) from error
         _check_length(path, size, record.file_bytes)
+
+
+def map_committed_masters(path: PathLike) -> dict[str, Tensor]:
+    """The masters of the step committed in the folder ``path`` (a tier's, or a checkpoint's copy of one) by name, as
+    copy-on-write views of its files (a private ``mmap``: no host memory until read, never written to the files).
+
+    Raises:
+        DiskTierError: No committed manifest, or a missing or truncated file.
+    """
+    folder = Path(path)
+    manifest = _read_manifest(folder)
+    masters: dict[str, Tensor] = {}
+    for index, (names, data) in enumerate(zip(manifest["names"], manifest["blocks"])):
+        record = Record.from_json(data)
+        file = folder / _slot_name(index, record.slot)
+        if not file.is_file():
+            raise DiskTierError(
+                f"The disk tier's file {str(file)!r} (block {index} of the step committed in {str(folder)!r}) is"
+                " missing: the folder is incomplete. Copy it whole from where it was written."
+            )
+        _check_length(file, file.stat().st_size, record.file_bytes)
+        mapped = torch.from_file(str(file), shared=False, size=record.file_bytes, dtype=torch.uint8)
+        masters.update({names[entry.param]: entry.view_of(mapped) for entry in record.masters()})
+    return masters
 
 
 def _replace(source: Path, target: Path) -> None:
