@@ -424,3 +424,24 @@ def test_promotions_between_bit_levels_keep_the_old_metadata_until_they_land(tok
     assert page.level == 4 and torch.equal(page.current.scale, page.meta(4)[0])
     assert store.device_bytes() == store.recount_device_bytes() == before + page.bytes_at(4) - page.bytes_at(2)
     handle.restore()
+
+
+@pytest.mark.parametrize("experts_at_once", [1, 3])
+def test_requantizing_in_batches_writes_each_experts_own_codes(tokens, monkeypatch, experts_at_once):
+    # All of one shape at once (every layer's experts), or 3 at a time (runs that cross from one layer to the next),
+    # or one at a time: each expert's planes and metadata are the same.
+    def paged_codes():
+        handle = page_experts(tiny_moe("mixtral"), expert_budget=None, calibration=[_inputs(tokens)], progress=False)
+        store = handle.store
+        codes = [(page.host_planes.clone(), page.host_scale.clone(), page.host_minimum.clone()) for page in store.pages]
+        handle.restore()
+        return codes
+
+    together = paged_codes()
+    widths = 4  # levels 8, 4, 3, 2
+    largest = max(rows * cols for rows, cols in [(256, 64), (64, 128)])  # the tiny Mixtral's gate_up and down
+    monkeypatch.setattr("lightning_superpipe.moe.pages.REQUANTIZE_ELEMENTS", experts_at_once * widths * largest)
+    batched = paged_codes()
+    assert len(batched) == len(together) == 2 * 2 * 8
+    for mine, theirs in zip(batched, together):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))

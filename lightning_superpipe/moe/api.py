@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import torch
@@ -21,9 +21,13 @@ from lightning_superpipe.moe.layouts import MoELayer, find_moe_layers
 from lightning_superpipe.moe.options import PagingOptions, resolve_expert_budget
 from lightning_superpipe.moe.pages import PageKey, PageStore, SyncCopyEngine
 from lightning_superpipe.moe.planner import BudgetPlanner, MoveCounts
+from lightning_superpipe.moe.progress import StepProgress
 from lightning_superpipe.planning.budget import MemoryBudget
 
 __all__ = ["PagedExperts", "expert_parameters", "full_expert_bytes", "kv_cache_bytes", "page_experts"]
+
+CALIBRATION_BATCHES = "MoE calibration: batches through the original experts"
+CALIBRATION_ROUNDING = "MoE calibration: rounding the experts with their Hessians (GPTQ)"
 
 
 def page_experts(
@@ -35,6 +39,7 @@ def page_experts(
     expert_and_kv_budget: MemoryBudget | None = None,
     shared_experts: bool = True,
     options: PagingOptions | None = None,
+    progress: bool = True,
 ) -> PagedExperts:
     """Page the experts' weights of ``model`` (routed and dense shared) in place under a budget of expert bytes.
 
@@ -66,6 +71,7 @@ def page_experts(
         shared_experts: Also page the blocks' dense shared experts (with their own damage: every
             token uses them, so the planner keeps them precise first).
         options: Codes, pages and planner (:class:`~lightning_superpipe.moe.PagingOptions`).
+        progress: Show the calibration's progress (:meth:`PagedExperts.calibrate`); ``False`` shows nothing.
 
     Returns:
         The handle controlling the paged experts.
@@ -96,7 +102,7 @@ def page_experts(
         handle = PagedExperts(model, layers, store, options)
     try:
         if calibration is not None:
-            handle.calibrate(calibration)
+            handle.calibrate(calibration, progress=progress)
         handle._place(budget, pressure)
     except BaseException:
         handle.restore()
@@ -313,18 +319,30 @@ class PagedExperts:
         self.store.synchronize()
 
     # ------------------------------------------------------------------ statistics
-    def calibrate(self, batches: Iterable[Any]) -> None:
+    def calibrate(self, batches: Iterable[Any], *, progress: bool = True) -> None:
         """Measure expert inputs and routing on ``batches`` (exact originals) and replan.
+
+        With ``PagingOptions.error_feedback`` (the default), every expert matrix is then rounded again with its
+        Hessian, the longest part on a large model. Both steps show their progress: a bar on a terminal; elsewhere
+        INFO lines of the ``lightning_superpipe.moe.progress`` logger when a step starts, about every 30 seconds
+        and when it ends, with the time taken.
 
         Args:
             batches: Model inputs: dicts of keyword arguments, or ``input_ids`` tensors.
+            progress: Show the progress; ``False`` shows nothing (as on a trainer's other ranks).
         """
         device = self.store.device
+        count = len(batches) if isinstance(batches, Sized) else None
         self.activations.recording = True
         try:
-            with self.reference(), torch.no_grad():
+            with (
+                StepProgress(CALIBRATION_BATCHES, count, ("batch", "batches"), enabled=progress) as shown,
+                self.reference(),
+                torch.no_grad(),
+            ):
                 for batch in batches:
                     _call(self.model, batch, device)
+                    shown.advance()
         finally:
             self.activations.recording = False
         if self.activations.full and self.activations.recorded:
@@ -332,8 +350,13 @@ class PagedExperts:
             for layer in self.layers:
                 for proj, hessian in enumerate(self.activations.hessians(layer.index)):
                     hessians[(layer.index, proj)] = hessian
-            with _eager_autograd_mode():
-                self.store.requantize(hessians)
+            matrices = self.store.requantized_matrices(hessians)
+            with (
+                StepProgress(CALIBRATION_ROUNDING, matrices, ("expert matrix", "expert matrices"), enabled=progress)
+                as shown,
+                _eager_autograd_mode(),
+            ):
+                self.store.requantize(hessians, progress=shown.advance)
         self.damage_model.update_errors(self.activations)
         if self._current:  # already placed: the damage changed wholesale, plan again
             self._refresh_damage()

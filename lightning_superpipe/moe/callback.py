@@ -51,6 +51,10 @@ class PagedMoECallback(Callback):
     host memory, and the paged experts' weights stop streaming with their blocks for the stage (the blocks' device
     buffers shrink to the rest); they stream again once restored.
 
+    The calibration shows its progress as Lightning shows a stage's (on rank 0, unless the trainer's progress bar is
+    off): a bar on a terminal, INFO lines of the ``lightning_superpipe.moe.progress`` logger elsewhere
+    (:meth:`PagedExperts.calibrate`).
+
     Args:
         expert_budget: Device bytes for the experts only, not the device's whole budget (``memory_budget``):
             bytes (``6_000_000_000``, ``"6GiB"``) or a percentage of the experts' 16-bit size (``"30%"``);
@@ -172,6 +176,8 @@ class PagedMoECallback(Callback):
                 expert_and_kv_budget=self.expert_and_kv_budget,
                 shared_experts=self.shared_experts,
                 options=self.options,
+                # As Lightning's own bars: on rank 0, unless the trainer's progress bar is off.
+                progress=trainer.is_global_zero and trainer.progress_bar_callback is not None,
             )
         except BaseException:
             self._teardown()

@@ -31,6 +31,10 @@ TOP_LEVEL = 16
 """Level of a page whose original weights are on the device. Reported as 16 bits whatever the
 model's dtype; its device bytes are the real size of the original weights."""
 
+WEIGHTED_ERROR_ELEMENTS = 1 << 24
+"""Weights of the experts :meth:`HostPages.weighted_errors` rebuilds at once (a few float32 copies of them, 64 MiB
+each): all of a projection's experts up to this size, one at a time beyond it."""
+
 
 @dataclass(frozen=True)
 class PageKey:
@@ -192,7 +196,7 @@ class HostPages:
             codes = (
                 first if expert == 0 else quantize_pageable(canonical[expert], self.group_size, bit_levels, meta_dtype)
             )
-            self._write_codes(host_planes, host_scale, host_minimum, expert, codes, blocks)
+            self._write_codes(host_planes, host_scale, host_minimum, expert, codes)
         self._host_weights[key] = host_weight
         self._host_planes[key] = host_planes
         self._host_meta[key] = (host_scale, host_minimum)
@@ -220,12 +224,13 @@ class HostPages:
         host_planes: torch.Tensor,
         host_scale: torch.Tensor,
         host_minimum: torch.Tensor,
-        expert: int,
+        expert: int | slice,
         codes: PageableCodes,
-        blocks: int,
     ) -> None:
-        """Store one expert's codes as bit planes and its metadata per bit level (host order)."""
-        host_planes[expert].copy_(pack_bit_planes(codes.codes.reshape(blocks, -1)))
+        """Store the codes of one expert (or a slice of experts) as bit planes and their metadata per bit level
+        (host order)."""
+        planes = host_planes[expert]
+        planes.copy_(pack_bit_planes(codes.codes.reshape(*planes.shape[:-2], -1)))
         for level, index in self._meta_index.items():
             width = codes.widths.index(level)
             host_scale[index, expert].copy_(codes.scale[width])
@@ -253,7 +258,8 @@ class HostPages:
         features ``i``, input features ``j`` of the canonical view), with ``W^`` rebuilt exactly as
         the experts forward rebuilds it; with a full ``[E, cols, cols]`` ``col_weight`` (the input
         second moments) ``sum_i row_weight[i] * e_i^T C e_i``, which counts how the errors of a row
-        cancel or add up on correlated inputs. Computed one expert at a time on the store's device.
+        cancel or add up on correlated inputs. Computed on the store's device, experts together up to
+        :data:`WEIGHTED_ERROR_ELEMENTS`.
 
         Args:
             layer: MoE layer index.
@@ -274,26 +280,29 @@ class HostPages:
         block_shape = (blocks, rows // blocks, cols)
         full = col_weight is not None and col_weight.dim() == 3
         errors = torch.empty(num_experts, blocks, len(bit_levels), dtype=torch.float64)
-        for expert in range(num_experts):
-            weight = host_weight[expert].to(self.device, torch.float32).reshape(block_shape)
-            planes = host_planes[expert].to(self.device)
-            rows_w = torch.ones(rows, device=self.device) if row_weight is None else row_weight[expert].to(self.device)
-            rows_w = rows_w.float().reshape(blocks, -1, 1)
+        at_once = max(1, WEIGHTED_ERROR_ELEMENTS // (rows * cols))  # experts at a time: a few float32 copies each
+        for first in range(0, num_experts, at_once):
+            experts = slice(first, min(first + at_once, num_experts))
+            shape = (experts.stop - first, *block_shape)
+            weight = host_weight[experts].to(self.device, torch.float32).reshape(shape)
+            planes = host_planes[experts].to(self.device)
+            rows_w = torch.ones(rows, device=self.device) if row_weight is None else row_weight[experts]
+            rows_w = rows_w.to(self.device, torch.float32).reshape(-1, blocks, rows // blocks, 1)
             if full:
-                cols_w = col_weight[expert].to(self.device, torch.float32)
+                cols_w = col_weight[experts].to(self.device, torch.float32).unsqueeze(1)  # [experts, 1, cols, cols]
             else:
-                cols_w = torch.ones(cols, device=self.device) if col_weight is None else col_weight[expert]
-                cols_w = cols_w.to(self.device, torch.float32).reshape(1, 1, cols)
+                cols_w = torch.ones(cols, device=self.device) if col_weight is None else col_weight[experts]
+                cols_w = cols_w.to(self.device, torch.float32).reshape(-1, 1, 1, cols)
             for i, bits in enumerate(bit_levels):
-                scale = host_scale[i, expert].to(self.device).reshape(blocks, rows // blocks, -1)
-                minimum = host_minimum[i, expert].to(self.device).reshape(blocks, rows // blocks, -1)
-                rebuilt = dequantize(planes[:, :bits], scale, minimum, block_shape, torch.float32)
+                scale = host_scale[i, experts].to(self.device).reshape(*shape[:-1], -1)
+                minimum = host_minimum[i, experts].to(self.device).reshape(*shape[:-1], -1)
+                rebuilt = dequantize(planes[:, :, :bits], scale, minimum, shape, torch.float32)
                 difference = rebuilt - weight
                 if full:
                     error = (difference @ cols_w).mul_(difference).mul_(rows_w)
                 else:
                     error = difference.square_().mul_(cols_w).mul_(rows_w)
-                errors[expert, :, i] = error.sum(dim=(1, 2)).double().cpu()
+                errors[experts, :, i] = error.sum(dim=(2, 3)).double().cpu()
         return errors
 
     @property

@@ -37,14 +37,19 @@ host copy itself on the CPU), otherwise a tensor rebuilt with one batched dequan
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from lightning_superpipe.moe.copies import CopyEngine, CudaCopyEngine, DeviceCopy, SyncCopyEngine
 from lightning_superpipe.moe.host_pages import TOP_LEVEL, HostPages, Page, PageKey
 from lightning_superpipe.moe.layouts import MoELayer
-from lightning_superpipe.quantization import dequantize, quantize_pageable
+from lightning_superpipe.quantization import CODE_BITS, PageableCodes, dequantize, quantize_pageable
+
+REQUANTIZE_ELEMENTS = 1 << 26
+"""Elements of the error-compensated weight copies (one per code width, float32) that :meth:`PageStore.requantize`
+works on at once (256 MiB): expert matrices of one shape are rounded together up to this size, one at a time beyond
+it."""
 
 __all__ = ["TOP_LEVEL", "CopyEngine", "CudaCopyEngine", "Page", "PageKey", "PageStore", "SyncCopyEngine"]
 
@@ -83,39 +88,78 @@ class PageStore(HostPages):
         """Promotions committed after their upload landed (the planner may then use freed bytes)."""
         super().__init__(layers, device=device, group_size=group_size, levels=levels, rows_per_page=rows_per_page)
 
-    def requantize(self, hessians: dict[tuple[int, int], torch.Tensor | None]) -> None:
+    def requantize(
+        self,
+        hessians: dict[tuple[int, int], torch.Tensor | None],
+        progress: Callable[[int], object] | None = None,
+    ) -> None:
         """Round the codes again with each expert matrix's Hessian (GPTQ-style error feedback).
 
         The new codes are :func:`quantize_pageable`'s nested codes for the store's bit levels, so they
         stay pageable; pages on the device at a bit level get their new planes and metadata (the
-        original weights, and so pages at ``TOP_LEVEL``, are unchanged).
+        original weights, and so pages at ``TOP_LEVEL``, are unchanged). Expert matrices of one shape
+        (a projection's experts, in every layer) are rounded together, as many at a time as
+        :data:`REQUANTIZE_ELEMENTS` allows: one pass over their columns for all of them.
 
         Args:
             hessians: ``[E, cols, cols]`` input second moments per ``(layer, proj)`` (``None`` or
                 missing: left as they are).
+            progress: Called with the number of expert matrices done, after each batch of them.
         """
         self.synchronize()  # no upload in flight reads the host codes being replaced
-        for key, hessian in hessians.items():
-            if hessian is None or key not in self._host_planes:
-                continue
-            canonical = self.canonical_host_weight(*key)
-            host_planes = self._host_planes[key]
-            host_scale, host_minimum = self._host_meta[key]
-            blocks = host_planes.shape[1]
-            for expert in range(canonical.shape[0]):
-                codes = quantize_pageable(
-                    canonical[expert].to(self.device),
-                    self.group_size,
-                    self._bit_levels,
-                    self._meta_dtype[key],
-                    hessian[expert].to(self.device),
-                )
-                self._write_codes(host_planes, host_scale, host_minimum, expert, codes, blocks)
+        jobs = {key: hessian for key, hessian in hessians.items() if hessian is not None and key in self._host_planes}
+        for batch in self._requantize_batches(list(jobs)):
+            weight = torch.cat([self.canonical_host_weight(*key)[experts].to(self.device) for key, experts in batch])
+            hessian = torch.cat([jobs[key][experts].to(self.device) for key, experts in batch])
+            meta_dtype = self._meta_dtype[batch[0][0]]
+            codes = quantize_pageable(weight, self.group_size, self._bit_levels, meta_dtype, hessian)
+            done = 0
+            for key, experts in batch:
+                part = slice(done, done + experts.stop - experts.start)
+                done = part.stop
+                mine = PageableCodes(codes.codes[part], codes.scale[:, part], codes.minimum[:, part], codes.widths)
+                self._write_codes(self._host_planes[key], *self._host_meta[key], experts, mine)
+            if progress is not None:
+                progress(done)
+        for key in jobs:
             for page_id in self._page_ids[key]:
                 page = self.pages[page_id]
                 if page.current is not None and page.current.level != TOP_LEVEL:
                     page.current = self._planes_copy(page, page.current.level)  # same bytes, new codes
         self.synchronize()
+
+    def _requantize_batches(self, keys: list[tuple[int, int]]) -> Iterator[list[tuple[tuple[int, int], slice]]]:
+        """:meth:`requantize`'s batches: runs of experts ``(key, experts)`` of one shape and metadata dtype, at most
+        :data:`REQUANTIZE_ELEMENTS` of working copies each (at least one expert)."""
+        same_shape: dict[tuple[int, int, torch.dtype], list[tuple[int, int]]] = {}
+        for key in keys:
+            rows, cols = self.canonical_host_weight(*key).shape[1:]
+            same_shape.setdefault((rows, cols, self._meta_dtype[key]), []).append(key)
+        widths = len({*self._bit_levels, CODE_BITS})
+        for (rows, cols, _), group in same_shape.items():
+            at_once = max(1, REQUANTIZE_ELEMENTS // (widths * rows * cols))
+            batch: list[tuple[tuple[int, int], slice]] = []
+            taken = 0
+            for key in group:
+                experts = self.canonical_host_weight(*key).shape[0]
+                first = 0
+                while first < experts:
+                    take = min(experts - first, at_once - taken)
+                    batch.append((key, slice(first, first + take)))
+                    first, taken = first + take, taken + take
+                    if taken == at_once:
+                        yield batch
+                        batch, taken = [], 0
+            if batch:
+                yield batch
+
+    def requantized_matrices(self, hessians: dict[tuple[int, int], torch.Tensor | None]) -> int:
+        """How many expert matrices :meth:`requantize` rounds again with ``hessians`` (a progress bar's total)."""
+        return sum(
+            self.canonical_host_weight(*key).shape[0]
+            for key, hessian in hessians.items()
+            if hessian is not None and key in self._host_planes
+        )
 
     # ------------------------------------------------------------------ accounting
     def device_bytes(self) -> int:
