@@ -11,6 +11,9 @@ Usage::
 
     python benchmarks/bench_moe_calibration.py                  # torch's default threads, 3 rounds
     python benchmarks/bench_moe_calibration.py --threads 1 --rounds 5
+    # an earlier commit's package, for comparison
+    git archive COMMIT lightning_superpipe | tar -x -C /tmp/before
+    PYTHONPATH=/tmp/before python benchmarks/bench_moe_calibration.py
 
 The CPU should be otherwise idle: with other work on the cores, every operation of the column loop may wait for a
 thread that is not running, and the times grow several-fold.
@@ -19,6 +22,7 @@ thread that is not running, and the times grow several-fold.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import time
 from itertools import islice
@@ -54,6 +58,8 @@ def one_round(config: Path) -> tuple[float, float]:
     batches = [dict(batch) for batch in islice(cli.datamodule.val_dataloader(), paging["calibration_batches"])]
     model = cli.model.model.eval()
     calibrate, spent = PagedExperts.calibrate, []
+    # No progress lines during the timing (a package from before progress has none to turn off).
+    quiet = {"progress": False} if "progress" in inspect.signature(page_experts).parameters else {}
 
     def timed(handle: PagedExperts, *args: object, **kwargs: object) -> None:
         started = time.perf_counter()
@@ -63,7 +69,7 @@ def one_round(config: Path) -> tuple[float, float]:
     PagedExperts.calibrate = timed  # type: ignore[method-assign]
     try:
         started = time.perf_counter()
-        handle = page_experts(model, expert_budget=paging["expert_budget"], calibration=batches, progress=False)
+        handle = page_experts(model, expert_budget=paging["expert_budget"], calibration=batches, **quiet)
         total = time.perf_counter() - started
     finally:
         PagedExperts.calibrate = calibrate  # type: ignore[method-assign]

@@ -4,10 +4,12 @@ import io
 import logging
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 from torch.utils.data import DataLoader
 
 from lightning_superpipe import PagedMoECallback
@@ -112,3 +114,18 @@ def test_the_callback_shows_progress_when_the_trainer_shows_its_own(batches, lin
     trainer.validate(Evaluate(), DataLoader(torch.cat(batches), batch_size=2))
     assert "validate" in callback.reports
     assert len(lines) == (4 if progress_bar else 0)
+
+
+def test_the_moe_recipe_writes_its_calibration_lines_to_a_log_file(tmp_path, monkeypatch, capsys):
+    from lightning_superpipe.recipes import cli
+
+    settings = yaml.safe_load((Path(__file__).parent.parent / "recipes" / "eval_moe_paged.yaml").read_text())
+    settings["model"]["config"].update(num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    settings["data"]["seq_len"] = 32
+    settings["trainer"]["callbacks"][1]["init_args"]["measure_quality"] = False
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(settings))
+    monkeypatch.chdir(tmp_path)
+    cli.main(["validate", "--config", "recipe.yaml", "--trainer.limit_val_batches", "1"])  # output captured: a file
+    written = capsys.readouterr().err
+    assert f"{BATCHES}: 2 batches\n" in written and f"{ROUNDING}: 16 expert matrices\n" in written  # 1 x 2 x 8
+    assert re.search(rf"{re.escape(ROUNDING)}: 16 expert matrices done in \d+\.\d s\n", written)
