@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def one_round(config: Path) -> tuple[float, float]:
-    """Seconds of ``page_experts`` and of the calibration within it, on a freshly built model."""
+def one_round(config: Path) -> tuple[float, float, float]:
+    """Seconds of ``page_experts`` and of the calibration within it, on a freshly built model, and the calibration's
+    process CPU seconds (with one thread, the figure that other work on the machine changes least)."""
     paging = yaml.safe_load(config.read_text())["trainer"]["callbacks"][1]["init_args"]
     seed_everything(42, verbose=False)
     cli = SuperpipeCLI(CausalLMModule, TextDataModule, args=["--config", str(config)], run=False,
@@ -62,9 +63,9 @@ def one_round(config: Path) -> tuple[float, float]:
     quiet = {"progress": False} if "progress" in inspect.signature(page_experts).parameters else {}
 
     def timed(handle: PagedExperts, *args: object, **kwargs: object) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         calibrate(handle, *args, **kwargs)
-        spent.append(time.perf_counter() - started)
+        spent.append((time.perf_counter() - started, time.process_time() - cpu))
 
     PagedExperts.calibrate = timed  # type: ignore[method-assign]
     try:
@@ -74,7 +75,7 @@ def one_round(config: Path) -> tuple[float, float]:
     finally:
         PagedExperts.calibrate = calibrate  # type: ignore[method-assign]
     handle.restore()
-    return total, spent[0]
+    return total, *spent[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,11 +83,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rounds = [one_round(args.config) for _ in range(args.rounds)]
-    for i, (total, calibration) in enumerate(rounds, 1):
-        print(f"round {i}: page_experts {total:.1f} s, of which calibration {calibration:.1f} s")
-    calibrations = [calibration for _, calibration in rounds]
-    print(f"calibration on {torch.get_num_threads()} threads: median {statistics.median(calibrations):.1f} s, "
-          f"{min(calibrations):.1f} to {max(calibrations):.1f} s")
+    for i, (total, calibration, cpu) in enumerate(rounds, 1):
+        print(f"round {i}: page_experts {total:.1f} s, of which calibration {calibration:.1f} s ({cpu:.1f} CPU s)")
+    for name, index in (("wall", 1), ("process CPU", 2)):
+        figures = [figure[index] for figure in rounds]
+        print(f"calibration on {torch.get_num_threads()} threads, {name} time: median "
+              f"{statistics.median(figures):.2f} s, {min(figures):.2f} to {max(figures):.2f} s")
 
 
 if __name__ == "__main__":

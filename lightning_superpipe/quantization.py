@@ -196,7 +196,7 @@ def quantize_pageable(
     grids = [_width_grid(*meta, CODE_BITS - width) for meta, width in zip(stored, widths)]
     h_inv = None if hessian is None else _inverse_cholesky(hessian.to(w.device), damp)
     weights = width_weights if width_weights is not None else default_width_weights(widths)
-    weight_hessian = None if hessian is None else w.double() @ hessian.to(w.device).double()
+    weight_hessian = None if hessian is None else w @ hessian.to(w.device).float()
     refitted = [i for i, width in enumerate(widths) if width != CODE_BITS]  # the 8-bit grid stays min-max
     shifts = [CODE_BITS - widths[i] for i in refitted]
     for _ in range(passes if hessian is not None else 0):
@@ -243,14 +243,14 @@ def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     solve, where inverting ``H`` and factorising the inverse take three (and the batched inverse took seconds on
     two busy CPU cores).
     """
-    h = hessian.double().clone()
+    h = hessian.float().clone()
     diagonal = h.diagonal(dim1=-2, dim2=-1)
     dead = diagonal == 0
-    diagonal.add_(dead.double())  # a column no input reaches: any rounding is as good (GPTQ sets 1)
+    diagonal.add_(dead.float())  # a column no input reaches: any rounding is as good (GPTQ sets 1)
     diagonal.add_(damp * diagonal.mean(dim=-1, keepdim=True))
     lower = torch.linalg.cholesky(h.flip(-2, -1))
     identity = torch.eye(h.shape[-1], dtype=h.dtype, device=h.device).expand_as(h)
-    return torch.linalg.solve_triangular(lower, identity, upper=False).flip(-2, -1).float()
+    return torch.linalg.solve_triangular(lower, identity, upper=False).flip(-2, -1)
 
 
 GPTQ_BLOCK_COLUMNS = 32
@@ -259,29 +259,45 @@ the rest of its block at once, and a block's errors to the later columns in one 
 16 to 32 columns were fastest (128, GPTQ's choice on GPUs, took 1.1 to 1.8x as long)."""
 
 
+SEARCH_WINDOW_CODES = 16
+"""How far, in 8-bit codes, from the 8-bit state's own code :class:`_NestedSearch` looks first. At the default
+levels' weights a code 16 steps away costs as much in its 8-bit term alone as the largest 4-bit rounding error:
+the window is almost never left."""
+
+CODE_BITS_MAX = 2**CODE_BITS - 1
+
+
 class _NestedSearch:
     """The exact search of :func:`_nested_gptq` for one column: the 8-bit code whose prefixes best fit every width.
 
     The cost of a code is the weighted sum over widths of its prefix's squared error against that width's state.
     The coarser widths' costs are summed over the buckets ("prefixes") of the finest of them, and within each prefix
     the best 8-bit child is found in closed form: the 8-bit cost is a quadratic in the code, least, over a range of
-    codes, at the rounded minimiser clamped into the range. So 2**b candidates per weight (b the second-finest
-    width, 16 for the default levels) instead of 256, each costed with the 256-code search's arithmetic. The
-    candidates are the leading dimension: every operation runs along the rows, and the choice is a reduction over
-    the outermost dimension.
+    codes, at the rounded minimiser clamped into the range. Each candidate is costed with the 256-code search's
+    arithmetic; the choice is a reduction over the candidates, the outermost dimension.
+
+    Only the prefixes within :data:`SEARCH_WINDOW_CODES` codes of the 8-bit state's own code are costed (3 of 16 for
+    the default levels). Any other prefix costs at least its 8-bit term, which grows with its distance; where that
+    bound of the nearest prefix outside the window does not exceed the best cost found for every weight of the
+    column, the column is searched over every prefix instead. So the codes are the 256-code search's.
     """
 
     def __init__(self, widths: tuple[int, ...], weights: list[float], batch_dims: int, device: torch.device) -> None:
         self.coarse = len(widths) - 1
         prefix_bits = widths[-2] if self.coarse else 0
-        prefixes = torch.arange(2**prefix_bits, device=device)
-        children = 2 ** (CODE_BITS - prefix_bits)
+        self.prefixes = 2**prefix_bits
+        self.children = 2 ** (CODE_BITS - prefix_bits)
         candidates = (-1, *(1,) * (batch_dims + 1))  # [prefixes, *leading, rows]
-        self.first_child = (prefixes * children).float().view(candidates)
-        self.last_child = self.first_child + (children - 1)
-        if self.coarse:  # [prefixes, *leading, coarse widths, rows]
-            buckets = [(prefixes >> (prefix_bits - width)).float() for width in widths[:-1]]
-            self.coarse_buckets = torch.stack(buckets, dim=-1).view(-1, *(1,) * batch_dims, self.coarse, 1)
+        every = torch.arange(self.prefixes, device=device).float().view(candidates)
+        reach = -(-SEARCH_WINDOW_CODES // self.children)  # prefixes each side of the state's own
+        windowed = weights[-1] > 0 and 2 * reach + 1 < self.prefixes
+        self.offsets = torch.arange(-reach, reach + 1, device=device).float().view(candidates) if windowed else None
+        self.outside = float(reach + 1)
+        self.every_prefix = every
+        if self.coarse:  # [*leading, coarse widths, rows] per candidate: a prefix's bucket at each coarse width
+            self.coarse_shift = torch.tensor(
+                [2.0 ** (width - prefix_bits) for width in widths[:-1]], device=device
+            ).view(-1, 1)
             self.coarse_weights = torch.tensor(weights[:-1], device=device).view(-1, 1)
         self.finest_weight = weights[-1]
         # A code's bucket at each width: code / 2**(8 - width), rounded down (exact in float32).
@@ -291,28 +307,60 @@ class _NestedSearch:
         """Take the ``[*leading, widths, rows]`` grids of the next group of columns."""
         self.low, self.step = low, step
         if self.coarse:
-            self.coarse_values = low[..., : self.coarse, :] + step[..., : self.coarse, :] * self.coarse_buckets
+            self.every_coarse_value = self._coarse_values(self.every_prefix)
         # A zero step (a constant group) or weight: every child costs alike, and a target of 0 takes the first.
         finest_step = step[..., -1, :] if self.finest_weight > 0 else torch.zeros_like(step[..., -1, :])
         self.divisor = torch.where(finest_step != 0, finest_step, float("inf"))
 
-    def codes(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The best 8-bit codes (as floats) of ``[*leading, widths, rows]`` states, and every width's value of them."""
-        total = None
-        if self.coarse:
-            cost = (state[..., : self.coarse, :] - self.coarse_values).square_().mul_(self.coarse_weights)
-            total = cost[..., 0, :]
+    def _coarse_values(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """Every coarse width's value of ``[candidates, *leading, rows]`` prefixes (float, whole numbers)."""
+        buckets = (prefixes.unsqueeze(-2) * self.coarse_shift).floor_()  # [candidates, *leading, coarse, rows]
+        return self.low[..., : self.coarse, :] + self.step[..., : self.coarse, :] * buckets
+
+    def _children(self, prefixes: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The 8-bit code nearest ``target`` among each prefix's children."""
+        first = prefixes * self.children
+        return torch.clamp(target, min=first, max=first + (self.children - 1))
+
+    def _finest_cost(self, child: torch.Tensor) -> torch.Tensor:
+        finest, low, step = self.state[..., -1, :], self.low[..., -1, :], self.step[..., -1, :]
+        return (finest - (low + step * child)).square_().mul_(self.finest_weight)
+
+    def _least(self, prefixes: torch.Tensor, coarse_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The least-cost code of the candidate ``prefixes`` and its cost."""
+        child = self._children(prefixes, self.target)  # [candidates, *leading, rows]
+        cost = self._finest_cost(child)
+        if coarse_values is not None:
+            coarse = (self.state[..., : self.coarse, :] - coarse_values).square_().mul_(self.coarse_weights)
+            total = coarse[..., 0, :]
             for finer in range(1, self.coarse):  # coarsest first: the order in which the 256-code search adds them
-                total = cost[..., finer, :] + total
-        finest, low, step = state[..., -1, :], self.low[..., -1, :], self.step[..., -1, :]
-        target = ((finest - low) / self.divisor).round_()
-        child = torch.clamp(target, min=self.first_child, max=self.last_child)  # [prefixes, *leading, rows]
-        cost = (finest - (low + step * child)).square_().mul_(self.finest_weight)
-        if total is not None:
+                total = coarse[..., finer, :] + total
             cost += total
         # The least-cost child, the first (smallest) of equal ones as argmin would take: faster than argmin on a CPU.
-        best = torch.where(cost == cost.amin(dim=0), child, float("inf")).amin(dim=0)
+        least = cost.amin(dim=0)
+        return torch.where(cost == least, child, float("inf")).amin(dim=0), least
+
+    def codes(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best 8-bit codes (as floats) of ``[*leading, widths, rows]`` states, and every width's value of them."""
+        self.state = state
+        self.target = ((state[..., -1, :] - self.low[..., -1, :]) / self.divisor).round_()
+        best = self._windowed() if self.offsets is not None else None
+        if best is None:
+            best, _ = self._least(self.every_prefix, self.every_coarse_value if self.coarse else None)
         return best, self.low + self.step * (best.unsqueeze(-2) * self.bucket_scale).floor_()
+
+    def _windowed(self) -> torch.Tensor | None:
+        """The best codes found among the prefixes near the 8-bit target's, or ``None`` where another might win."""
+        own = torch.clamp(self.target, 0, CODE_BITS_MAX).div_(self.children).floor_()
+        prefixes = (own + self.offsets).clamp_(0, self.prefixes - 1)
+        best, least = self._least(prefixes, self._coarse_values(prefixes) if self.coarse else None)
+        for side in (-self.outside, self.outside):
+            beyond = own + side
+            bound = self._finest_cost(self._children(beyond.clamp(0, self.prefixes - 1), self.target))
+            unreachable = (beyond < 0) | (beyond >= self.prefixes)
+            if not bool(((bound > least) | unreachable).all()):
+                return None
+        return best
 
 
 def _nested_gptq(
@@ -385,38 +433,50 @@ def _refit(
     ``rows * cols**2`` per width (like one GPTQ pass), done in chunks of rows of ``chunk_elements`` products
     (8 MiB, which stay in cache). The fit is shrunk towards the given ``(low, step)``
     (``[widths, *leading, rows, G]``) by a small ridge, which decides it where it is undetermined (a group whose
-    codes are all equal). The widths are fitted together, sharing ``w @ H`` (``weight_hessian`` in float64, if
+    codes are all equal). The widths are fitted together, sharing ``w @ H`` (``weight_hessian``, if
     the caller has it); leading (expert) dimensions one matrix at a time, for the same reason as the chunks (on
     a CPU all experts at once took 2-3x as long).
     """
     if w.dim() > 2:
         fits = [
-            _refit(w[i], codes[i], shifts, low[:, i], step[:, i], group_size, hessian[i], ridge, chunk_elements,
-                   None if weight_hessian is None else weight_hessian[i])
+            _refit(
+                w[i],
+                codes[i],
+                shifts,
+                low[:, i],
+                step[:, i],
+                group_size,
+                hessian[i],
+                ridge,
+                chunk_elements,
+                None if weight_hessian is None else weight_hessian[i],
+            )
             for i in range(w.shape[0])
         ]
         return torch.stack([fit[0] for fit in fits], dim=1), torch.stack([fit[1] for fit in fits], dim=1)
     rows, cols = w.shape
     groups = cols // group_size
-    code = torch.stack([codes >> shift for shift in shifts]).double().unflatten(-1, (groups, group_size))
+    # The sums in float32 (codes are small integers, exact; the fit's metadata is stored in 16 bits), the systems
+    # solved in float64.
+    code = torch.stack([codes >> shift for shift in shifts]).float().unflatten(-1, (groups, group_size))
     low0, step0 = low.double(), step.double()  # [W, rows, G]; code: [W, rows, G, gs]
-    h = hessian.double()
+    h = hessian.float()
     ones = h.unflatten(-1, (groups, group_size)).sum(dim=-1).unflatten(-2, (groups, group_size))  # H 1_h, [G, gs, G]
-    m11 = ones.sum(dim=-2)  # 1_g^T H 1_h, [G, G]
-    w_h = (w.double() @ h if weight_hessian is None else weight_hessian).unflatten(-1, (groups, group_size))
-    rhs_low = w_h.sum(dim=-1).expand_as(low0)  # 1_g^T H w, [W, rows, G]; w_h: w_r^T H, [rows, G, gs]
-    rhs_steps = (w_h * code).sum(dim=-1)  # (k_r 1_g)^T H w_r, [W, rows, G]
+    m11 = ones.sum(dim=-2).double()  # 1_g^T H 1_h, [G, G]
+    w_h = (w.float() @ h if weight_hessian is None else weight_hessian).unflatten(-1, (groups, group_size))
+    rhs_low = w_h.sum(dim=-1).double().expand_as(low0)  # 1_g^T H w, [W, rows, G]; w_h: w_r^T H, [rows, G, gs]
+    rhs_steps = (w_h * code).sum(dim=-1).double()  # (k_r 1_g)^T H w_r, [W, rows, G]
     eye = torch.eye(2 * groups, dtype=torch.float64, device=w.device)
     solutions = []
     chunk = max(1, chunk_elements // (len(shifts) * cols * groups))
     by_row_group = h.unflatten(-2, (groups, group_size))  # [G, gs, cols]
     for start in range(0, rows, chunk):
         k = code[:, start : start + chunk]
-        m21 = torch.einsum("wrgs,gsh->wrgh", k, ones)  # (k_r 1_g)^T H 1_h, [W, r, g, h]
+        m21 = torch.einsum("wrgs,gsh->wrgh", k, ones).double()  # (k_r 1_g)^T H 1_h, [W, r, g, h]
         # P[g, r, c] = (H (k_r * 1_g))_c: H times the codes of group g of row r, one matrix product per group
         # (the rows * cols**2 part), laid out so that the sum below reads it in place.
         p = (k.movedim(-2, -3) @ by_row_group).unflatten(-1, (groups, group_size))  # [W, g, r, h, gs]
-        m22 = (p * k.unsqueeze(-4)).sum(dim=-1).movedim(-3, -2)  # (k_r 1_g)^T H (k_r 1_h), [W, r, g, h]
+        m22 = (p * k.unsqueeze(-4)).sum(dim=-1).movedim(-3, -2).double()  # (k_r 1_g)^T H (k_r 1_h), [W, r, g, h]
         top_rows = torch.cat([m11.expand_as(m22), m21.mT], dim=-1)
         bottom_rows = torch.cat([m21, m22], dim=-1)
         normal = torch.cat([top_rows, bottom_rows], dim=-2)  # [W, r, 2G, 2G]

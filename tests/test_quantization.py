@@ -6,6 +6,7 @@ import torch
 from lightning_superpipe.quantization import (
     _inverse_cholesky,
     _nested_gptq,
+    _NestedSearch,
     _width_grid,
     default_width_weights,
     dequantize,
@@ -239,8 +240,14 @@ def _same_algorithm(problem, codes, reference, fraction=0.005, tolerance=0.005):
 
 @pytest.mark.parametrize(
     "widths, width_weights, constant_group",
-    [((2, 3, 4), None, False), ((1, 3), None, True), ((4, 7), None, False), ((), None, False),
-     ((2, 4), {2: 16.0, 4: 256.0}, False)],  # the last: 8 bits weigh nothing, the first child of a prefix is taken
+    [
+        ((2, 3, 4), None, False),
+        ((1, 3), None, True),
+        ((4, 7), None, False),
+        ((), None, False),
+        ((2, 4), {2: 16.0, 4: 256.0}, False),  # 8 bits weigh nothing: the first child of a prefix is taken
+        ((2, 3, 4), {2: 4.0**7, 3: 4.0**7, 4: 4.0**7, 8: 4.0**7}, False),
+    ],  # the window is often left
 )
 def test_blocked_nested_gptq_is_the_per_column_algorithm(widths, width_weights, constant_group):
     problem = _gptq_problem(widths, width_weights, constant_group)
@@ -279,3 +286,34 @@ def test_the_inverse_cholesky_factor_is_that_of_the_dampened_inverse_hessian():
     expected = torch.linalg.cholesky(torch.linalg.inv(dampened), upper=True)  # GPTQ's factor, written as GPTQ does
     assert torch.equal(factor, factor.triu()) and (factor.diagonal(dim1=-2, dim2=-1) > 0).all()
     assert torch.allclose(factor, expected, rtol=1e-4, atol=1e-6 * expected.abs().max().item())
+
+
+def _search(widths, weights, state, low, step):
+    """The nested search's codes of one column: as it searches, over every prefix, and over its window alone."""
+    search = _NestedSearch(widths, weights, batch_dims=0, device=state.device)
+    search.start_group(low, step)
+    best, _ = search.codes(state)
+    offsets, search.offsets = search.offsets, None
+    every, _ = search.codes(state)
+    prefixes = (search.target.clamp(0, 255).div(search.children).floor() + offsets).clamp(0, search.prefixes - 1)
+    window, _ = search._least(prefixes, search._coarse_values(prefixes))
+    search.offsets = offsets
+    return best, every, window
+
+
+def test_the_nested_search_looks_near_the_8_bit_code_first_and_everywhere_when_another_prefix_could_win():
+    widths = (2, 3, 4, 8)
+    low = torch.zeros(len(widths), 1000)
+    step = torch.tensor([2.0 ** (8 - width) for width in widths]).unsqueeze(-1).expand(-1, 1000).contiguous()
+    weights = [default_width_weights(widths)[b] for b in widths]
+    generator = torch.Generator().manual_seed(0)
+    # States near one another (as error feedback keeps them): the window holds every weight's best code.
+    state = (torch.rand(1000, generator=generator) * 255).expand(len(widths), -1).clone()
+    state += torch.randn(len(widths), 1000, generator=generator) * 4
+    best, every, window = _search(widths, weights, state, low, step)
+    assert torch.equal(best, every) and torch.equal(window, every)
+    # A 4-bit state 40 codes from the 8-bit one and weighted as much: the window alone would miss the best code.
+    state[2, 0] = state[3, 0] + 40
+    heavy = [*weights[:2], weights[3], weights[3]]
+    best, every, window = _search(widths, heavy, state, low, step)
+    assert torch.equal(best, every) and not torch.equal(window, every)
