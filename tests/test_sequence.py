@@ -12,8 +12,10 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from lightning_superpipe.sequence import (
     causal_lm_loss,
+    chunk_causal_lm_loss,
     chunked_cross_entropy,
     tile_position_wise,
+    unchunk_causal_lm_loss,
     untile_position_wise,
 )
 
@@ -174,3 +176,49 @@ def test_tiled_mlps_give_the_whole_sequences_outputs_and_gradients_and_hold_one_
         assert torch.allclose(model(input_ids=input_ids).logits[0, 0], model(input_ids=input_ids).logits[0, 0])
     assert untile_position_wise(model) == SMALL["num_hidden_layers"]
     assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+@pytest.mark.usefixtures("emulated_link")
+@pytest.mark.parametrize("activations", ["keep", "offload", "recompute"])
+def test_chunked_loss_and_tiled_mlps_train_under_the_strategy_as_plain_lightning_trains_the_whole_model(activations):
+    from lightning_superpipe import SuperpipeStrategy
+    from lightning_superpipe.streaming import activations as activations_module
+    from tests import batches, tasks
+
+    head_rows: list[int] = []
+    mlp_positions: list[int] = []
+
+    def make(chunked: bool) -> tasks.Task:
+        task = tasks.Task(tasks.llama, "lm")
+        if chunked:
+            chunk_causal_lm_loss(task.model, chunk_tokens=5)
+            tile_position_wise(task.model, tile_tokens=4)
+            task.model.lm_head.register_forward_hook(lambda module, args, output: head_rows.append(args[0].shape[0]))
+            down = task.model.model.layers[0].mlp.down_proj
+            down.register_forward_hook(lambda module, args, output: mlp_positions.append(args[0].shape[-2]))
+        return task
+
+    plain = tasks.fit_task(lambda: make(False), "auto", batches.data("lm"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(activations_module, "OFFLOAD_MIN_BYTES", 0)
+        strategy = SuperpipeStrategy(resident_blocks=0, prefetch=1, activations=activations)
+        streamed = tasks.fit_task(lambda: make(True), strategy, batches.data("lm"))
+    assert tasks.max_relative_loss_difference(streamed.losses, plain.losses) < 1e-5
+    assert tasks.max_relative_difference(streamed, plain) < 1e-5
+    assert head_rows and max(head_rows) == 5 and mlp_positions and max(mlp_positions) == 4  # chunks and tiles ran
+    assert unchunk_causal_lm_loss(streamed.model) and not unchunk_causal_lm_loss(streamed.model)
+
+
+def test_a_chunked_model_returns_the_loss_without_logits_and_runs_whole_without_labels():
+    model = _models()["qwen2-tied"]
+    input_ids = torch.randint(0, SMALL["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(5))
+    expected = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    chunk_causal_lm_loss(model, chunk_tokens=6)
+    chunked = model(input_ids=input_ids, labels=input_ids)
+    assert chunked.logits is None and torch.allclose(chunked.loss, expected.loss, rtol=1e-6, atol=0)
+    assert torch.equal(model(input_ids=input_ids, use_cache=False).logits, expected.logits)  # no labels: whole
+    with pytest.raises(ValueError, match="chunk_tokens=0"):
+        chunk_causal_lm_loss(model, chunk_tokens=0)
+    with pytest.raises(ValueError, match="needs a transformers causal LM .* got Linear"):
+        chunk_causal_lm_loss(nn.Linear(2, 2))
+    assert unchunk_causal_lm_loss(model) and model(input_ids=input_ids, labels=input_ids).logits is not None

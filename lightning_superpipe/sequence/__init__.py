@@ -4,7 +4,19 @@ Both trade a recomputation in backward for memory that does not grow with the wh
 chunk of tokens (never ``tokens x vocabulary``), the intermediates of one tile of a block's MLP.
 """
 
-from lightning_superpipe.sequence.loss import causal_lm_loss, chunked_cross_entropy
+from lightning_superpipe.sequence.loss import (
+    causal_lm_loss,
+    chunk_causal_lm_loss,
+    chunked_cross_entropy,
+    unchunk_causal_lm_loss,
+)
 from lightning_superpipe.sequence.tiles import tile_position_wise, untile_position_wise
 
-__all__ = ["causal_lm_loss", "chunked_cross_entropy", "tile_position_wise", "untile_position_wise"]
+__all__ = [
+    "causal_lm_loss",
+    "chunk_causal_lm_loss",
+    "chunked_cross_entropy",
+    "tile_position_wise",
+    "unchunk_causal_lm_loss",
+    "untile_position_wise",
+]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 DEFAULT_CHUNK_TOKENS = 1024
 """Tokens per chunk: the logits of 1024 tokens of a 152k vocabulary are 0.6 GB in float32."""
@@ -177,3 +178,66 @@ def _causal_lm(model: nn.Module) -> Any:
     """The ``transformers`` model inside a ``peft`` wrapper (its modules, adapters included, are the same)."""
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
+
+
+_UNCHUNKED_FORWARD = "_superpipe_unchunked_forward"
+
+
+def chunk_causal_lm_loss(model: nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> nn.Module:
+    """Make ``model(input_ids, labels=labels)`` compute its loss with :func:`causal_lm_loss`.
+
+    A call with ``labels`` (and without ``logits_to_keep``, ``inputs_embeds`` or a cache) returns the loss with
+    ``logits=None``: the whole sequence's logits are what this avoids. A call without labels (generation,
+    validation that reads logits) runs the model's own forward. The model's ``forward`` is replaced on the instance
+    (its parameters, hooks and checkpoint keys stay as they were); :func:`unchunk_causal_lm_loss` puts it back.
+
+    Args:
+        model: A ``transformers`` causal LM, or a ``peft`` model around one.
+        chunk_tokens: Tokens whose logits are computed at once.
+
+    Returns:
+        The model, changed in place.
+
+    Raises:
+        ValueError: ``chunk_tokens`` below 1, or a model that is not a causal LM with a decoder and a head.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_causal_lm_loss(chunk_tokens={chunk_tokens}) needs at least one token per chunk")
+    causal_lm = _causal_lm(model)
+    if not callable(getattr(causal_lm, "get_decoder", None)) or causal_lm.get_output_embeddings() is None:
+        raise ValueError(
+            f"chunk_causal_lm_loss needs a transformers causal LM with a decoder and an output layer; got "
+            f"{type(causal_lm).__name__}"
+        )
+    own = causal_lm.__dict__.get(_UNCHUNKED_FORWARD) or causal_lm.forward
+    setattr(causal_lm, _UNCHUNKED_FORWARD, own)
+
+    def forward(
+        input_ids: torch.Tensor | None = None, *args: Any, labels: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        whole = (
+            args
+            or labels is None
+            or input_ids is None
+            or any(kwargs.get(name) is not None for name in ("inputs_embeds", "past_key_values", "cache"))
+            or kwargs.get("logits_to_keep", 0) != 0
+        )
+        if whole:
+            return own(input_ids, *args, labels=labels, **kwargs)
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        loss = causal_lm_loss(causal_lm, input_ids, labels, chunk_tokens=chunk_tokens, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    causal_lm.forward = forward
+    return model
+
+
+def unchunk_causal_lm_loss(model: nn.Module) -> bool:
+    """Give a model :func:`chunk_causal_lm_loss` changed its own ``forward`` back; whether it had been changed."""
+    causal_lm = _causal_lm(model)
+    if _UNCHUNKED_FORWARD not in causal_lm.__dict__:
+        return False
+    del causal_lm.__dict__["forward"]
+    del causal_lm.__dict__[_UNCHUNKED_FORWARD]
+    return True
