@@ -20,8 +20,6 @@ from lightning_superpipe.recipes import ByteTokenizer, CausalLMModule, RecipeErr
 from lightning_superpipe.recipes.instruction_data import (
     IGNORE_INDEX,
     Example,
-    PackedExamples,
-    PaddedExamples,
     embedded_conversations,
     encode_conversation,
     encode_prompt_response,
@@ -269,3 +267,185 @@ def test_instruction_tuning_through_the_strategy_matches_plain_lightning(packing
         torch.testing.assert_close(streamed_weights[name], weight, rtol=1e-5, atol=1e-6)
     start = tiny_module().state_dict()
     assert any(not torch.equal(start[name], weight) for name, weight in plain_weights.items())
+
+
+PLAIN_ONLY_TEMPLATE = (  # renders system, user and assistant messages and drops any other silently
+    "{%- for message in messages -%}{%- if message['role'] in ['system', 'user', 'assistant'] -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+GOOD = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+BAD_RECORDS: dict[str, tuple[list[Any], dict[str, Any], str]] = {
+    "no messages field": ([GOOD, {"text": "hi"}], {}, "line 2 of '{path}' has no 'messages' field (it has 'text'); "
+                                                       "set data.messages_field"),
+    "a role the template refuses": (
+        [GOOD, {"messages": [{"role": "user", "content": "Hi?"}, {"role": "tool", "content": "42"},
+                             {"role": "assistant", "content": "Hello."}]}],
+        {}, "line 2 of '{path}': the chat template refused the conversation: Unknown role: tool"),
+    "a role the template leaves out": (
+        [{"messages": [{"role": "user", "content": "Hi?"}, {"role": "tool", "content": "42"},
+                       {"role": "assistant", "content": "Hello."}]}],
+        {"chat_template": PLAIN_ONLY_TEMPLATE},
+        "line 1 of '{path}': the chat template leaves message 2 (role 'tool') out of the text"),
+    "an example longer than the sequence": (
+        [GOOD, {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "word " * 20}]}],
+        {"seq_len": 24}, "line 2 of '{path}' is 80 tokens, longer than data.seq_len=24"),
+    "a message without content": (
+        [{"messages": [{"role": "user"}, {"role": "assistant", "content": "Hello."}]}], {},
+        "line 1 of '{path}': message 1 has no string 'content' (missing)"),
+    "no assistant message": ([{"messages": [{"role": "user", "content": "Hi?"}]}], {},
+                             "line 1 of '{path}' has no 'assistant' message: nothing to train on"),
+    "messages that are not a list": ([{"messages": "Hi?"}], {}, "line 1 of '{path}': 'messages' is a str"),
+    "a prompt without a response": ([{"prompt": "Hi?", "response": "Hello."}, {"prompt": "Hi?"}],
+                                    {"format": "prompt_response"},
+                                    "line 2 of '{path}' has no 'response' field (it has 'prompt'); set "
+                                    "data.response_field"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RECORDS)
+def test_a_bad_record_is_one_error_naming_its_file_and_line_in_setup(
+    case: str, tmp_path: Path, tokenizer_folders: dict[str, Path]
+) -> None:
+    records, settings, message = BAD_RECORDS[case]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    settings = {"format": "chat", "seq_len": 128, **settings}
+    data = TextDataModule(data_path=str(path), tokenizer_path=str(tokenizer_folders["chat"]), **settings)
+    with pytest.raises(RecipeError) as error:
+        data.setup("fit")
+    assert message.format(path=path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_long_example_is_cut_only_when_asked(tmp_path: Path, tokenizer_folders: dict[str, Path]) -> None:
+    long = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "word " * 20}]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [GOOD, long, GOOD])
+    folder = str(tokenizer_folders["chat"])
+    with pytest.raises(RecipeError, match=r"line 2 of .* tokens, longer than data.seq_len=24; raise data.seq_len, "
+                                          r"shorten the example, or set data.truncate: true"):
+        TextDataModule(data_path=str(path), tokenizer_path=folder, format="chat", seq_len=24).setup("fit")
+    data = TextDataModule(data_path=str(path), tokenizer_path=folder, format="chat", seq_len=24, truncate=True,
+                          packing=False, val_fraction=0.3)
+    data.setup("fit")
+    lengths = sorted(len(item.input_ids) for split in (data.train_set, data.val_set) for item in split.examples)
+    assert lengths[-1] == 24 and len(lengths) == 3
+
+
+def test_conversations_need_a_chat_template_before_anything_is_read(tokenizer_folders: dict[str, Path]) -> None:
+    folder = tokenizer_folders["plain"]
+    with pytest.raises(RecipeError, match=rf"the tokenizer from '{folder}' has none; set data.chat_template"):
+        TextDataModule(format="chat", tokenizer_path=str(folder))
+    with pytest.raises(RecipeError, match="the byte-level tokenizer has none"):
+        TextDataModule(format="chat")
+    with pytest.raises(RecipeError, match="the chat template is not valid Jinja: line 1"):
+        TextDataModule(format="chat", chat_template="{% for message in messages %}")
+    with pytest.raises(RecipeError, match="data.chat_template 'missing.jinja' is neither a Jinja template"):
+        TextDataModule(format="chat", chat_template="missing.jinja")
+    # Prompt/response pairs need no template, and a template may come from a file.
+    TextDataModule(format="prompt_response", tokenizer_path=str(folder))
+    template_file = folder.parent / "template.jinja"
+    template_file.write_text(CHATML_TEMPLATE)
+    assert TextDataModule(format="chat", tokenizer_path=str(folder),
+                          chat_template=str(template_file)).tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def test_a_text_field_error_points_at_the_instruction_formats(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "chats.jsonl", [GOOD])
+    with pytest.raises(RecipeError, match=r"set data.text_field, or data.format: chat\)"):
+        TextDataModule(data_path=str(path)).setup("fit")
+
+
+def parquet_and_json_folder(folder: Path, records: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(records[:3]), folder / "a.parquet")
+    (folder / "b.json").write_text(json.dumps(records[3:]))
+
+
+def test_parquet_and_json_files_are_read_with_datasets(tmp_path: Path, tokenizer_folders: dict[str, Path]) -> None:
+    pytest.importorskip("datasets")
+    records = [record.fields for record in embedded_conversations()[:6]]
+    records[1]["messages"][0]["name"] = "someone"  # a key other messages lack: a table gives them None
+    parquet_and_json_folder(tmp_path / "tables", records)
+    jsonl = write_jsonl(tmp_path / "same.jsonl", records)
+    settings = {"format": "chat", "tokenizer_path": str(tokenizer_folders["chat"]), "seq_len": 512,
+                "packing": False, "val_fraction": 0.5}
+    from_tables, from_jsonl = TextDataModule(data_path=str(tmp_path / "tables"), **settings), \
+        TextDataModule(data_path=str(jsonl), **settings)
+    for data in (from_tables, from_jsonl):
+        data.setup("fit")
+    for split in ("train_set", "val_set"):
+        assert [item.input_ids for item in getattr(from_tables, split).examples] == \
+            [item.input_ids for item in getattr(from_jsonl, split).examples]
+    broken = tmp_path / "broken"
+    parquet_and_json_folder(broken, [records[0], {"text": "hi"}, records[2], records[3]])
+    with pytest.raises(RecipeError, match=rf"record 2 of '{broken / 'a.parquet'}' has no 'messages' field"):
+        TextDataModule(data_path=str(broken), **settings).setup("fit")
+
+
+def test_without_datasets_a_parquet_file_is_one_clear_error(
+    tmp_path: Path, tokenizer_folders: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "chats.parquet"
+    path.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets now raises ImportError
+    data = TextDataModule(data_path=str(path), format="chat", tokenizer_path=str(tokenizer_folders["chat"]))
+    with pytest.raises(RecipeError, match=rf"reading '{path}' needs the datasets package \(pip install datasets\)"):
+        data.setup("fit")
+
+
+def test_padded_batches_are_drawn_by_length_and_resume_part_way() -> None:
+    data = chat_data(packing=False, batch_size=4, val_fraction=0.1, shuffle_seed=2)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    assert isinstance(loader.sampler, LengthGroupedSampler)
+    loader.sampler.set_epoch(1)
+    epoch = list(loader)
+    lengths = [batch["attention_mask"].sum(1).tolist() for batch in epoch]
+    assert all(row == sorted(row, reverse=True) for row in lengths)  # within a batch, longest first
+    order = [length for row in lengths for length in row]
+    assert sorted(order, reverse=True) == order  # one group this small: the whole epoch by length
+    batches = iter(loader)
+    seen = [next(batches) for _ in range(3)]
+    state = loader.state_dict()
+    resumed = chat_data(packing=False, batch_size=4, val_fraction=0.1)
+    resumed.setup("fit")
+    again = resumed.train_dataloader()
+    again.load_state_dict(state)
+    again.sampler.set_epoch(1)
+    ids = [batch["input_ids"].tolist() for batch in [*seen, *again]]
+    assert ids == [batch["input_ids"].tolist() for batch in epoch]
+    # Another epoch, another order; groups sorted within themselves.
+    sampler = LengthGroupedSampler([5, 1, 4, 2, 3, 6, 7, 0], batch_size=2, seed=0, batches_per_group=2)
+    first = sampler.order()
+    assert sorted(first) == list(range(8))
+    assert all(sorted(first[i : i + 4], key=lambda j: -sampler.lengths[j]) == first[i : i + 4] for i in (0, 4))
+
+
+def test_predict_asks_chat_prompts_as_user_turns(chatml: PretrainedTokenizer) -> None:
+    batch = PromptCollator(chatml, chat=True)(["What does pass do?"])
+    expected = chatml.tokenizer.apply_chat_template([{"role": "user", "content": "What does pass do?"}],
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert batch["input_ids"][0].tolist() == expected and batch["prompts"] == ["What does pass do?"]
+    data = chat_data(prompts=["Hi?"])
+    data.setup("predict")
+    ids = next(iter(data.predict_dataloader()))["input_ids"][0].tolist()
+    assert data.tokenizer.decode(ids) == "<|user|>\nHi?\n<|assistant|>\n"
+    assert ids[0] == ByteTokenizer.bos_token_id
+    plain = TextDataModule(prompts=["Hi?"])
+    plain.setup("predict")
+    assert next(iter(plain.predict_dataloader()))["input_ids"][0].tolist() == ByteTokenizer().encode("Hi?")
+
+
+def test_the_shipped_conversations_are_valid_and_fit_the_recipe() -> None:
+    records = embedded_conversations()
+    assert len(records) >= 36
+    tokenizer = ByteTokenizer(BYTE_TEMPLATE)
+    for record in records:
+        messages = record.fields["messages"]
+        assert {message["role"] for message in messages} <= {"system", "user", "assistant"}
+        assert messages[-1]["role"] == "assistant"
+        assert len(encode_conversation(messages, tokenizer, record.where).input_ids) <= 384
+    assert any(sum(message["role"] == "assistant" for message in record.fields["messages"]) > 1
+               for record in records)

@@ -12,7 +12,6 @@ from typing import Any
 
 from lightning_superpipe.recipes.text_data import embedded_documents
 
-
 #: ChatML, as Qwen's instruction-tuned models write conversations; roles other than these three are refused, as the
 #: templates of Llama and Mistral refuse them.
 CHATML_TEMPLATE = (
