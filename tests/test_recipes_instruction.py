@@ -332,7 +332,7 @@ def test_a_long_example_is_cut_only_when_asked(tmp_path: Path, tokenizer_folders
 
 def test_conversations_need_a_chat_template_before_anything_is_read(tokenizer_folders: dict[str, Path]) -> None:
     folder = tokenizer_folders["plain"]
-    with pytest.raises(RecipeError, match=rf"the tokenizer from '{folder}' has none; set data.chat_template"):
+    with pytest.raises(RecipeError, match=rf"the tokenizer in '{folder}' has none; set data.chat_template"):
         TextDataModule(format="chat", tokenizer_path=str(folder))
     with pytest.raises(RecipeError, match="the byte-level tokenizer has none"):
         TextDataModule(format="chat")

@@ -453,7 +453,7 @@ def check_chat_tokenizer(tokenizer: TextTokenizer, needs_template: bool, source:
     Args:
         tokenizer: The data module's tokenizer.
         needs_template: Whether conversations are rendered (``data.format: chat``, chat prompts).
-        source: What the tokenizer came from, for the message.
+        source: The tokenizer in words (``the tokenizer in 'FOLDER'``), for the message.
 
     Raises:
         RecipeError: If it cannot give the character spans of its tokens, has no chat template where one is needed,
@@ -461,15 +461,15 @@ def check_chat_tokenizer(tokenizer: TextTokenizer, needs_template: bool, source:
     """
     if not isinstance(tokenizer, ChatTokenizer) or not getattr(tokenizer, "has_offsets", True):
         raise RecipeError(
-            f"the tokenizer from {source} cannot tell where each token comes from in the text, which instruction "
+            f"{source} cannot tell where each token comes from in the text, which instruction "
             "data needs to find the assistant's tokens; use a fast tokenizer (its folder's tokenizer.json)"
         )
     if not needs_template:
         return tokenizer
     if tokenizer.chat_template is None:
         raise RecipeError(
-            f"conversations are rendered with the tokenizer's chat template, but the tokenizer from {source} has "
-            "none; set data.chat_template to a Jinja chat template, or to a file holding one"
+            f"conversations are rendered with the tokenizer's chat template, but {source} has none; set "
+            "data.chat_template to a Jinja chat template, or to a file holding one"
         )
     from jinja2 import TemplateSyntaxError
 

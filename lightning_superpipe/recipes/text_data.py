@@ -367,7 +367,8 @@ class TextDataModule(LightningDataModule):
             self.tokenizer.chat_template = read_chat_template(chat_template)  # type: ignore[attr-defined]
         if format != "text" or self.chat_prompts:
             # Checked here, before the model is built: whether the tokenizer can render and locate the answers.
-            source = "the byte-level tokenizer" if isinstance(self.tokenizer, ByteTokenizer) else f"'{tokenizer_path}'"
+            byte_level = isinstance(self.tokenizer, ByteTokenizer)
+            source = "the byte-level tokenizer" if byte_level else f"the tokenizer in '{tokenizer_path}'"
             check_chat_tokenizer(self.tokenizer, format == "chat" or self.chat_prompts, source)
         self.train_set: Dataset[dict[str, torch.Tensor]] | None = None
         self.val_set: Dataset[dict[str, torch.Tensor]] | None = None
