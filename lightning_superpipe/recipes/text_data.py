@@ -2,6 +2,8 @@
 
 Documents come from a plain-text file, a folder of text files, a JSONL file with a text field, or, by default,
 Python's own documentation (``pydoc_data.topics``), which ships with every CPython so a recipe runs with no download.
+The data module serves instruction data too (conversations, prompt/response pairs), which
+:mod:`lightning_superpipe.recipes.instruction_data` reads and tokenizes.
 """
 
 from __future__ import annotations
@@ -245,9 +247,9 @@ class TextDataModule(LightningDataModule):
     held-out rows (set ``val_fraction: 1.0`` to evaluate on everything); ``predict`` continues ``prompts``.
 
     Plain text (``format: text``) is one token stream cut into rows, documents attending to the ones before them in
-    a row. Instruction data (``format: chat`` or ``prompt_response``, see :mod:`~lightning_superpipe.recipes.
-    instruction_data`) is split by example, and each example stays whole and attends only to itself: packed rows
-    carry ``position_ids`` that restart per example (``packing: true``), or each example is a padded row of its own.
+    a row. Instruction data (``format: chat`` or ``prompt_response``, read by ``recipes.instruction_data``) is split
+    by example, and each example stays whole and attends only to itself: packed rows carry ``position_ids`` that
+    restart per example (``packing: true``), or each example is a padded row of its own.
     Every record is read, checked and tokenized in ``setup``, before training starts; a bad one is one
     :class:`~lightning_superpipe.recipes.RecipeError` naming its file and line.
 
