@@ -19,13 +19,15 @@ import torch
 import yaml
 
 from lightning_superpipe.planning import parse_budget
-from lightning_superpipe.recipes import CausalLMModule, cli
+from lightning_superpipe.recipes import CausalLMModule, TextDataModule, cli
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
 from lightning_superpipe.recipes.text_data import embedded_documents
 from lightning_superpipe.recipes.tokenization import ByteTokenizer
+from tests.test_recipes_instruction import example_losses
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 LORA, FULL, MOE = (str(RECIPES / name) for name in ("finetune_lora.yaml", "finetune_full.yaml", "eval_moe_paged.yaml"))
+CHAT = str(RECIPES / "finetune_chat_lora.yaml")
 # A few steps instead of the recipes' hundreds, set on the command line as a user would.
 FEW_STEPS = [
     "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
@@ -284,12 +286,65 @@ BAD_INPUT = {
         lambda tmp: ["--config", FULL, "--model.config.num_hidden_layers", "2.5"],
         "model.config.num_hidden_layers: expected int, got float (value: 2.5)",
     ),
+    # Instruction data: each bad record is one line naming its file and line, before training starts.
+    "chat record with a role the template refuses": (
+        lambda tmp: ["--config", CHAT, "--data.data_path", chat_file(tmp, {"role": "tool", "content": "42"})],
+        "line 2 of '{tmp}/chats.jsonl': the chat template refused the conversation: unknown role 'tool'",
+    ),
+    "chat record without messages": (
+        lambda tmp: ["--config", CHAT, "--data.data_path", chat_file(tmp, None)],
+        "line 2 of '{tmp}/chats.jsonl' has no 'messages' field (it has 'text'); set data.messages_field",
+    ),
+    "conversation longer than the sequence": (
+        lambda tmp: ["--config", CHAT, "--data.seq_len", "64"],
+        "line 1 of 'python_chats.jsonl' is 348 tokens, longer than data.seq_len=64; raise data.seq_len",
+    ),
+    "conversations without a chat template": (
+        lambda tmp: ["--config", CHAT, "--data.chat_template", "null"],
+        "conversations are rendered with the tokenizer's chat template, but the byte-level tokenizer has none; set "
+        "data.chat_template",
+    ),
     "unknown activation": (
         lambda tmp: ["--config", LORA, "--model.config.hidden_act", "gelu_fast_please"],
         ("model.config.hidden_act: transformers cannot build a 'llama' model with hidden_act='gelu_fast_please' "
          "(KeyError: 'gelu_fast_please')"),
     ),
 }
+
+
+def chat_file(folder: Path, message: dict[str, str] | None) -> str:
+    """A JSONL of two conversations, the second with ``message`` before its answer (``None``: no messages)."""
+    good = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    second = {"text": "Hi?"} if message is None else {"messages": [good["messages"][0], message, good["messages"][1]]}
+    path = folder / "chats.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(second) + "\n")
+    return str(path)
+
+
+def test_the_chat_recipe_trains_and_evaluates_on_the_answers_and_asks_its_prompts_as_chat_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cli.main(["fit", "--config", CHAT, *FEW_STEPS, *QUIET])
+    fit_run = run_dir(tmp_path, "finetune_chat_lora")
+    assert len(logged(metric_rows(fit_run), "train/loss")) >= 1
+    checkpoint = fit_run / "checkpoints" / "last.ckpt"
+    cli.main(["validate", "--config", CHAT, "--ckpt_path", str(checkpoint), *QUIET])
+    [val_loss] = logged(metric_rows(run_dir(tmp_path, "finetune_chat_lora")), "val/loss")
+    # The loss over the held-out conversations' answer tokens, each conversation run alone.
+    settings = yaml.safe_load(Path(CHAT).read_text())["data"]
+    data = TextDataModule(format="chat", chat_template=settings["chat_template"], seq_len=settings["seq_len"],
+                          val_fraction=settings["val_fraction"], packing=False)
+    data.setup("validate")
+    module = CausalLMModule.load_from_checkpoint(checkpoint).eval()
+    assert val_loss == pytest.approx(float(example_losses(module, data.val_set.examples)), rel=1e-5)
+
+    cli.main(["predict", "--config", CHAT, "--ckpt_path", str(checkpoint), "--model.generation.max_new_tokens", "4",
+              *QUIET])
+    records = [json.loads(line) for line in (run_dir(tmp_path, "finetune_chat_lora") / "predictions.jsonl")
+               .read_text().splitlines()]
+    assert [record["prompt"] for record in records] == settings["prompts"]
+    assert all(isinstance(record["completion"], str) for record in records)
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)

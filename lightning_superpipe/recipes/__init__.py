@@ -7,13 +7,14 @@ from lightning_superpipe.recipes.export import ExportCheckpoints, export_pretrai
 from lightning_superpipe.recipes.generation_writer import GenerationWriter
 from lightning_superpipe.recipes.memory_report import MemoryReport
 from lightning_superpipe.recipes.progress import LoggingProgressBar, ThroughputLogger
+from lightning_superpipe.recipes.resumable_loading import ResumableDataLoader, ResumableSampler
 from lightning_superpipe.recipes.settings import (
     GenerationSettings,
     LoRASettings,
     OptimizerSettings,
     QuantizationSettings,
 )
-from lightning_superpipe.recipes.text_data import ResumableDataLoader, ResumableSampler, TextDataModule
+from lightning_superpipe.recipes.text_data import TextDataModule
 from lightning_superpipe.recipes.tokenization import ByteTokenizer, TextTokenizer, load_tokenizer
 
 __all__ = [

@@ -22,6 +22,7 @@ from torch import nn
 from torchmetrics.aggregation import MeanMetric
 
 from lightning_superpipe.recipes.errors import RecipeError
+from lightning_superpipe.recipes.instruction_data import IGNORE_INDEX
 from lightning_superpipe.recipes.model_building import (
     add_lora,
     build_from_config,
@@ -163,16 +164,38 @@ class CausalLMModule(LightningModule):
             model = prepare_for_training(model, self.quantization)
         self.model = add_lora(model, self.lora) if self.lora is not None else model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits of shape ``(batch, sequence, vocabulary)``."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Next-token logits of shape ``(batch, sequence, vocabulary)``.
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Mean next-token cross-entropy of the batch and the number of tokens it averages over."""
+        ``position_ids`` that restart within a row, without an ``attention_mask``, mark packed examples: each attends
+        only to itself (``transformers``' convention for packed sequences).
+        """
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """Mean next-token cross-entropy of the batch and the number of tokens it averages over.
+
+        A batch of plain text (``input_ids`` alone) is trained on every token. Instruction data brings ``labels``
+        (``-100`` where no loss is taken) and either ``position_ids`` of packed examples or an ``attention_mask`` of
+        padded ones; the mean is then over the labelled tokens.
+        """
         input_ids = batch["input_ids"]
         # ``transformers`` shifts the labels itself: position t predicts token t + 1.
-        loss = self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        return loss, input_ids.shape[0] * (input_ids.shape[1] - 1)
+        labels = batch.get("labels")
+        inputs = {name: batch[name] for name in ("attention_mask", "position_ids") if name in batch}
+        loss = self.model(
+            input_ids=input_ids, labels=input_ids if labels is None else labels, use_cache=False, **inputs
+        ).loss
+        if labels is None:
+            return loss, input_ids.shape[0] * (input_ids.shape[1] - 1)
+        return loss, (labels[:, 1:] != IGNORE_INDEX).sum()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)

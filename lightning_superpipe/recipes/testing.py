@@ -1,7 +1,8 @@
 """A local model folder like one downloaded from the Hugging Face Hub, built offline, for trying ``pretrained_path``.
 
 Nothing is downloaded: the model has random weights from a small config, and the tokenizer is a byte-pair encoding
-trained in about a second on Python's documentation (``pydoc_data.topics``).
+trained in about a second on Python's documentation (``pydoc_data.topics``), optionally with a ChatML chat template
+like an instruction-tuned model's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,28 @@ from typing import Any
 
 from lightning_superpipe.recipes.text_data import embedded_documents
 
+#: ChatML, as Qwen's instruction-tuned models write conversations; roles other than these three are refused, as the
+#: templates of Llama and Mistral refuse them.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+#: The control tokens of :data:`CHATML_TEMPLATE`.
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
-def train_bpe_tokenizer(vocab_size: int = 384) -> Any:
+
+def train_bpe_tokenizer(vocab_size: int = 384, chat: bool = False) -> Any:
     """A ``transformers`` fast tokenizer trained on the embedded corpus, with ``<s>``, ``</s>`` and ``<pad>``.
 
     Args:
         vocab_size: Size of the vocabulary, special tokens included.
+        chat: Add the ChatML control tokens and :data:`CHATML_TEMPLATE`, with ``<|im_end|>`` as the end-of-sequence
+            token, as an instruction-tuned model's tokenizer has them.
 
     Returns:
         A ``PreTrainedTokenizerFast`` that adds ``<s>`` at the start of each text.
@@ -35,11 +52,17 @@ def train_bpe_tokenizer(vocab_size: int = 384) -> Any:
     )
     tokenizer.train_from_iterator(embedded_documents(), trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if not chat:
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.add_special_tokens(list(CHATML_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>",
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 def save_tiny_pretrained(
-    folder: str | Path, model_type: str = "llama", with_tokenizer: bool = True, **config: Any
+    folder: str | Path, model_type: str = "llama", with_tokenizer: bool = True, chat: bool = False, **config: Any
 ) -> Path:
     """Write a small randomly initialised causal LM (and a tokenizer) with ``save_pretrained``.
 
@@ -48,6 +71,7 @@ def save_tiny_pretrained(
         model_type: A ``transformers`` model type with a causal-LM class.
         with_tokenizer: Also save a tokenizer; without one, the recipes refuse the folder unless asked for byte-level
             tokens (`data.byte_tokenizer: true`).
+        chat: Give the tokenizer a chat template (:func:`train_bpe_tokenizer`).
         **config: Values replacing the small default sizes.
 
     Returns:
@@ -67,7 +91,7 @@ def save_tiny_pretrained(
     }
     sizes.update(config)
     if with_tokenizer:
-        tokenizer = train_bpe_tokenizer(sizes["vocab_size"])
+        tokenizer = train_bpe_tokenizer(sizes["vocab_size"], chat=chat)
         sizes.update(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,

@@ -2,34 +2,52 @@
 
 Documents come from a plain-text file, a folder of text files, a JSONL file with a text field, or, by default,
 Python's own documentation (``pydoc_data.topics``), which ships with every CPython so a recipe runs with no download.
+The data module serves instruction data too (conversations, prompt/response pairs), which
+:mod:`lightning_superpipe.recipes.instruction_data` reads and tokenizes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
+from lightning_superpipe.recipes.data_files import JSONL_SUFFIX, jsonl_records, read_text_file
 from lightning_superpipe.recipes.errors import RecipeError
-from lightning_superpipe.recipes.tokenization import TextTokenizer, load_tokenizer
+from lightning_superpipe.recipes.instruction_data import (
+    FORMATS,
+    DataFormat,
+    InstructionFields,
+    PackedExamples,
+    PaddedExamples,
+    check_chat_tokenizer,
+    instruction_format_hint,
+    load_examples,
+    read_chat_template,
+)
+from lightning_superpipe.recipes.resumable_loading import LengthGroupedSampler, ResumableDataLoader, ResumableSampler
+from lightning_superpipe.recipes.tokenization import ByteTokenizer, ChatTokenizer, TextTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 #: Suffixes of the files read as plain text when the data path is a folder.
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".markdown", ".rst")
-#: Suffix of the files read as one JSON object a line.
-JSONL_SUFFIX = ".jsonl"
 #: Prompts for ``superpipe predict`` when the recipe gives none; they open topics of the embedded corpus.
 DEFAULT_PROMPTS = (
     "The for statement is used to",
     "A class definition defines a class object",
     "Exceptions are raised",
+)
+#: What ``superpipe predict`` asks a model tuned on instruction data, when the recipe gives no prompts.
+DEFAULT_CHAT_PROMPTS = (
+    "What is the for statement used for?",
+    "What does a class definition do?",
+    "How are exceptions raised?",
 )
 
 
@@ -38,18 +56,6 @@ def embedded_documents() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[name] for name in sorted(topics)]
-
-
-def read_text_file(path: Path) -> str:
-    """The UTF-8 text of ``path``.
-
-    Raises:
-        RecipeError: If the file is not UTF-8 text.
-    """
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise RecipeError(f"'{path}' is not UTF-8 text (undecodable byte at offset {error.start})") from error
 
 
 def read_jsonl(path: Path, text_field: str) -> list[str]:
@@ -64,30 +70,23 @@ def read_jsonl(path: Path, text_field: str) -> list[str]:
     texts: list[str] = []
     first_record_fields: list[str] | None = None
     records = 0
-    for line_number, line in enumerate(read_text_file(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RecipeError(f"line {line_number} of '{path}' is not JSON: {error.msg}") from error
-        if not isinstance(record, dict):
-            raise RecipeError(f"line {line_number} of '{path}' is a JSON {type(record).__name__}, expected an object")
+    for record in jsonl_records(path):
         records += 1
         if first_record_fields is None:
-            first_record_fields = list(record)
-        if text_field not in record:
+            first_record_fields = list(record.fields)
+        if text_field not in record.fields:
             continue
-        value = record[text_field]
+        value = record.fields[text_field]
         if not isinstance(value, str):
             raise RecipeError(
-                f"field '{text_field}' on line {line_number} of '{path}' is a {type(value).__name__}, expected a string"
+                f"field '{text_field}' on {record.where} is a {type(value).__name__}, expected a string"
             )
         texts.append(value)
     if records and not texts:
+        hint = instruction_format_hint(first_record_fields or [])
         raise RecipeError(
             f"no record in '{path}' has the text field '{text_field}'; the first record has "
-            f"{', '.join(repr(name) for name in first_record_fields or [])} (set data.text_field)"
+            f"{', '.join(repr(name) for name in first_record_fields or [])} (set data.text_field{hint})"
         )
     if len(texts) < records:
         missing = records - len(texts)
@@ -179,10 +178,15 @@ def split_rows(rows: torch.Tensor, val_fraction: float, seed: int) -> tuple[torc
     Returns:
         ``(train_rows, held_out_rows)``, each in the original order.
     """
-    count = len(rows)
+    train, held_out = split_indices(len(rows), val_fraction, seed)
+    return rows[train], rows[held_out]
+
+
+def split_indices(count: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indices of :func:`split_rows`' training and held-out rows among ``count``, each ascending."""
     held_out = count if val_fraction >= 1.0 else min(count - 1, max(1, round(count * val_fraction)))
     order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    return rows[order[held_out:].sort().values], rows[order[:held_out].sort().values]
+    return order[held_out:].sort().values, order[:held_out].sort().values
 
 
 class PackedSequences(Dataset[dict[str, torch.Tensor]]):
@@ -202,145 +206,29 @@ class PackedSequences(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.rows[index].long()}
 
 
-class ResumableSampler(Sampler[int]):
-    """The indices ``0 .. num_samples - 1`` in an order fixed by ``seed`` and the epoch, from any position on.
-
-    Lightning calls :meth:`set_epoch` before every training epoch, so each epoch has its own order, and a run resumed
-    in the middle of an epoch draws the same order again. :class:`ResumableDataLoader` sets :attr:`start` to skip
-    the samples an interrupted run had already trained on.
-
-    Args:
-        num_samples: Size of the dataset.
-        shuffle: Draw a random order per epoch; ``False`` keeps ``0, 1, 2, ...``.
-        seed: Seed of the order, combined with the epoch.
-    """
-
-    def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0) -> None:
-        self.num_samples = num_samples
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
-        #: Samples of this epoch's order to leave out at the start of the next pass.
-        self.start = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use the order of ``epoch`` from the next pass on."""
-        self.epoch = epoch
-
-    def order(self) -> list[int]:
-        """The whole order of the current epoch."""
-        if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=generator).tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order()[self.start :])
-
-    def __len__(self) -> int:
-        # The whole epoch, also when starting part-way: Lightning counts an epoch's batches from ``len(loader)``.
-        return self.num_samples
-
-
-class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
-    """A ``DataLoader`` whose position within the epoch goes into Lightning's checkpoints, so that ``fit`` resumed
-    from the middle of an epoch trains on exactly the batches the interrupted run had not reached.
-
-    Lightning's fit loop saves the ``state_dict`` of a training loader that has one and loads it before the resumed
-    epoch starts (:class:`TextDataModule` loads it too, where Lightning would be too late). Batches are counted as
-    the main process hands them over, not as worker processes prefetch them.
-    With a :class:`ResumableSampler` the skipped samples are never loaded; with any other sampler whose order is
-    reproducible (Lightning's distributed sampler, seeded by the epoch), the skipped batches are loaded and dropped.
-
-    Takes the arguments of ``DataLoader``.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._batches_done = 0
-        self._skip_batches = 0
-        self._skip_epoch: int | None = None
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        # A generator: nothing is drawn until the first batch is asked for, by which time Lightning has called
-        # ``set_epoch``, also for the first epoch of a resumed run.
-        return self._counted_batches()
-
-    def _counted_batches(self) -> Iterator[Any]:
-        skip, self._skip_batches = self._skip_batches, 0
-        skip_epoch, self._skip_epoch = self._skip_epoch, None
-        if (skip_epoch is not None and self._epoch() != skip_epoch) or skip >= len(self):
-            skip = 0  # the checkpoint's epoch was complete: this is the next one, from its start
-        drop = skip
-        if isinstance(self.sampler, ResumableSampler) and self.batch_size is not None:
-            self.sampler.start, drop = skip * self.batch_size, 0
-        self._batches_done = skip
-        batches = super().__iter__()
-        for _ in range(drop):
-            next(batches, None)
-        for batch in batches:
-            self._batches_done += 1
-            yield batch
-
-    def _epoch(self) -> int | None:
-        return getattr(self.sampler, "epoch", None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where the loader stands: the epoch, its batches handed out so far, and what the order depends on."""
-        state: dict[str, Any] = {
-            "epoch": self._epoch(),
-            "batches_done": self._batches_done,
-            "num_batches": len(self),
-            "batch_size": self.batch_size,
-        }
-        if isinstance(self.sampler, ResumableSampler):
-            state.update(seed=self.sampler.seed, num_samples=self.sampler.num_samples, shuffle=self.sampler.shuffle)
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` in the next pass.
-
-        Raises:
-            RecipeError: If the data differs from the checkpoint's in size or batch size, so that its position
-                would point at other sequences.
-        """
-        sampler = self.sampler
-        batches_done = int(state_dict.get("batches_done", 0))
-        saved = {key: state_dict.get(key) for key in ("num_samples", "batch_size", "num_batches")}
-        current = {"num_samples": getattr(sampler, "num_samples", None), "batch_size": self.batch_size}
-        current["num_batches"] = len(self)
-        changed = [key for key, value in saved.items() if value is not None and value != current[key]]
-        # Between epochs the data may change; part-way through one, the position would point at other sequences.
-        if changed and 0 < batches_done < (saved["num_batches"] or len(self)):
-            details = ", ".join(f"{key} {saved[key]} then, {current[key]} now" for key in changed)
-            raise RecipeError(
-                f"the checkpoint stopped part-way through an epoch of other training data ({details}); resume "
-                "with the data settings it was trained with (data.data_path, data.seq_len, data.batch_size, "
-                "data.val_fraction, data.split_seed)"
-            )
-        if isinstance(sampler, ResumableSampler):
-            sampler.seed = state_dict.get("seed", sampler.seed)
-            sampler.shuffle = state_dict.get("shuffle", sampler.shuffle)
-        epoch = state_dict.get("epoch")
-        if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        self._skip_batches = batches_done
-        self._skip_epoch = epoch
-        self._batches_done = batches_done
-
-
 class PromptCollator:
     """Tokenize prompts and left-pad them, as generation with a decoder-only model needs.
 
     Args:
         tokenizer: The tokenizer of the model that will continue the prompts.
+        chat: Render each prompt as a user message with the tokenizer's chat template, followed by the opening of the
+            assistant's turn, as a model tuned on conversations expects.
     """
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, chat: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.chat = chat
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt``, as a chat turn or as it is."""
+        if not self.chat:
+            return self.tokenizer.encode(prompt)
+        tokenizer: ChatTokenizer = self.tokenizer  # type: ignore[assignment]  # checked by the data module
+        text = tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return tokenizer.encode_rendered(text)[0]
 
     def __call__(self, prompts: list[str]) -> dict[str, Any]:
-        encoded = [self.tokenizer.encode(prompt) for prompt in prompts]
+        encoded = [self.encode(prompt) for prompt in prompts]
         width = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), width), self.tokenizer.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -352,15 +240,38 @@ class PromptCollator:
 
 
 class TextDataModule(LightningDataModule):
-    """Text for causal-LM fine-tuning and evaluation, packed into fixed-length sequences.
+    """Text for causal-LM fine-tuning and evaluation, packed into fixed-length sequences; or instruction data
+    (conversations, prompt/response pairs) with the loss on the answers only.
 
     ``fit`` trains on the training rows and validates on the held-out rows; ``validate`` and ``test`` evaluate the
     held-out rows (set ``val_fraction: 1.0`` to evaluate on everything); ``predict`` continues ``prompts``.
 
+    Plain text (``format: text``) is one token stream cut into rows, documents attending to the ones before them in
+    a row. Instruction data (``format: chat`` or ``prompt_response``, read by ``recipes.instruction_data``) is split
+    by example, and each example stays whole and attends only to itself: packed rows carry ``position_ids`` that
+    restart per example (``packing: true``), or each example is a padded row of its own.
+    Every record is read, checked and tokenized in ``setup``, before training starts; a bad one is one
+    :class:`~lightning_superpipe.recipes.RecipeError` naming its file and line.
+
     Args:
         data_path: A text file, a folder of ``.txt``/``.md``/``.rst``/``.jsonl`` files, or a JSONL file; ``None``
-            (the default) uses Python's documentation, which ships with every CPython.
+            (the default) uses Python's documentation, which ships with every CPython. For instruction data: a
+            ``.jsonl`` file, a ``.json`` or ``.parquet`` file (read with ``datasets``, if installed), or a folder of
+            them; ``None`` uses the conversations that ship with the package (questions about Python).
         text_field: The field holding the text in JSONL records.
+        format: ``text``, ``chat`` (records with a list of messages, rendered with the tokenizer's chat template, the
+            loss on the assistant's messages) or ``prompt_response`` (the loss on the response).
+        messages_field: The field holding a conversation's messages (``format: chat``).
+        response_field: The field holding the response (``format: prompt_response``; the prompt is
+            ``prompt_field``).
+        chat_template: A Jinja chat template, or a file holding one, replacing the tokenizer's (or giving one to a
+            tokenizer that has none, such as the byte-level one).
+        packing: Pack several examples into each row of ``seq_len`` tokens, each attending only to itself; ``false``
+            pads each example to the longest of its batch and draws training batches of similar lengths.
+        truncate: Cut an instruction example longer than ``seq_len`` to its first ``seq_len`` tokens; off, such an
+            example is an error.
+        chat_prompts: Render ``predict``'s prompts as user messages with the chat template; ``None`` does so for
+            ``format: chat``.
         tokenizer_path: Folder of the model's tokenizer, checked to load and to encode text
             (:func:`~lightning_superpipe.recipes.load_tokenizer`); ``None`` uses a byte-level tokenizer, for a model
             built from a config. The ``superpipe`` command sets it to ``model.pretrained_path`` unless given.
@@ -390,6 +301,13 @@ class TextDataModule(LightningDataModule):
         text_field: str = "text",
         tokenizer_path: str | None = None,
         byte_tokenizer: bool = False,
+        format: DataFormat = "text",
+        messages_field: str = "messages",
+        response_field: str = "response",
+        chat_template: str | None = None,
+        packing: bool = True,
+        truncate: bool = False,
+        chat_prompts: bool | None = None,
         seq_len: int = 128,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -415,16 +333,24 @@ class TextDataModule(LightningDataModule):
             raise RecipeError(f"data path '{data_path}' does not exist")
         if prompts is not None and not prompts:
             raise RecipeError("data.prompts is an empty list; give at least one prompt or leave it unset")
+        if format not in FORMATS:
+            raise RecipeError(f"data.format must be one of {', '.join(FORMATS)}, got '{format}'")
         self.save_hyperparameters()
         self.data_path = data_path
         self.text_field = text_field
+        self.format: DataFormat = format
+        self.fields = InstructionFields(messages=messages_field, prompt=prompt_field, response=response_field)
+        self.packing = packing
+        self.truncate = truncate
+        self.chat_prompts = format == "chat" if chat_prompts is None else chat_prompts
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
         self.shuffle_seed = shuffle_seed
         self.num_workers = num_workers
-        self.prompts = list(prompts) if prompts is not None else list(DEFAULT_PROMPTS)
+        default_prompts = DEFAULT_CHAT_PROMPTS if format != "text" else DEFAULT_PROMPTS
+        self.prompts = list(prompts) if prompts is not None else list(default_prompts)
         if prompts_path is not None:
             path = Path(prompts_path).expanduser()
             if not path.exists():
@@ -439,8 +365,15 @@ class TextDataModule(LightningDataModule):
             raise RecipeError(f"data.predict_batch_size must be at least 1, got {predict_batch_size}")
         self.predict_batch_size = predict_batch_size
         self.tokenizer: TextTokenizer = load_tokenizer(tokenizer_path, byte_level=byte_tokenizer)
-        self.train_set: PackedSequences | None = None
-        self.val_set: PackedSequences | None = None
+        if chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template(chat_template)  # type: ignore[attr-defined]
+        if format != "text" or self.chat_prompts:
+            # Checked here, before the model is built: whether the tokenizer can render and locate the answers.
+            byte_level = isinstance(self.tokenizer, ByteTokenizer)
+            source = "the byte-level tokenizer" if byte_level else f"the tokenizer in '{tokenizer_path}'"
+            check_chat_tokenizer(self.tokenizer, format == "chat" or self.chat_prompts, source)
+        self.train_set: Dataset[dict[str, torch.Tensor]] | None = None
+        self.val_set: Dataset[dict[str, torch.Tensor]] | None = None
         self._train_loader: ResumableDataLoader | None = None
         self._train_loader_state: dict[str, Any] | None = None
 
@@ -456,6 +389,10 @@ class TextDataModule(LightningDataModule):
             RecipeError: If the data holds no text, too little for one sequence per split, or nothing to train on.
         """
         if stage == "predict" or self.val_set is not None:
+            self._check_train_rows(stage)
+            return
+        if self.format != "text":
+            self._setup_instruction_data()
             self._check_train_rows(stage)
             return
         documents = read_documents(self.data_path, self.text_field)
@@ -479,6 +416,29 @@ class TextDataModule(LightningDataModule):
         )
         self._check_train_rows(stage)
 
+    def _setup_instruction_data(self) -> None:
+        """Tokenize the instruction records, split them by example, and pack or pad each split."""
+        tokenizer: ChatTokenizer = self.tokenizer  # type: ignore[assignment]  # checked in ``__init__``
+        examples = load_examples(self.data_path, self.format, self.fields, tokenizer, self.seq_len, self.truncate)
+        needed = 1 if self.val_fraction >= 1.0 else 2
+        if len(examples) < needed:
+            source = f"data path '{self.data_path}'" if self.data_path is not None else "the embedded conversations"
+            raise RecipeError(f"{source} holds {len(examples)} example(s), too few for {needed} split(s); add examples")
+        train_indices, held_out_indices = split_indices(len(examples), self.val_fraction, self.split_seed)
+        splits = [[examples[i] for i in indices.tolist()] for indices in (train_indices, held_out_indices)]
+        pad_token_id = self.tokenizer.pad_token_id
+        if self.packing:
+            self.train_set, self.val_set = (PackedExamples(split, self.seq_len, pad_token_id) for split in splits)
+        else:
+            self.train_set, self.val_set = (PaddedExamples(split, pad_token_id) for split in splits)
+        trained = sum(example.trained_tokens for example in examples)
+        total = sum(len(example.input_ids) for example in examples)
+        layout = f"packed into rows of {self.seq_len} tokens" if self.packing else "padded per batch"
+        log.info(
+            "Read %d %s examples (%d tokens, %d of them trained on): %d for training and %d held out, %s.",
+            len(examples), self.format, total, trained, len(splits[0]), len(splits[1]), layout,
+        )
+
     def _check_train_rows(self, stage: str) -> None:
         if stage == "fit" and self.train_set is not None and len(self.train_set) == 0:
             raise RecipeError(f"data.val_fraction={self.val_fraction} holds out every sequence: nothing to train on")
@@ -487,7 +447,9 @@ class TextDataModule(LightningDataModule):
         if dataset is None:
             raise RuntimeError("TextDataModule.setup() must run before its data loaders are requested")
         seed = self.shuffle_seed if self.shuffle_seed is not None else torch.initial_seed()
+        collate = dataset.collate if isinstance(dataset, PaddedExamples) else None
         settings: dict[str, Any] = {
+            "collate_fn": collate,
             "batch_size": self.batch_size,
             "num_workers": self.num_workers,
             "persistent_workers": self.num_workers > 0,
@@ -497,7 +459,10 @@ class TextDataModule(LightningDataModule):
         }
         if not shuffle:
             return DataLoader(dataset, shuffle=False, **settings)
-        sampler = ResumableSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
+        if isinstance(dataset, PaddedExamples):
+            sampler: ResumableSampler = LengthGroupedSampler(dataset.lengths, self.batch_size, seed=seed)
+        else:
+            sampler = ResumableSampler(len(dataset), shuffle=True, seed=seed)  # type: ignore[arg-type]
         return ResumableDataLoader(dataset, sampler=sampler, **settings)
 
     def train_dataloader(self) -> ResumableDataLoader:
@@ -539,7 +504,7 @@ class TextDataModule(LightningDataModule):
             self.prompts,  # type: ignore[arg-type]
             batch_size=getattr(self, "predict_batch_size", None) or self.batch_size,
             shuffle=False,
-            collate_fn=PromptCollator(self.tokenizer),
+            collate_fn=PromptCollator(self.tokenizer, chat=getattr(self, "chat_prompts", False)),
         )
 
 

@@ -5,15 +5,17 @@ without a usable tokenizer is an error, not a silent switch to bytes.
 
 Both kinds are wrapped behind the small :class:`TextTokenizer` protocol, which is all the data module and the
 generation step need: encode a document, decode generated ids, and know the special ids used for packing,
-padding and stopping.
+padding and stopping. Instruction data needs :class:`ChatTokenizer` too: render a conversation with a Jinja chat
+template and encode the rendered text with the character span of each token, so that the loss can be kept to the
+assistant's tokens.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from lightning_superpipe.recipes.errors import TokenizerError, first_line
 
@@ -56,18 +58,67 @@ class TextTokenizer(Protocol):
         ...
 
 
+#: One message of a conversation: ``{"role": ..., "content": ...}`` (templates may read more keys).
+Message = Mapping[str, Any]
+#: Character span ``(start, end)`` of a token in the text it was encoded from.
+Span = tuple[int, int]
+
+
+@runtime_checkable
+class ChatTokenizer(TextTokenizer, Protocol):
+    """What instruction data needs besides :class:`TextTokenizer`: a chat template and the spans of tokens."""
+
+    chat_template: str | None
+    """The Jinja template that renders a conversation as text, ``None`` where the tokenizer has none."""
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """``messages`` rendered with :attr:`chat_template`, with the opening of an assistant turn when asked."""
+        ...
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[Span]]:
+        """Token ids of template-rendered ``text`` and each one's character span; special tokens written in the
+        text are encoded as such, and none is added (the template writes the ones it wants)."""
+        ...
+
+
+def render_with_template(
+    template: str, messages: Sequence[Message], add_generation_prompt: bool, special_tokens: Mapping[str, str]
+) -> str:
+    """``messages`` rendered by the Jinja chat ``template`` as ``transformers``' ``apply_chat_template`` renders them,
+    with the tokenizer's ``special_tokens`` (``bos_token``, ``eos_token`` ...) as template variables."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[list(messages)], chat_template=template, add_generation_prompt=add_generation_prompt,
+        **special_tokens,
+    )
+    return str(rendered[0])
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens, for models trained from scratch and folders that ship no tokenizer.
 
     Ids 0-255 are the bytes; 256, 257 and 258 are padding, begin-of-sequence and end-of-sequence. It needs no files,
     never meets an unknown word, and makes the embedding tiny, which is what a model trained from random weights on a
     laptop wants.
+
+    It has no chat template of its own; give it one for instruction data. Rendered text spells its special tokens
+    as ``<pad>``, ``<s>`` and ``</s>`` (the template variables ``pad_token``, ``bos_token`` and ``eos_token``).
+
+    Args:
+        chat_template: A Jinja chat template, for conversations.
     """
 
     pad_token_id = 256
     bos_token_id = 257
     eos_token_id = 258
     vocab_size = 259
+    pad_token = "<pad>"
+    bos_token = "<s>"
+    eos_token = "</s>"
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         """Bytes of ``text`` after a begin-of-sequence id.
@@ -90,6 +141,39 @@ class ByteTokenizer:
             The decoded string.
         """
         return bytes(int(i) for i in token_ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """``messages`` rendered with :attr:`chat_template`.
+
+        Raises:
+            TokenizerError: If there is no chat template.
+        """
+        if self.chat_template is None:
+            raise TokenizerError("the byte-level tokenizer has no chat template; set data.chat_template")
+        special_tokens = {"pad_token": self.pad_token, "bos_token": self.bos_token, "eos_token": self.eos_token}
+        return render_with_template(self.chat_template, messages, add_generation_prompt, special_tokens)
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[Span]]:
+        """The bytes of ``text``, with ``<pad>``, ``<s>`` and ``</s>`` as their ids; each byte's span is its
+        character's."""
+        specials = {
+            self.pad_token: self.pad_token_id, self.bos_token: self.bos_token_id, self.eos_token: self.eos_token_id
+        }
+        ids: list[int] = []
+        spans: list[Span] = []
+        position = 0
+        while position < len(text):
+            special = next((token for token in specials if text.startswith(token, position)), None)
+            if special is not None:
+                ids.append(specials[special])
+                spans.append((position, position + len(special)))
+                position += len(special)
+                continue
+            for byte in text[position].encode("utf-8"):
+                ids.append(byte)
+                spans.append((position, position + 1))
+            position += 1
+        return ids, spans
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
@@ -135,6 +219,35 @@ class PretrainedTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))  # type: ignore[attr-defined]
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        # A tokenizer may keep several named templates; the default one renders conversations.
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) and template.strip() else None
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self.tokenizer.chat_template = template  # type: ignore[attr-defined]
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        return str(
+            self.tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [dict(message) for message in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[Span]]:
+        # As ``apply_chat_template(tokenize=True)`` encodes: the template wrote the special tokens it wants.
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)  # type: ignore[operator]
+        return list(encoding["input_ids"]), [(int(start), int(end)) for start, end in encoding["offset_mapping"]]
+
+    @property
+    def has_offsets(self) -> bool:
+        """Whether the tokenizer gives each token's character span (a "fast" one, from ``tokenizer.json``)."""
+        return bool(getattr(self.tokenizer, "is_fast", False))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.tokenizer).__name__}, vocab_size={self.vocab_size})"
