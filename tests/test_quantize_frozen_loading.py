@@ -17,7 +17,7 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy, load_safetensors
-from lightning_superpipe.memory.frozen4bit import quantized_format
+from lightning_superpipe.memory.fourbit.frozen4bit import quantized_format
 from lightning_superpipe.memory.host_memory import HostMemoryError
 from tests import families, tasks
 from tests.test_quantize_frozen import BLOCKS, TARGETS, config, rounded
@@ -159,7 +159,7 @@ def test_under_the_disk_tier_each_block_goes_to_its_file_as_it_is_quantized(
     plain Lightning on the round trip (the host tier's run, :func:`test_each_frozen_matrix_is_quantized_from_values_
     read_apart_and_trains_as_plain_lightning`), bitwise; after it the matrices stay in 4 bits, mapped from their
     files."""
-    from lightning_superpipe.memory.disk_frozen import FrozenFiles
+    from lightning_superpipe.memory.disk.frozen import FrozenFiles
 
     written: list[tuple[int, int]] = []  # (block, 4-bit matrices of the model when it was written)
     write = FrozenFiles.write_block

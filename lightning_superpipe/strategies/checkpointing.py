@@ -1,5 +1,5 @@
 """How :class:`~lightning_superpipe.SuperpipeStrategy` saves and restores a run: Lightning's checkpoint calls, with
-the disk tier's files beside the ``.ckpt``, the RNG states of every rank, pending optimizer steps waited for, and
+what the kind of home keeps beside the ``.ckpt``, the RNG states of every rank, pending optimizer steps waited for, and
 a file that holds the bytes of the tensors saved, not the whole blocks they are views into.
 
 A base class of the strategy, so that the strategy's module stays the glue between Lightning's hooks and the
@@ -17,18 +17,19 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.memory.home import kind_that_wrote
+from lightning_superpipe.stepping.optimizers import put_state_in_group_order
 from lightning_superpipe.strategies.ranks import RanksStrategy
-from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.streaming.checkpoints import (
     blocks_left_to_files,
+    homes_beside,
     load_model_state,
     load_optimizer_states,
     saved_bytes_only,
-    tier_files_beside,
 )
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.optimizers import put_state_in_group_order
+from lightning_superpipe.streaming.options import SuperpipeOptions
 from lightning_superpipe.streaming.session import StreamingSession
 
 
@@ -36,9 +37,9 @@ class CheckpointingStrategy(RanksStrategy):
     """Lightning's checkpoint calls for a streaming run (the streaming itself is the subclass's)."""
 
     _streaming: Optional[StreamingSession]
-    _resume: Optional[Path]  # a disk-tier checkpoint's folder to restore the blocks from
+    _resume: Optional[Path]  # the folder a checkpoint's homes are restored from
     _deferred: Optional[DeferredInit]
-    offload_device: str
+    options: SuperpipeOptions
 
     @property
     def _engine(self) -> Optional[StreamingEngine]:  # type: ignore[override]
@@ -52,9 +53,9 @@ class CheckpointingStrategy(RanksStrategy):
         # What the strategy adds goes to the file, not into the dict the hooks were handed (and may keep).
         checkpoint = dict(checkpoint)
         self.add_rng_states(checkpoint)
-        # Rank 0 writes the .ckpt, and its copy of the tier's files (every rank's are alike).
-        with tier_files_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
-            # Here, below every checkpoint IO plugin, and after the tier has dropped what its files hold.
+        # Rank 0 writes the .ckpt, and what its homes keep beside it (every rank's are alike).
+        with homes_beside(self._engine if self.is_global_zero else None, checkpoint, filepath):
+            # Here, below every checkpoint IO plugin, and after the homes have dropped what they keep beside it.
             written = saved_bytes_only(checkpoint) if self.is_global_zero else checkpoint
             super().save_checkpoint(written, filepath, storage_options=storage_options)
 
@@ -78,15 +79,17 @@ class CheckpointingStrategy(RanksStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         super().remove_checkpoint(filepath)
-        if self.offload_device == "disk" and self.is_global_zero:
-            disk_tier.remove_snapshot(filepath)
+        kind = self.options.home_kind
+        if kind is not None and self.is_global_zero:
+            kind.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self.restore_rng_states(checkpoint)
-        if disk_tier.DISK_KEY in checkpoint:
-            self._resume = disk_tier.resume_folder(checkpoint_path, checkpoint[disk_tier.DISK_KEY], self.offload_device)
+        writer, kind = kind_that_wrote(checkpoint), self.options.home_kind
+        if writer is not None and kind is not None:  # its homes are beside the .ckpt: restored when streaming starts
+            self._resume = writer.resume_folder(checkpoint_path, checkpoint, kind)
         return checkpoint
 
     @override

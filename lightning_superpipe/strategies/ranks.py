@@ -25,10 +25,10 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.averaging import weight_averaging_callbacks
 from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.disk_tier import weight_averaging_callbacks
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,

@@ -3,8 +3,9 @@
 The model's home is host memory. Its blocks (decoder layers, vision stages) stream through the device just in
 time, in forward and again in backward; gradients return to the host block by block; the optimizer steps the
 host parameters, so its state never occupies the device. This module is thin glue between Lightning's hooks and
-the streaming engine in :mod:`lightning_superpipe.streaming`. With ``offload_device="disk"`` the blocks' masters and
-optimizer state live in files instead (:mod:`lightning_superpipe.streaming.disk_tier`). On several devices or nodes
+the streaming engine in :mod:`lightning_superpipe.streaming`. ``offload_device`` chooses the kind of home the blocks
+live in (:mod:`lightning_superpipe.memory.home`): host memory, or files (the disk tier), or a kind registered by the
+user. On several devices or nodes
 it is Lightning's ``DDPStrategy`` without the ``DistributedDataParallel`` wrapper: each rank streams its own copy and
 the gradients are averaged block by block on the way back (:mod:`lightning_superpipe.streaming.distributed`).
 """
@@ -40,7 +41,7 @@ from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions
+from lightning_superpipe.streaming.options import DEFAULT_OFFLOAD_DEVICE, SuperpipeOptions
 from lightning_superpipe.streaming.session import StreamingSession
 from lightning_superpipe.streaming.setup import (
     EmptyInit,
@@ -76,8 +77,9 @@ class SuperpipeStrategy(CheckpointingStrategy):
         overlap_optimizer: Step each block's parameters during backward where that is exact (``"auto"``: and pays).
         blocks: Which modules stream: module classes or a predicate; by default every outermost stack.
         link: An :class:`~lightning_superpipe.EmulatedLink` (tests: the CUDA code paths on a CPU device).
-        offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default) or
-            ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
+        offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default),
+            ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers), or the name of
+            a kind of home registered with :func:`~lightning_superpipe.register_home_kind`.
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's);
             below two whole blocks' buffers, each block is stepped and read in pieces (a parameter, or a slice of one).
@@ -92,8 +94,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
             4-bit modes; bitsandbytes installed): every frozen matrix of the blocks (``requires_grad=False`` when the
             run starts) is quantized once with bitsandbytes' quantizer, kept in host memory and streamed as its 4-bit
             codes and scales, and dequantized on the device for each use; trainable parameters stay as they are.
-            After the run the matrices hold their dequantized values (:mod:`lightning_superpipe.memory.frozen4bit`).
-            ``None`` (default): streamed as they are.
+            After the run the matrices hold their dequantized values
+            (:mod:`lightning_superpipe.memory.fourbit.frozen4bit`). ``None`` (default): streamed as they are.
         device: The compute device; by default the one the Trainer resolves.
         accelerator: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`),
             as are the next four.
@@ -119,7 +121,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         overlap_optimizer: Union[bool, str] = "auto",
         blocks: Optional[BlockPolicy] = None,
         link: Optional[EmulatedLink] = None,
-        offload_device: str = "cpu",
+        offload_device: str = DEFAULT_OFFLOAD_DEVICE,
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
         shard_optimizer: Union[bool, str] = "auto",
@@ -145,7 +147,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
             process_group_backend=process_group_backend, timeout=timeout,
         )
         self._run_options: Optional[SuperpipeOptions] = None  # the knobs of the last run: shard_optimizer resolved
-        self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
+        self._resume: Optional[Path] = None  # the folder a checkpoint's homes are restored from
         self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` (model_sharded_context)
         self._streaming: Optional[StreamingSession] = None
         self._planner: Optional[BudgetPlanner] = None  # kept after the run, for `plan` and its profile
@@ -200,14 +202,15 @@ class SuperpipeStrategy(CheckpointingStrategy):
         # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
         self.join_ranks(trainer, self._run_options, self._deferred,
                         by_default=self.options.shard_optimizer != self._run_options.shard_optimizer)
-        early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
+        kind = self.options.home_kind
+        early = self._fitting and kind is not None and kind.needs_optimizers  # e.g. files sized by optimizer state
         if early:
             self.setup_optimizers(trainer)
         self.on_every_rank(self.model_to_device, "start streaming")
         if self._fitting and not early:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
+        install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; homes that clip
         if self._streaming is not None:  # the gradients home before `on_after_backward`
             self._streaming.watch_backward(self.precision_plugin)
         if self._fitting and self._streaming is not None:  # `zero_grad` is watched on Lightning's new wrappers too
@@ -259,11 +262,13 @@ class SuperpipeStrategy(CheckpointingStrategy):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model`` (only there): with the disk tier or ``quantize_frozen``, the init functions of
-        the modules built in it (and :func:`~lightning_superpipe.load_safetensors`' reads) are recorded and replayed
-        one block at a time as the blocks are written to their files or their frozen matrices quantized, so that the
-        model never sits whole in host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
-        if self.offload_device != "disk" and self.quantize_frozen is None:
+        """Around ``configure_model`` (only there): under a kind of home that :attr:`~.HomeKind.records_init` (the
+        disk tier) or with ``quantize_frozen``, the init functions of the modules built in it (and
+        :func:`~lightning_superpipe.load_safetensors`' reads) are recorded and replayed one block at a time as the
+        blocks are written to their homes or their frozen matrices quantized, so that the model never sits whole in
+        host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
+        kind = self.options.home_kind
+        if not (kind is not None and kind.records_init) and self.quantize_frozen is None:
             yield
             return
         self._deferred = self._deferred or DeferredInit()

@@ -75,7 +75,7 @@ class StreamingEngine:
         resident_blocks: How many blocks stay on the device permanently (evenly spaced), or which.
         prefetch: How many blocks are copied in ahead of the one computing.
         homes: Builds the blocks' homes from the engine's host arena (e.g. :func:`~lightning_superpipe.memory.host.
-            build_homes`, or a :class:`~lightning_superpipe.memory.disk_homes.DiskTier` already built).
+            build_homes`; a kind of home's :meth:`~lightning_superpipe.memory.home.HomesBuilder.homes`).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
         activations: Where each block's activations live between forward and backward (:mod:`.activations`).
     """
@@ -445,7 +445,7 @@ class StreamingEngine:
     def _copy_trunk(self, param: nn.Parameter, after: Event) -> Event:
         """Copies ``param``'s master into its device copy (after ``after``) and notes the master's state."""
         self._trunk_seen[param] = master_state(param)
-        if self.home_kind.holds_trunk(param):  # its master is in the homes' keeping (the disk tier's files)
+        if self.home_kind.holds_trunk(param):  # its master is in the homes' keeping (files, say)
             return self.home_kind.copy_trunk_in(self._trunk[param], param, after, self._trunk_names[param])
         return self.copier.to_device(self._trunk[param], param.detach(), after, self._trunk_names[param])
 
@@ -513,7 +513,7 @@ class StreamingEngine:
 
         Raises:
             ValueError: A parameter does not stream with a block (outside the blocks, or tied).
-            RuntimeError: The blocks' homes cannot leave parameters out (the disk tier reads blocks whole).
+            RuntimeError: The blocks' homes cannot leave parameters out (they read blocks whole).
         """
         params = frozenset(params)
         outside = [param for param in params if param not in self._home_of]

@@ -28,9 +28,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.memory.home import Home, KindSteps
-from lightning_superpipe.streaming.optimizers import shadow_of
+from lightning_superpipe.stepping.optimizers import shadow_of
 from lightning_superpipe.streaming.speculation import scale_gradients
-from lightning_superpipe.streaming.wrappers import BeforeCalls
+from lightning_superpipe.wrappers import BeforeCalls
 
 #: Lightning callbacks that read no weights in the training loop's hooks (or read them through the strategy's
 #: checkpoint calls, which wait themselves), by class name, so that their presence keeps the step pipelined.

@@ -23,13 +23,13 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_superpipe.memory import host_memory
-from lightning_superpipe.memory.param_groups import restricted
-from lightning_superpipe.streaming.optimizers import (
+from lightning_superpipe.stepping.optimizers import (
     REGISTER_HINT,
     has_step_hooks,
     shadow_of,
     updates_each_parameter_alone,
 )
+from lightning_superpipe.stepping.param_groups import restricted
 from lightning_superpipe.streaming.speculation import (
     KeptState,
     PreStepWatch,
@@ -64,11 +64,13 @@ class StepMode:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the choice needs that the trainer does not say: the tier, the sharding, the planner, memory."""
+    """What the choice needs that the trainer does not say: the homes, the sharding, the planner, memory.
+    ``own_steps``: how the kind of home steps its blocks itself and keeps the previous step (:attr:`.Homes.own_steps`),
+    ``None`` where the optimizer steps them."""
 
     sharded: bool = False
     measuring: bool = False
-    disk: bool = False
+    own_steps: Optional[tuple[str, str]] = None
     changed_rate: float = 0.0
     kept_bytes: int = 0
     free_host_bytes: Optional[int] = None  # unknown (not Linux): no limit assumed
@@ -92,17 +94,16 @@ def _mode_where_exact(
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     clip = trainer.gradient_clip_val or 0
     decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
-    if facts.disk:  # its blocks step through its store; the other slot of each block keeps the previous step
+    if facts.own_steps is not None:  # the homes step their blocks and keep the previous step themselves
+        from_kept, keeps_previous = facts.own_steps
         if knob == "pipelined":
             return StepMode("pipelined", "overlap_optimizer='pipelined'")
         if rewrites:
-            return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward (the disk tier steps its"
-                            " blocks from what it spilled)")
+            return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward ({from_kept})")
         if (decides or clip > 0) and knob != "speculative" and facts.changed_rate > REDO_RATE_LIMIT:
-            return StepMode("pipelined", f"{OFTEN} (the disk tier steps its blocks from what it spilled)")
+            return StepMode("pipelined", f"{OFTEN} ({from_kept})")
         if decides or clip > 0:
-            return StepMode("speculative", "clipping or the gradient scaler decide after backward (the disk tier's"
-                            " other slot keeps the previous step)")
+            return StepMode("speculative", f"clipping or the gradient scaler decide after backward ({keeps_previous})")
         return StepMode("overlapped", "nothing after backward changes a gradient")
     if not rewrites and not decides and knob != "pipelined":
         return StepMode("overlapped", "nothing after backward changes a gradient")
@@ -139,7 +140,7 @@ def _serial_reason(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFact
     if facts.sharded:
         return "the optimizer is sharded across ranks: each steps its share after backward and sends the new weights"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    pays = facts.disk or knob != "auto"  # the disk tier's alternative reads the gradients back from disk
+    pays = facts.own_steps is not None or knob != "auto"  # the homes' alternative reads the kept gradients back
     if not pays and trainer.strategy.root_device.type == "cpu" and torch.get_num_threads() >= cores:
         return (
             f"the compute device is the CPU and torch's {torch.get_num_threads()} threads use every core, so a host"
@@ -196,9 +197,9 @@ class OptimizerSteps:
             self._kept.release()
 
     def choose(self, trainer: Any, optimizer: Optimizer, sharded: bool, measuring: bool) -> StepMode:
-        disk = self.engine.home_kind.overlap_always_pays
         facts = RunFacts(
-            sharded=sharded, measuring=measuring, disk=disk, changed_rate=self.watch.changed_rate,
+            sharded=sharded, measuring=measuring, own_steps=self.engine.home_kind.own_steps,
+            changed_rate=self.watch.changed_rate,
             kept_bytes=kept_bytes(optimizer), free_host_bytes=host_memory.available_host_bytes(),
         )
         return choose_step_mode(trainer, optimizer, self.knob, facts)
@@ -218,7 +219,7 @@ class OptimizerSteps:
             scaler = watch.scaler if mode.mode == "speculative" else None
             unscale = SpeculativeUnscale(scaler) if scaler is not None else None
             clip_value = (trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None) or None
-            if by_homes:  # the homes unscale, clamp, keep and decide (the disk tier: at its commit)
+            if by_homes:  # the homes unscale, clamp, keep and decide (at their commit)
                 homes.speculate(unscale.inv_scale if unscale is not None else None, clip_value)
                 engine.overlap.arm(optimizer, blocks_only=True)
             else:

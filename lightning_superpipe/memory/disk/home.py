@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_superpipe.memory.fourbit.packed import PackedSlice, trainable_pieces
 from lightning_superpipe.memory.home import DeviceLayout, Event, Link, ParamSlice
-from lightning_superpipe.memory.packed import PackedSlice, trainable_pieces
 
 if TYPE_CHECKING:
-    from lightning_superpipe.memory.disk_homes import DiskTier
+    from lightning_superpipe.memory.disk.tier import DiskTier
 
 
 class DiskHome:
