@@ -160,8 +160,8 @@ def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(m
     staging and the trunk's gradients and moments are counted; a run that does not fit is refused with the
     host_buffer_bytes that would fit, or, where even the least pool does not, says so; a bound below the least pool
     names the least."""
+    from lightning_superpipe.host_memory import HostMemoryError
     from lightning_superpipe.memory.disk import budget as disk_budget
-    from lightning_superpipe.memory.host_memory import HostMemoryError
 
     model = WideModel()
     optimizer, _ = _optimizer("adamw", model)

@@ -22,7 +22,7 @@ from lightning_superpipe.memory import HomeKind, Homes, HomesBuilder, HomesRun, 
 from lightning_superpipe.memory.home import DeviceLayout, Event, Home, Link, ParamSlice, aligned
 from lightning_superpipe.memory.host import BlockHome, build_homes
 from lightning_superpipe.memory.pinned import HostArena
-from lightning_superpipe.streaming.options import KnobError
+from lightning_superpipe.run.options import KnobError
 from tests import tasks
 
 pytestmark = pytest.mark.usefixtures("emulated_link")

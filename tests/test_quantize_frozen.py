@@ -19,7 +19,7 @@ from torch import Tensor, nn
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerError
-from lightning_superpipe.streaming.options import KnobError
+from lightning_superpipe.run.options import KnobError
 from tests import families, tasks
 from tests.batches import data as tuple_data
 
@@ -286,7 +286,7 @@ def test_bad_values_fail_where_the_strategy_is_made(options: dict[str, Any], mat
 
 
 def test_without_bitsandbytes_the_knob_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_superpipe.streaming.options.bitsandbytes_installed", lambda: False)
+    monkeypatch.setattr("lightning_superpipe.run.options.bitsandbytes_installed", lambda: False)
     with pytest.raises(KnobError, match=r"pip install bitsandbytes"):
         SuperpipeStrategy(quantize_frozen="nf4")
 

@@ -1,4 +1,4 @@
-"""How each optimizer step's mode is chosen (:func:`lightning_superpipe.streaming.step_modes.choose_step_mode`), rule
+"""How each optimizer step's mode is chosen (:func:`lightning_superpipe.stepping.step_modes.choose_step_mode`), rule
 by rule, without training: a real Trainer with its precision plugin and callbacks, the LightningModule connected to
 its strategy as ``fit`` connects it, a real optimizer, and the facts the strategy would pass. The runs that show each
 mode exact are in tests/test_step_modes.py.
@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_superpipe.memory.disk.tier import DiskTier
-from lightning_superpipe.streaming.step_modes import (
+from lightning_superpipe.stepping.step_modes import (
     KEPT_SHARE_OF_FREE,
     REDO_RATE_LIMIT,
     RunFacts,

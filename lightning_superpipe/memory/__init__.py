@@ -3,6 +3,7 @@ registry. Two are registered here, as any other is (:func:`register_home_kind`):
 memory (:mod:`.host`), and the disk tier's files (:mod:`.disk`). Frozen weights in a 4-bit form live in either as
 bytes (:mod:`.fourbit`)."""
 
+from lightning_superpipe.host_memory import HostMemoryError
 from lightning_superpipe.memory.disk import DiskStore
 from lightning_superpipe.memory.disk.kind import DiskKind
 from lightning_superpipe.memory.disk.tier import DiskTier
@@ -18,7 +19,6 @@ from lightning_superpipe.memory.home import (
     unregister_home_kind,
 )
 from lightning_superpipe.memory.host import BlockHome, HostHomes, HostKind, check_host_memory
-from lightning_superpipe.memory.host_memory import HostMemoryError
 from lightning_superpipe.memory.pinned import HostArena
 
 register_home_kind(HostKind())

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks
+from lightning_superpipe.stepping.pipelined import KindSteps
 
 #: An opaque marker of work issued on one stream of a link (``None``: nothing to wait for).
 Event = Optional[Any]
@@ -199,15 +200,6 @@ class Home(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class KindSteps:
-    """A kind of home's own step of some blocks, pipelined: ``run(done)`` steps them in ``blocks``' order on the
-    optimizer thread and calls ``done(index)`` as each block's new weights can be copied to the device."""
-
-    blocks: list[int]
-    run: Callable[[Callable[[int], None]], None]
-
-
 class Homes:
     """The homes of a run's blocks, of one kind, and the hooks the engine and the run call around them.
 
@@ -360,7 +352,7 @@ class Homes:
 
 
 class Knobs(Protocol):
-    """The strategy's knobs a kind of home reads (:class:`~lightning_superpipe.streaming.options.SuperpipeOptions`)."""
+    """The strategy's knobs a kind of home reads (:class:`~lightning_superpipe.run.options.SuperpipeOptions`)."""
 
     @property
     def offload_path(self) -> Optional[Union[str, os.PathLike[str]]]: ...

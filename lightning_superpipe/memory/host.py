@@ -21,6 +21,13 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_superpipe.host_memory import (
+    HostMemoryError,
+    available_host_bytes,
+    check_host_memory,
+    rss_bytes,
+    shared_rss_bytes,
+)
 from lightning_superpipe.memory.fourbit.frozen4bit import frozen_matrices, quantized_bytes, quantized_format
 from lightning_superpipe.memory.fourbit.packed import (
     PackedFormat,
@@ -42,13 +49,6 @@ from lightning_superpipe.memory.home import (
     ParamSlice,
     aligned,
     device_layout,
-)
-from lightning_superpipe.memory.host_memory import (
-    HostMemoryError,
-    available_host_bytes,
-    check_host_memory,
-    rss_bytes,
-    shared_rss_bytes,
 )
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
 

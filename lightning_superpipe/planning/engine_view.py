@@ -48,7 +48,7 @@ class ActivationsView(Protocol):
 
 
 class PendingSteps(Protocol):
-    """The optimizer steps launched and not yet waited for (:class:`~lightning_superpipe.streaming.pipelined.
+    """The optimizer steps launched and not yet waited for (:class:`~lightning_superpipe.stepping.pipelined.
     PipelinedStep`)."""
 
     def settle(self) -> None: ...

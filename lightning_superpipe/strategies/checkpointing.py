@@ -17,20 +17,20 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.construction.deferred_init import DeferredInit
 from lightning_superpipe.memory.home import kind_that_wrote
-from lightning_superpipe.stepping.optimizers import put_state_in_group_order
-from lightning_superpipe.strategies.ranks import RanksStrategy
-from lightning_superpipe.streaming.checkpoints import (
+from lightning_superpipe.run.checkpoints import (
     blocks_left_to_files,
     homes_beside,
     load_model_state,
     load_optimizer_states,
     saved_bytes_only,
 )
-from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.run.options import SuperpipeOptions
+from lightning_superpipe.run.session import StreamingSession
+from lightning_superpipe.stepping.optimizers import put_state_in_group_order
+from lightning_superpipe.strategies.ranks import RanksStrategy
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.session import StreamingSession
 
 
 class CheckpointingStrategy(RanksStrategy):

@@ -26,9 +26,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.averaging import weight_averaging_callbacks
+from lightning_superpipe.construction.deferred_init import DeferredInit
 from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.rng import rng_states, set_rng_states
-from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.run.options import SuperpipeOptions, default_sharding
+from lightning_superpipe.run.setup import as_devices, join_ranks
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,
@@ -37,8 +39,6 @@ from lightning_superpipe.streaming.distributed import (
     on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
-from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
 #: The precisions whose blocks travel and compute in a narrower dtype than their fp32 masters, and that dtype.
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -109,7 +109,7 @@ class RanksStrategy(DDPStrategy):
 
     def resolve_sharding(self, options: SuperpipeOptions, trainer: Trainer) -> SuperpipeOptions:
         """``options`` for the run: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on
-        several :func:`~lightning_superpipe.streaming.options.default_sharding`'s choice, the same on every rank (any
+        several :func:`~lightning_superpipe.run.options.default_sharding`'s choice, the same on every rank (any
         rank's reason against ``"node"`` holds for all), said once per reason."""
         if options.shard_optimizer != "auto":
             return options
@@ -172,7 +172,7 @@ class RanksStrategy(DDPStrategy):
         by_default: bool = False,
     ) -> None:
         """Before streaming starts: on several ranks the same model and knobs everywhere and rank 0's weights given
-        to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
+        to all (:func:`~lightning_superpipe.run.setup.join_ranks`); on one, the data as a single-device strategy
         sees it. ``options`` has ``shard_optimizer`` resolved (``by_default``: from ``"auto"``, as messages say)."""
         assert self.model is not None
         self.node = None

@@ -31,25 +31,25 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.construction.deferred_init import DeferredInit
+from lightning_superpipe.emulation.link import EmulatedLink
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.strategies.checkpointing import CheckpointingStrategy
-from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES
-from lightning_superpipe.streaming.activations import ActivationsPolicy
-from lightning_superpipe.streaming.blocks import BlockPolicy
-from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.emulated import EmulatedLink
-from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import DEFAULT_OFFLOAD_DEVICE, SuperpipeOptions
-from lightning_superpipe.streaming.session import StreamingSession
-from lightning_superpipe.streaming.setup import (
+from lightning_superpipe.run.options import DEFAULT_OFFLOAD_DEVICE, SuperpipeOptions
+from lightning_superpipe.run.session import StreamingSession
+from lightning_superpipe.run.setup import (
     EmptyInit,
     install_clipping,
     start_streaming,
     strategy_report,
     uninstall_clipping,
 )
+from lightning_superpipe.strategies.checkpointing import CheckpointingStrategy
+from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES
+from lightning_superpipe.streaming.activations import ActivationsPolicy
+from lightning_superpipe.streaming.blocks import BlockPolicy
+from lightning_superpipe.streaming.engine import StreamingEngine
 
 
 def _knob(name: str) -> property:
@@ -279,7 +279,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @property
     def streaming(self) -> StreamingSession:
-        """The run's engine, hooks and planner (:class:`~lightning_superpipe.streaming.session.StreamingSession`)."""
+        """The run's engine, hooks and planner (:class:`~lightning_superpipe.run.session.StreamingSession`)."""
         if self._streaming is None:
             raise RuntimeError(
                 "SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`."

@@ -37,12 +37,12 @@ from torch import Tensor, nn
 from lightning_superpipe.memory.home import DeviceLayout, Home, Homes, ParamSlice, device_layout
 from lightning_superpipe.memory.host import master_state, track_edits, untrack_edits
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.stepping.overlap import OverlappedStep
+from lightning_superpipe.stepping.pipelined import PipelinedStep
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.copier import Event, OtherLink, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
 from lightning_superpipe.streaming.ledger import DeviceLedger, MaterializedWeights
-from lightning_superpipe.streaming.overlap import OverlappedStep
-from lightning_superpipe.streaming.pipelined import PipelinedStep
 from lightning_superpipe.streaming.placement import choose_resident, clamp
 from lightning_superpipe.streaming.schedule import BlockSchedule
 

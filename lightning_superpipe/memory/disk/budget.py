@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.host_memory import HostMemoryError, available_host_bytes
 from lightning_superpipe.memory.disk import DiskStore, probe_state_size
 from lightning_superpipe.memory.disk.tier import READ_AHEAD
 from lightning_superpipe.memory.disk.trunk import trunk_on_disk
-from lightning_superpipe.memory.host_memory import HostMemoryError, available_host_bytes
 from lightning_superpipe.memory.pinned import PAGE
 from lightning_superpipe.units import format_bytes
 

@@ -33,7 +33,7 @@ from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerEr
 
 
 class FrozenKnobs(Protocol):
-    """The knobs ``quantize_frozen`` is checked against (:class:`~lightning_superpipe.streaming.options.
+    """The knobs ``quantize_frozen`` is checked against (:class:`~lightning_superpipe.run.options.
     SuperpipeOptions`)."""
 
     @property
@@ -47,7 +47,7 @@ class FrozenKnobs(Protocol):
 
 
 class DeferredValues(Protocol):
-    """The init calls ``configure_model`` recorded (a :class:`~lightning_superpipe.streaming.deferred_init.
+    """The init calls ``configure_model`` recorded (a :class:`~lightning_superpipe.construction.deferred_init.
     DeferredInit`), as quantizing a matrix from values made apart from it needs them."""
 
     def determines(self, tensor: Tensor) -> bool: ...

@@ -24,7 +24,7 @@ from lightning_superpipe.memory.fourbit.packed import packed_format
 
 
 class ActivationKnobs(Protocol):
-    """The knobs that say where the blocks' activations live (:class:`~lightning_superpipe.streaming.options.
+    """The knobs that say where the blocks' activations live (:class:`~lightning_superpipe.run.options.
     SuperpipeOptions`)."""
 
     @property

@@ -19,11 +19,11 @@ from torch.optim import Optimizer
 
 from lightning_superpipe.memory.home import Hook
 from lightning_superpipe.planning.planner import BudgetPlanner
+from lightning_superpipe.stepping.pipelined import before_weight_readers
+from lightning_superpipe.stepping.step_modes import OptimizerSteps
 from lightning_superpipe.streaming.activations import OutsideActivations
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.pipelined import before_weight_readers
-from lightning_superpipe.streaming.step_modes import OptimizerSteps
 from lightning_superpipe.wrappers import BeforeCalls
 
 

@@ -17,25 +17,59 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory import host_memory
+from lightning_superpipe import host_memory
 from lightning_superpipe.stepping.optimizers import (
     REGISTER_HINT,
     has_step_hooks,
     shadow_of,
     updates_each_parameter_alone,
 )
+from lightning_superpipe.stepping.overlap import OverlappedStep
 from lightning_superpipe.stepping.param_groups import restricted
-from lightning_superpipe.streaming.speculation import (
+from lightning_superpipe.stepping.pipelined import KindSteps, PipelinedStep
+from lightning_superpipe.stepping.speculation import (
     KeptState,
     PreStepWatch,
     SpeculativeUnscale,
     gradient_preparation,
 )
+
+
+class StepHomes(Protocol):
+    """What the step modes need of the run's homes (:class:`~lightning_superpipe.memory.home.Homes`)."""
+
+    last_micro_batch: bool
+    keeps_gradients: bool
+    keeps_previous_step: bool
+    own_steps: Optional[tuple[str, str]]
+    speculation_outcome: Optional[str]
+    gradients_changed: Optional[bool]
+
+    def speculate(self, unscale: Optional[Tensor], clip_value: Optional[float]) -> None: ...
+
+    def launch_step(self, optimizer: Any) -> Optional[KindSteps]: ...
+
+
+class SteppedEngine(Protocol):
+    """What the step modes need of the engine (:class:`~lightning_superpipe.streaming.engine.StreamingEngine`): its
+    overlapped and pipelined steps, its homes, and which parameters are outside the blocks."""
+
+    overlap: OverlappedStep
+    pending: PipelinedStep
+    home_kind: StepHomes
+    trunk_first: set[nn.Parameter]
+
+    def disarm_overlap(self) -> None: ...
+
+    def is_trunk(self, param: nn.Parameter) -> bool: ...
+
+    def mark_stepped(self, index: int, params: Optional[list[nn.Parameter]] = None) -> None: ...
 
 #: Above this share of recent steps whose gradients changed after backward (clipped, or skipped by the scaler),
 #: ``"auto"`` pipelines instead of speculating: each such step pays a redo after backward.
@@ -179,7 +213,7 @@ class OptimizerSteps:
         plugin: The run's precision plugin (its clipping and scaler are watched; host tier only).
     """
 
-    def __init__(self, engine: Any, knob: Any, plugin: Any) -> None:
+    def __init__(self, engine: SteppedEngine, knob: Any, plugin: Any) -> None:
         self.engine = engine
         self.knob = knob
         self.watch = PreStepWatch(plugin)
@@ -268,7 +302,7 @@ class OptimizerSteps:
             self._kept.peak_bytes = peak
         return self._kept
 
-    def homes_decided(self, homes: Any) -> None:
+    def homes_decided(self, homes: StepHomes) -> None:
         """Counts how the homes ended their speculative step (``finish_step``), if they decided one, and whether
         clipping or the scaler changed the gradients, if they saw."""
         if homes.speculation_outcome is not None:

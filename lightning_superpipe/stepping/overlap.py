@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_superpipe.stepping.param_groups import restrict, restricted, unrestrict
-from lightning_superpipe.streaming.speculation import KeptState
+from lightning_superpipe.stepping.speculation import KeptState
 
 
 class OverlappedStep:

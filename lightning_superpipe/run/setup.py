@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_superpipe.averaging import weight_averaging_callbacks
+from lightning_superpipe.construction.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.memory.fourbit.frozen4bit import quantized_format
 from lightning_superpipe.memory.fourbit.frozen_quantization import (
     check_quantize_frozen,
@@ -34,6 +35,8 @@ from lightning_superpipe.memory.fourbit.quantized_layers import check_quantized_
 from lightning_superpipe.memory.home import HomeKind, HomesBuilder, HomesRun
 from lightning_superpipe.memory.host import training_state_bytes
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
+from lightning_superpipe.run.options import SuperpipeOptions
+from lightning_superpipe.run.session import StreamingSession
 from lightning_superpipe.streaming.blocks import (
     NoBlocksFoundError,
     assign_parameters,
@@ -41,7 +44,6 @@ from lightning_superpipe.streaming.blocks import (
     describe_stacks,
     find_blocks,
 )
-from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,
@@ -53,8 +55,6 @@ from lightning_superpipe.streaming.distributed import (
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
 from lightning_superpipe.streaming.hooks import attach_hooks
-from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.session import StreamingSession
 
 
 class EmptyInit(UnfilledNewTensors, _EmptyInit):

@@ -4,7 +4,7 @@
 the user's call. ``offload_device`` chooses the kind of home (:attr:`SuperpipeOptions.home_kind`, from the
 registry of :mod:`lightning_superpipe.memory.home`), which checks its own knobs. What needs the model (one activation
 mode per block), the trainer (what the kind of home cannot train; the number of ranks) or the machine (the kind's
-folder) is checked when streaming starts (:func:`~lightning_superpipe.streaming.setup.start_streaming`). On several
+folder) is checked when streaming starts (:func:`~lightning_superpipe.run.setup.start_streaming`). On several
 ranks ``shard_optimizer="auto"`` is resolved there too (:func:`default_sharding`).
 """
 
@@ -18,13 +18,13 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
+from lightning_superpipe.emulation.link import EmulatedLink
 from lightning_superpipe.memory.fourbit.frozen4bit import MODES as QUANTIZE_MODES
 from lightning_superpipe.memory.fourbit.frozen4bit import bitsandbytes_installed
 from lightning_superpipe.memory.home import HomeKind, home_kind, home_kinds
 from lightning_superpipe.planning.budget import MemoryBudget, parse_budget, resolve_budget
 from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, _as_predicate
-from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.units import format_bytes
 
 #: The kind of home the blocks live in unless ``offload_device`` says otherwise: host memory.
@@ -55,7 +55,7 @@ class SuperpipeOptions:
         activations: ``"recompute"``, ``"keep"``, ``"offload"``, or one of them per block.
         overlap_optimizer: How the host optimizer step hides: ``"auto"`` (where it pays, the best exact mode),
             ``True`` (that, on a CPU compute device too), ``"speculative"``, ``"pipelined"`` or ``False`` (after
-            backward). See :mod:`~lightning_superpipe.streaming.step_modes`.
+            backward). See :mod:`~lightning_superpipe.stepping.step_modes`.
         blocks: Which modules stream: module classes or a predicate; ``None``: every outermost stack.
         link: An :class:`~lightning_superpipe.EmulatedLink`, or ``None``.
         offload_device: The kind of home the blocks live in: ``"cpu"`` (host memory), ``"disk"`` (files under

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.construction.deferred_init import DeferredInit
 from lightning_superpipe.memory.home import kind_that_wrote
-from lightning_superpipe.streaming.deferred_init import DeferredInit
 from lightning_superpipe.streaming.engine import StreamingEngine
 
 
