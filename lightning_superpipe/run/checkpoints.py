@@ -11,8 +11,8 @@ when streaming starts (:meth:`.HomeKind.resume_folder`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
@@ -23,12 +23,20 @@ from lightning_superpipe.memory.home import kind_that_wrote
 from lightning_superpipe.streaming.engine import StreamingEngine
 
 
-@contextmanager
-def homes_beside(engine: Optional[StreamingEngine], checkpoint: dict[str, Any], filepath: Any) -> Iterator[None]:
-    """Around the write of a ``.ckpt`` (on the rank that writes it, ``engine`` ``None`` elsewhere): the kind of home
-    adds what it keeps beside the file (:meth:`.Homes.saving_checkpoint`)."""
-    with engine.home_kind.saving_checkpoint(checkpoint, filepath) if engine is not None else nullcontext():
-        yield
+def save_checkpoint(
+    checkpoint: dict[str, Any], filepath: Any, engine: Optional[StreamingEngine], *, writes: bool,
+    add_rng_states: Callable[[dict[str, Any]], None], write: Callable[[dict[str, Any]], None],
+) -> None:
+    """Writes ``checkpoint`` to ``filepath`` with Lightning's ``write``, with what the run adds: the RNG states, and,
+    on the rank that ``writes`` it, what the kind of home keeps beside the file (:meth:`.Homes.saving_checkpoint`),
+    and copies of the tensors that are views into storages they cover only part of (:func:`saved_bytes_only`). The
+    dict the hooks were handed (and may keep) is left as it was."""
+    checkpoint = dict(checkpoint)
+    add_rng_states(checkpoint)
+    homes = engine.home_kind if engine is not None and writes else None  # every rank's homes are alike
+    with homes.saving_checkpoint(checkpoint, filepath) if homes is not None else nullcontext():
+        # Here, below every checkpoint IO plugin, and after the homes have dropped what they keep beside it.
+        write(saved_bytes_only(checkpoint) if writes else checkpoint)
 
 
 #: The most a storage's bytes may exceed those of its tensors in a checkpoint before they are written as copies: a

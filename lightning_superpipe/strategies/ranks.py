@@ -38,7 +38,6 @@ from lightning_superpipe.streaming.distributed import (
     gather_optimizer_state,
     on_every_rank,
 )
-from lightning_superpipe.streaming.engine import StreamingEngine
 
 #: The precisions whose blocks travel and compute in a narrower dtype than their fp32 masters, and that dtype.
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -94,9 +93,15 @@ class _Rank:
 
 
 class RanksStrategy(DDPStrategy):
-    """One process per device (devices times nodes ranks), or this process alone for one device on one node."""
+    """One process per device (devices times nodes ranks), or this process alone for one device on one node.
 
-    _engine: Optional[StreamingEngine]
+    A subclass that averages the gradients itself (the streaming engine, block by block) gives this base its
+    :attr:`averager` for the run, which :meth:`block_backward_sync` pauses and whose sharding
+    :meth:`optimizer_state` follows.
+    """
+
+    #: What averages the gradients across ranks during the run (``None``: nothing, or one rank).
+    averager: Optional[GradientAverager] = None
     #: The node's ranks, which share the blocks' host homes (``shard_optimizer="node"`` on several ranks).
     node: Optional[NodeShare] = None
     #: Why ``shard_optimizer="auto"`` was not ``"node"``, each said once.
@@ -205,7 +210,7 @@ class RanksStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """The micro-batches of an accumulation before the last: gradients accumulate locally, unreduced (DDP's
         ``no_sync``)."""
-        averager = self._engine.gradients.averager if self._engine is not None else None
+        averager = self.averager
         if averager is None:
             yield
             return
@@ -218,7 +223,7 @@ class RanksStrategy(DDPStrategy):
     @property
     def sharded_optimizer(self) -> Optional[GradientAverager]:
         """The engine's averager where each rank keeps and steps only its share (``shard_optimizer``), else ``None``."""
-        averager = self._engine.gradients.averager if self._engine is not None else None
+        averager = self.averager
         return averager if averager is not None and averager.sharded else None
 
     @override

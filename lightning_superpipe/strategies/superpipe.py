@@ -13,7 +13,7 @@ the gradients are averaged block by block on the way back (:mod:`lightning_super
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -33,9 +34,16 @@ from typing_extensions import override
 
 from lightning_superpipe.construction.deferred_init import DeferredInit
 from lightning_superpipe.emulation.link import EmulatedLink
+from lightning_superpipe.memory.home import kind_that_wrote
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
+from lightning_superpipe.run.checkpoints import (
+    blocks_left_to_files,
+    load_model_state,
+    load_optimizer_states,
+    save_checkpoint,
+)
 from lightning_superpipe.run.options import DEFAULT_OFFLOAD_DEVICE, SuperpipeOptions
 from lightning_superpipe.run.session import StreamingSession
 from lightning_superpipe.run.setup import (
@@ -45,8 +53,8 @@ from lightning_superpipe.run.setup import (
     strategy_report,
     uninstall_clipping,
 )
-from lightning_superpipe.strategies.checkpointing import CheckpointingStrategy
-from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES
+from lightning_superpipe.stepping.optimizers import put_state_in_group_order
+from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES, RanksStrategy
 from lightning_superpipe.streaming.activations import ActivationsPolicy
 from lightning_superpipe.streaming.blocks import BlockPolicy
 from lightning_superpipe.streaming.engine import StreamingEngine
@@ -57,7 +65,7 @@ def _knob(name: str) -> property:
     return property(lambda self: getattr(self.options, name), doc=f"``SuperpipeOptions.{name}``, as written.")
 
 
-class SuperpipeStrategy(CheckpointingStrategy):
+class SuperpipeStrategy(RanksStrategy):
     """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
     The knob reference (``docs/reference/knobs.md``) says what each knob costs. Every argument is a keyword, the knobs
@@ -159,7 +167,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         """What a copy gets (``copy.deepcopy``, pickling the Trainer; a callback that holds the Trainer is copied with
         it): the knobs and what the last run left, without the run in progress, whose engine, threads and device
         memory stay with this strategy."""
-        return {**super().__getstate__(), "_streaming": None}
+        return {**super().__getstate__(), "_streaming": None, "averager": None}
 
     # ------------------------------------------------------------------ the knobs, as written (read-only)
 
@@ -236,6 +244,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
             )
         self._resume = self._deferred = None
         self._planner = self._streaming.planner
+        self.averager = self._streaming.engine.gradients.averager  # several ranks: the engine averages
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
 
@@ -251,6 +260,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         if self._streaming is not None:
             self._streaming.stop()
         self._streaming = None
+        self.averager = None
 
     @override
     @contextmanager
@@ -290,6 +300,16 @@ class SuperpipeStrategy(CheckpointingStrategy):
     def engine(self) -> StreamingEngine:
         return self.streaming.engine
 
+    @property
+    def _engine(self) -> Optional[StreamingEngine]:
+        """The run's engine, or ``None`` outside a run."""
+        return self._streaming.engine if self._streaming is not None else None
+
+    def _settle(self) -> None:
+        """Waits for pending (pipelined) optimizer steps: what follows reads weights, gradients or optimizer state."""
+        if self._streaming is not None:
+            self._streaming.settle()
+
     # Outside a run (its teardown took the hooks off) the model is a plain module in host memory, and Lightning's
     # own step calls (a loop run by hand after `fit`) run as under a single-device strategy.
 
@@ -302,8 +322,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._streaming is not None:
-            self._streaming.settle()  # a pipelined step reads `.grad`, which backward adds to
+        self._settle()  # a pipelined step reads `.grad`, which backward adds to
         super().pre_backward(closure_loss)
 
     @override
@@ -345,6 +364,57 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     def _forward_only(self) -> AbstractContextManager[None]:
         return self._streaming.forward_only() if self._streaming is not None else nullcontext()
+
+    # ------------------------------------------------------------------ checkpoints (:mod:`..run.checkpoints`)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        self._settle()
+        parent = super().save_checkpoint
+        save_checkpoint(checkpoint, filepath, self._engine, writes=self.is_global_zero,
+                        add_rng_states=self.add_rng_states,
+                        write=lambda written: parent(written, filepath, storage_options=storage_options))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._settle()
+        with blocks_left_to_files(self._engine):
+            return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self._settle()
+        put_state_in_group_order(getattr(optimizer, "_optimizer", optimizer))  # block steps made it in another order
+        return super().optimizer_state(optimizer)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        kind = self.options.home_kind
+        if kind is not None and self.is_global_zero:  # what the homes keep beside the .ckpt goes with it
+            kind.remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.restore_rng_states(checkpoint)
+        writer, kind = kind_that_wrote(checkpoint), self.options.home_kind
+        if writer is not None and kind is not None:  # its homes are beside the .ckpt: restored when streaming starts
+            self._resume = writer.resume_folder(checkpoint_path, checkpoint, kind)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        parent = super().load_model_state_dict
+        load_model_state(self.lightning_module, checkpoint, strict, self._engine, self._deferred,
+                         lambda state, strict: parent(state, strict=strict))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load_optimizer_states(self.optimizers, checkpoint, self._engine, self.keep_own_optimizer_state)
 
     # ------------------------------------------------------------------ memory report
 
