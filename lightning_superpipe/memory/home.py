@@ -459,7 +459,7 @@ class HomeKind:
         summary: What it keeps where, as the knob's error message lists the kinds.
         title: How messages name it (``"the disk tier"``).
         purpose: What choosing it is for, as messages advise it (``"keep the training state in files"``).
-        own_knobs: The knobs only this kind reads: refused under another kind.
+        own_knobs: The knobs only this kind reads (fields of ``SuperpipeOptions``): refused under another kind.
         records_init: ``configure_model``'s init calls are recorded and run block by block as the kind builds the
             homes (the model never sits whole in host memory).
         needs_optimizers: The optimizers are set up before the homes are built (the kind sizes its files by them).
