@@ -136,7 +136,7 @@ class Probe(pl.Callback):
     @staticmethod
     def _tier(trainer: pl.Trainer) -> Any:
         """The run's disk tier, or ``None`` on the host tier."""
-        from lightning_superpipe.memory.disk_homes import DiskTier
+        from lightning_superpipe.memory.disk.tier import DiskTier
 
         homes = trainer.strategy._engine.home_kind
         return homes if isinstance(homes, DiskTier) else None
@@ -348,7 +348,7 @@ def pieces(args: argparse.Namespace) -> dict[str, Any]:
 def trunk(args: argparse.Namespace) -> dict[str, Any]:
     """The disk tier with the trunk's matrices (the embedding and the untied head) in its files, as it trains them,
     against the same run with them in host memory (``--trunk-in-memory``: the rule of
-    :mod:`lightning_superpipe.memory.disk_trunk` switched off in that process), a model built in
+    :mod:`lightning_superpipe.memory.disk.trunk` switched off in that process), a model built in
     ``configure_model`` (so that the peak is the tier's), in alternating rounds. Per run: the peak RSS while
     training and over the whole process, each minus the RSS after the imports, the pool's peak, the mean step time
     (the steps after the first) and the tier's files; and whether the losses are equal."""
@@ -442,8 +442,8 @@ def _parse_args() -> argparse.Namespace:
 
 def run_role(args: argparse.Namespace) -> None:
     """A child process: one role's run, its figures printed as one line of JSON."""
-    from lightning_superpipe.memory import disk_trunk
     from lightning_superpipe.memory.disk import limit_heap_retention
+    from lightning_superpipe.memory.disk import trunk as disk_trunk
 
     if args.trunk_in_memory:  # no trunk parameter has this many dimensions: all stay in host memory
         disk_trunk.TRUNK_ON_DISK_MIN_DIMS = 1 << 30

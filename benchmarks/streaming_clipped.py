@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.pipelined import WINDOW_HOOKS, weight_readers
+from lightning_superpipe.stepping.pipelined import WINDOW_HOOKS, weight_readers
 
 #: (name, gradient_clip_val): no clipping, clipping by norm that never fires, that always fires.
 CLIP_CASES = (("no clip", None), ("never fires", 1e9), ("always fires", 1e-6))

@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_superpipe.construction.deferred_init import load_safetensors, save_safetensors
+from lightning_superpipe.emulation.link import EmulatedLink, OrderingViolation
+from lightning_superpipe.memory.home import register_home_kind
 from lightning_superpipe.planning import Plan
+from lightning_superpipe.run.options import SuperpipeOptions
+from lightning_superpipe.stepping.optimizers import register_per_parameter_optimizer
 from lightning_superpipe.strategies.memory_logger import DeviceMemoryLogger
 from lightning_superpipe.strategies.ranks import let_lightning_ask_about_ranks
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.deferred_init import load_safetensors, save_safetensors
-from lightning_superpipe.streaming.emulated import EmulatedLink, OrderingViolation
-from lightning_superpipe.streaming.optimizers import register_per_parameter_optimizer
-from lightning_superpipe.streaming.options import SuperpipeOptions
 
 if TYPE_CHECKING:
     from lightning_superpipe.generation import GenerationPolicy, generate
@@ -56,6 +57,7 @@ __all__ = [
     "SuperpipeStrategy",
     "generate",
     "load_safetensors",
+    "register_home_kind",
     "register_per_parameter_optimizer",
     "save_safetensors",
 ]

@@ -318,7 +318,8 @@ def modes(out: Path) -> None:
 
 
 def disagree(out: Path) -> None:
-    from lightning_superpipe.memory import host_memory, pinned
+    from lightning_superpipe import host_memory
+    from lightning_superpipe.memory import pinned
     from lightning_superpipe.memory.disk import space
 
     (out / "tier").mkdir(exist_ok=True)

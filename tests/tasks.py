@@ -406,7 +406,7 @@ def extra_slot_references(engine: Any) -> list[int]:
 def fresh_initial_values() -> Iterator[dict[str, bool]]:
     """Spies on the disk tier's deferred init inside: for each block parameter it wrote, whether its values were made
     apart from the parameter's own memory (``True``: the parameter was never initialized whole in host memory)."""
-    from lightning_superpipe.streaming.deferred_init import DeferredInit
+    from lightning_superpipe.construction.deferred_init import DeferredInit
 
     fresh: dict[str, bool] = {}
     original = DeferredInit.initial_values

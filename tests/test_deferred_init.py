@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.construction.deferred_init import DeferredInit
 from tests.families import FAMILIES
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_superpipe.memory.disk import DiskStore
-from lightning_superpipe.streaming import disk_tier
+from lightning_superpipe.memory.disk import checkpoints as disk_checkpoints
 from tests import disk_crash_worker as worker
 from tests import tasks
 
@@ -44,7 +44,7 @@ def logged_losses(path: Path) -> list[float]:
 def checkpoint_step(ckpt: Path) -> int:
     """The optimizer step a ``.ckpt`` was saved at (its loop's and its disk tier manifest's, which must agree)."""
     saved = torch.load(ckpt, weights_only=False, map_location="cpu")
-    assert saved[disk_tier.DISK_KEY]["step"] == saved["global_step"]
+    assert saved[disk_checkpoints.DISK_KEY]["step"] == saved["global_step"]
     return int(saved["global_step"])
 
 
@@ -125,7 +125,7 @@ def test_kill_9_mid_step_and_mid_checkpoint_then_resume_continues_the_same_losse
             break
         assert checkpoint_step(last) == last_step, f"after {point}, last.ckpt is at another step"
         saved = torch.load(last, weights_only=False, map_location="cpu")
-        assert_tier_loads(disk_tier.resume_folder(last, saved[disk_tier.DISK_KEY], "disk"), last_step)
+        assert_tier_loads(disk_checkpoints.resume_folder(last, saved[disk_checkpoints.DISK_KEY]), last_step)
         resume = last
     # The last save removed every older copy beside last.ckpt, the mid-prune's leftover included.
     assert len(list((checkpoints / "last.ckpt.disk-tier").iterdir())) == 1

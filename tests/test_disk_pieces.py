@@ -160,8 +160,8 @@ def test_the_host_memory_check_counts_every_part_and_names_the_bound_that_fits(m
     staging and the trunk's gradients and moments are counted; a run that does not fit is refused with the
     host_buffer_bytes that would fit, or, where even the least pool does not, says so; a bound below the least pool
     names the least."""
-    from lightning_superpipe.memory import disk_budget
-    from lightning_superpipe.memory.host_memory import HostMemoryError
+    from lightning_superpipe.host_memory import HostMemoryError
+    from lightning_superpipe.memory.disk import budget as disk_budget
 
     model = WideModel()
     optimizer, _ = _optimizer("adamw", model)
@@ -206,7 +206,7 @@ def test_the_trunk_goes_to_the_files_by_a_rule_matrices_that_train_vectors_and_f
     embedding and head are one parameter); vectors, frozen and integer parameters stay in host memory."""
     from torch import nn
 
-    from lightning_superpipe.memory.disk_trunk import trunk_on_disk, trunk_records
+    from lightning_superpipe.memory.disk.trunk import trunk_on_disk, trunk_records
 
     embedding, norm = nn.Parameter(torch.zeros(96, 32)), nn.Parameter(torch.ones(32))
     frozen, cls_token = nn.Parameter(torch.zeros(4, 32), requires_grad=False), nn.Parameter(torch.zeros(1, 1, 32))

@@ -30,7 +30,7 @@ from lightning_superpipe.memory.disk import (
     supports_direct_io,
 )
 from lightning_superpipe.memory.disk import folder as disk_folder
-from lightning_superpipe.memory.param_groups import restricted
+from lightning_superpipe.stepping.param_groups import restricted
 
 SHM = Path("/dev/shm")
 NUM_BLOCKS = 4

@@ -23,7 +23,7 @@ import lightning_superpipe
 from lightning_superpipe import SuperpipeOptions, SuperpipeStrategy
 from tests.docs_sources import DOCS, ROOT, Example, documented_examples, examples, raise_sites
 
-SUBPACKAGES = ("strategies", "streaming", "planning", "memory", "moe", "generation", "sequence", "recipes")
+SUBPACKAGES = ("strategies", "run", "streaming", "planning", "memory", "moe", "generation", "sequence", "recipes")
 EXAMPLES = documented_examples()
 
 

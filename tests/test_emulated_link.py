@@ -20,10 +20,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy
+from lightning_superpipe.emulation.link import parse_bandwidth
 from lightning_superpipe.memory import host as host_module
 from lightning_superpipe.streaming import engine as engine_module
 from lightning_superpipe.streaming import gradients as gradients_module
-from lightning_superpipe.streaming.emulated import parse_bandwidth
 from tests import batches, tasks
 
 CPU = torch.device("cpu")

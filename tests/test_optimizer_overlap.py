@@ -193,7 +193,7 @@ def test_blocks_waiting_for_the_optimizer_thread_are_bounded_where_the_homes_ask
     """The disk tier's gradients live until their block is stepped: with ``waiting_blocks_limit=1`` (what it sets),
     backward hands the optimizer thread a block only once the previous one is stepped, so one block waits while the
     next arrives, whatever the thread's speed. Without it (the host tier's persistent gradients) blocks queue up."""
-    from lightning_superpipe.streaming.overlap import OverlappedStep
+    from lightning_superpipe.stepping.overlap import OverlappedStep
 
     blocks = [[torch.nn.Parameter(torch.ones(4))] for _ in range(6)]
     optimizer = torch.optim.SGD([p for params in blocks for p in params], lr=0.1)

@@ -16,13 +16,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_superpipe import EmulatedLink, SuperpipeStrategy
+from lightning_superpipe.emulation.link import EmulatedCopier
 from lightning_superpipe.planning import check, planner
 from lightning_superpipe.planning.check import PlanCheck, correct
 from lightning_superpipe.planning.cost import predict
 from lightning_superpipe.planning.planner import BudgetPlanner
 from lightning_superpipe.planning.solver import minimum_plan, solve
 from lightning_superpipe.streaming import activations as activations_module
-from lightning_superpipe.streaming.emulated import EmulatedCopier
 from tests import tasks
 from tests.batches import VOCAB
 from tests.test_planner_solver import make_profile

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
+from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerError
 from tests import families, tasks
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -302,7 +302,7 @@ def test_the_disk_tiers_4bit_files_are_read_ahead_and_a_failed_read_raises_from_
     file's bytes), and a read that failed raises its ``DiskTierError`` from the copy."""
     import threading
 
-    from lightning_superpipe.memory import disk_frozen
+    from lightning_superpipe.memory.disk import frozen as disk_frozen
     from lightning_superpipe.memory.disk.errors import DiskTierError
     from lightning_superpipe.memory.pinned import HostArena
     from lightning_superpipe.streaming.copier import Copier

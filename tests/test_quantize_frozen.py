@@ -4,7 +4,7 @@ bits, with no bitsandbytes code in the script.
 Exactness is defined against plain Lightning training the same model whose frozen matrices were replaced beforehand
 by bitsandbytes' own round trip, ``dequantize_4bit(quantize_4bit(w))``: the values the strategy computes with. The
 models' matrices have a last dimension that is a multiple of 64, where bitsandbytes' CPU ``dequantize_4bit`` of a 2-D
-shape is right (see :mod:`lightning_superpipe.memory.frozen4bit`).
+shape is right (see :mod:`lightning_superpipe.memory.fourbit.frozen4bit`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.options import KnobError
-from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
+from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerError
+from lightning_superpipe.run.options import KnobError
 from tests import families, tasks
 from tests.batches import data as tuple_data
 
@@ -286,7 +286,7 @@ def test_bad_values_fail_where_the_strategy_is_made(options: dict[str, Any], mat
 
 
 def test_without_bitsandbytes_the_knob_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_superpipe.streaming.options.bitsandbytes_installed", lambda: False)
+    monkeypatch.setattr("lightning_superpipe.run.options.bitsandbytes_installed", lambda: False)
     with pytest.raises(KnobError, match=r"pip install bitsandbytes"):
         SuperpipeStrategy(quantize_frozen="nf4")
 
@@ -366,7 +366,7 @@ def test_quantizing_a_piece_at_a_time_gives_bitsandbytes_codes_and_state(
 ) -> None:
     """A matrix larger than the piece (and not a multiple of it) is quantized into the codes, scales and nested
     state bitsandbytes' own ``quantize_4bit`` gives the whole of it; a changed value shows."""
-    from lightning_superpipe.memory import frozen4bit
+    from lightning_superpipe.memory.fourbit import frozen4bit
 
     monkeypatch.setattr(frozen4bit, "CHUNK", 64 * 16)
     quant_type, double = frozen4bit.MODES[mode]

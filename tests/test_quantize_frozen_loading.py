@@ -17,8 +17,8 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401  (registers "superpipe")
 from lightning_superpipe import SuperpipeStrategy, load_safetensors
-from lightning_superpipe.memory.frozen4bit import quantized_format
-from lightning_superpipe.memory.host_memory import HostMemoryError
+from lightning_superpipe.host_memory import HostMemoryError
+from lightning_superpipe.memory.fourbit.frozen4bit import quantized_format
 from tests import families, tasks
 from tests.test_quantize_frozen import BLOCKS, TARGETS, config, rounded
 
@@ -112,7 +112,7 @@ def test_a_set_up_that_fails_gives_the_matrices_the_values_of_the_folder(
     def fail(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("no homes today")
 
-    monkeypatch.setattr("lightning_superpipe.streaming.setup.StreamingEngine", fail)
+    monkeypatch.setattr("lightning_superpipe.run.setup.StreamingEngine", fail)
     task = SavedLoRA(saved)
     with pytest.raises(RuntimeError, match="no homes today"):
         fit(task, SuperpipeStrategy(quantize_frozen="nf4"))
@@ -143,9 +143,9 @@ def test_the_host_memory_check_counts_the_base_in_4_bits(tmp_path: Path, monkeyp
 
     saved = save(tmp_path, hidden_size=256, intermediate_size=1024, head_dim=64)
     full = sum(p.numel() * p.element_size() for p in AutoModelForCausalLM.from_pretrained(saved).parameters())
-    monkeypatch.setattr("lightning_superpipe.memory.host_memory.available_host_bytes", lambda: full // 2)
+    monkeypatch.setattr("lightning_superpipe.host_memory.available_host_bytes", lambda: full // 2)
     fit(SavedLoRA(saved), SuperpipeStrategy(quantize_frozen="nf4"), steps=1)
-    monkeypatch.setattr("lightning_superpipe.memory.host_memory.available_host_bytes", lambda: full // 10)
+    monkeypatch.setattr("lightning_superpipe.host_memory.available_host_bytes", lambda: full // 10)
     task = SavedLoRA(saved)
     with pytest.raises((HostMemoryError, MisconfigurationException), match=r"needs about .* more host memory"):
         fit(task, SuperpipeStrategy(quantize_frozen="nf4"), steps=1)
@@ -159,7 +159,7 @@ def test_under_the_disk_tier_each_block_goes_to_its_file_as_it_is_quantized(
     plain Lightning on the round trip (the host tier's run, :func:`test_each_frozen_matrix_is_quantized_from_values_
     read_apart_and_trains_as_plain_lightning`), bitwise; after it the matrices stay in 4 bits, mapped from their
     files."""
-    from lightning_superpipe.memory.disk_frozen import FrozenFiles
+    from lightning_superpipe.memory.disk.frozen import FrozenFiles
 
     written: list[tuple[int, int]] = []  # (block, 4-bit matrices of the model when it was written)
     write = FrozenFiles.write_block

@@ -14,8 +14,8 @@ from torch import nn
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
+from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerError, check_quantized_layers
 from lightning_superpipe.streaming.blocks import assign_parameters, find_blocks
-from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError, check_quantized_layers
 from tests import tasks
 
 bnb = pytest.importorskip("bitsandbytes")

@@ -35,7 +35,7 @@ from lightning_superpipe.recipes import (
     export_pretrained,
 )
 from lightning_superpipe.recipes.testing import save_tiny_pretrained
-from lightning_superpipe.streaming.checkpoints import saved_bytes_only
+from lightning_superpipe.run.checkpoints import saved_bytes_only
 
 LORA = LoRASettings(rank=4, alpha=8, dropout=0.1, target_modules="all-linear")
 #: The logits are compared on these token ids (below every tokenizer's size here).

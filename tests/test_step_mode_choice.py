@@ -1,4 +1,4 @@
-"""How each optimizer step's mode is chosen (:func:`lightning_superpipe.streaming.step_modes.choose_step_mode`), rule
+"""How each optimizer step's mode is chosen (:func:`lightning_superpipe.stepping.step_modes.choose_step_mode`), rule
 by rule, without training: a real Trainer with its precision plugin and callbacks, the LightningModule connected to
 its strategy as ``fit`` connects it, a real optimizer, and the facts the strategy would pass. The runs that show each
 mode exact are in tests/test_step_modes.py.
@@ -12,7 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_superpipe.streaming.step_modes import (
+from lightning_superpipe.memory.disk.tier import DiskTier
+from lightning_superpipe.stepping.step_modes import (
     KEPT_SHARE_OF_FREE,
     REDO_RATE_LIMIT,
     RunFacts,
@@ -23,6 +24,9 @@ from lightning_superpipe.streaming.step_modes import (
 from tests import tasks
 
 GIB = 2**30
+
+#: How the disk tier steps its blocks itself (its homes' own steps).
+DISK_STEPS = DiskTier.own_steps
 
 
 class _ReadsGradients(tasks.pl.Callback):
@@ -123,25 +127,25 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "sharded": (dict(facts=RunFacts(sharded=True)), "serial", "the optimizer is sharded across ranks"),
     "the planner measures": (dict(facts=RunFacts(measuring=True)), "serial", "the planner is timing the step"),
     "the disk tier, clipping": (
-        dict(facts=RunFacts(disk=True)), "speculative",
+        dict(facts=RunFacts(own_steps=DISK_STEPS)), "speculative",
         "clipping or the gradient scaler decide after backward (the disk tier's other slot keeps the previous step)",
     ),
     "the disk tier, asked to pipeline": (
-        dict(knob="pipelined", facts=RunFacts(disk=True)), "pipelined", "overlap_optimizer='pipelined'",
+        dict(knob="pipelined", facts=RunFacts(own_steps=DISK_STEPS)), "pipelined", "overlap_optimizer='pipelined'",
     ),
     "the disk tier, clipping fires often": (
-        dict(facts=RunFacts(disk=True, changed_rate=0.5)), "pipelined",
+        dict(facts=RunFacts(own_steps=DISK_STEPS, changed_rate=0.5)), "pipelined",
         "more than a quarter of the recent steps (the disk tier steps its blocks from what it spilled)",
     ),
     "the disk tier, asked to speculate, clipping fires often": (
-        dict(knob="speculative", facts=RunFacts(disk=True, changed_rate=0.5)), "speculative", "other slot",
+        dict(knob="speculative", facts=RunFacts(own_steps=DISK_STEPS, changed_rate=0.5)), "speculative", "other slot",
     ),
     "the disk tier, a hook": (
-        dict(facts=RunFacts(disk=True), callbacks=[_ReadsGradients()]), "pipelined",
+        dict(facts=RunFacts(own_steps=DISK_STEPS), callbacks=[_ReadsGradients()]), "pipelined",
         "may rewrite gradients after backward (the disk tier steps its blocks from what it spilled)",
     ),
     "the disk tier, nothing to decide": (
-        dict(facts=RunFacts(disk=True), **NO_CLIPPING), "overlapped", "nothing after backward",
+        dict(facts=RunFacts(own_steps=DISK_STEPS), **NO_CLIPPING), "overlapped", "nothing after backward",
     ),
 }
 

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 import lightning_superpipe  # noqa: F401
 from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.streaming.pipelined import PipelinedStep
+from lightning_superpipe.stepping.pipelined import PipelinedStep
 from tests import batches, tasks
 
 pytestmark = pytest.mark.usefixtures("emulated_link")

@@ -24,11 +24,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_superpipe import EmulatedLink, OrderingViolation, SuperpipeStrategy  # registers "superpipe"
 from lightning_superpipe.memory import disk
 from lightning_superpipe.memory.disk import CLOCK_COUNTERS, space
-from lightning_superpipe.memory.disk_reads import DiskReads
+from lightning_superpipe.memory.disk.checkpoints import DISK_KEY
+from lightning_superpipe.memory.disk.reads import DiskReads
+from lightning_superpipe.memory.disk.tier import DiskTier
 from lightning_superpipe.planning.solver import minimum_plan, predict
-from lightning_superpipe.streaming import disk_tier
-from lightning_superpipe.streaming.disk_tier import DISK_KEY
-from lightning_superpipe.streaming.optimizers import PER_PARAMETER_OPTIMIZERS
+from lightning_superpipe.stepping.optimizers import PER_PARAMETER_OPTIMIZERS
 from tests import batches, tasks
 
 
@@ -113,7 +113,7 @@ def _pool_buffer_bytes(folder: Path) -> int:
 
     class Probe(tasks.pl.Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            sizes.append(disk_tier.disk_tier_of(trainer.strategy.engine).store.pool.buffer_bytes)
+            sizes.append(trainer.strategy.engine.home_kind.store.pool.buffer_bytes)
 
     tasks.fit("llama", _disk(folder), max_steps=1, callbacks=[Probe()])
     return sizes[0]
@@ -257,7 +257,7 @@ def test_an_optimizer_registered_as_per_parameter_is_stepped_block_by_block(
     overlapped by the host tier until registered; registered, stepped from disk after backward (clipping: spilled
     gradients) and during backward, bitwise plain Lightning."""
     from lightning_superpipe import register_per_parameter_optimizer
-    from lightning_superpipe.streaming import optimizers
+    from lightning_superpipe.stepping import optimizers
 
     monkeypatch.setattr(optimizers, "REGISTERED_PER_PARAMETER", [])
     during: dict[str, Any] = dict(optimizer="lion", gradient_clip_val=None)
@@ -346,8 +346,8 @@ class _PoisonOneBlock(tasks.pl.Callback):
         if trainer.global_step != 3 or trainer.fit_loop._should_accumulate():  # the last micro-batch of step 3
             return
         param = next(module.model.model.layers[1].parameters())
-        tier = disk_tier.disk_tier_of(trainer.strategy.engine)
-        if tier is None:
+        tier = trainer.strategy.engine.home_kind
+        if not isinstance(tier, DiskTier):
             param.grad.view(-1)[0] = float("inf")
             return
         poison = torch.zeros_like(param)

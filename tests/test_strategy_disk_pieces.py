@@ -15,7 +15,7 @@ import pytest
 
 from lightning_superpipe import SuperpipeStrategy
 from lightning_superpipe.memory.disk import DiskStore, pieces
-from lightning_superpipe.memory.disk_homes import DiskTier
+from lightning_superpipe.memory.disk.tier import DiskTier
 from tests import test_strategy_disk as whole
 
 #: Two buffers of 48 KiB: below one block's record of the test models (212-312 KiB with AdamW and its gradients),

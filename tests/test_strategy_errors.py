@@ -11,12 +11,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 import lightning_superpipe  # noqa: F401
-from lightning_superpipe import SuperpipeStrategy
-from lightning_superpipe.memory import host_memory
+from lightning_superpipe import SuperpipeStrategy, host_memory
 from lightning_superpipe.memory.host import HostMemoryError
-from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks, setup
+from lightning_superpipe.run import setup
+from lightning_superpipe.run.options import KnobError
+from lightning_superpipe.streaming import NoBlocksFoundError, find_blocks
 from lightning_superpipe.streaming.blocks import assign_parameters
-from lightning_superpipe.streaming.options import KnobError
 from tests import batches, tasks
 
 
@@ -251,7 +251,7 @@ def test_the_strategy_takes_keywords_only_and_keeps_the_knobs_readable() -> None
 def test_the_default_sharding_falls_back_where_one_copy_per_node_is_refused() -> None:
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
-    from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
+    from lightning_superpipe.run.options import SuperpipeOptions, default_sharding
 
     def choose(options: SuperpipeOptions = SuperpipeOptions(), **run: object) -> tuple[object, object]:
         settings = {"precision": "32-true", "averaging": [], "shared_free": 1 << 30, "shared_needed": 1 << 20, **run}

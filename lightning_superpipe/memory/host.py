@@ -21,30 +21,34 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.home import (
-    ALIGNMENT,
-    DeviceLayout,
-    Event,
-    Homes,
-    Link,
-    ParamSlice,
-    aligned,
-    device_layout,
-)
-from lightning_superpipe.memory.host_memory import (
+from lightning_superpipe.host_memory import (
     HostMemoryError,
     available_host_bytes,
     check_host_memory,
     rss_bytes,
     shared_rss_bytes,
 )
-from lightning_superpipe.memory.packed import (
+from lightning_superpipe.memory.fourbit.frozen4bit import frozen_matrices, quantized_bytes, quantized_format
+from lightning_superpipe.memory.fourbit.packed import (
     PackedFormat,
     PackedSlice,
     packed_bytes,
     packed_slice,
     split_packed,
     trainable_pieces,
+)
+from lightning_superpipe.memory.home import (
+    ALIGNMENT,
+    DeviceLayout,
+    Event,
+    HomeKind,
+    Homes,
+    HomesBuilder,
+    HomesRun,
+    Link,
+    ParamSlice,
+    aligned,
+    device_layout,
 )
 from lightning_superpipe.memory.pinned import HostArena, NodeRanks, page_rounded
 
@@ -54,6 +58,7 @@ __all__ = [  # what other modules import from here, the layout types and host-me
     "BlockLayout",
     "DeviceLayout",
     "HostHomes",
+    "HostKind",
     "HostMemoryError",
     "ParamSlice",
     "available_host_bytes",
@@ -339,6 +344,56 @@ def build_homes(
     with arena.shared(nbytes, node) if node is not None else nullcontext():
         return HostHomes([BlockHome(params, dtype, arena) if dtype is not None else None
                           for params, dtype in zip(block_params, dtypes)])
+
+
+class HostKind(HomeKind):
+    """``offload_device="cpu"``, the default: every block's home in host memory (:func:`build_homes`), or, with
+    ``shard_optimizer="node"`` on several ranks, in one region the node's ranks share; the optimizer's state and the
+    gradients in host memory too."""
+
+    name = "cpu"
+    summary = "masters, gradients and optimizer state in host memory"
+    title = "the host tier"
+    purpose = "keep the training state in host memory"
+
+    def check_host_room(self, run: HomesRun) -> None:
+        """Refuses a run whose host memory is too small for the homes of the blocks (with ``quantize_frozen``, their
+        frozen matrices in 4 bits), gradients and optimizer state, what the deferred init calls will fill in place,
+        and, for a speculative optimizer step, the state it keeps.
+
+        Raises:
+            HostMemoryError: With the bytes needed and available.
+        """
+        mode = run.knobs.quantize_frozen
+        block_params = run.block_params
+        frozen = {p for params in block_params for p in frozen_matrices(params)} if mode is not None else set()
+        streamed = [[p for p in params if p not in frozen] for params in block_params]
+        needed = host_bytes_to_come(streamed, run.trunk_params, run.transfer_dtype, run.fitting,
+                                    pinned=run.device.type == "cuda")
+        needed += sum(quantized_bytes(p.numel(), mode) for p in frozen if not quantized_format(p))
+        if run.deferred is not None:  # all but the frozen matrices, quantized from values apart
+            model = run.model
+            needed += run.deferred.pending_bytes(t for t in [*model.parameters(), *model.buffers()] if t not in frozen)
+        kept = ""
+        if run.fitting and run.knobs.overlap_optimizer == "speculative":  # "auto" speculates only where memory allows
+            params = [p for block in block_params for p in block] + list(run.trunk_params)
+            needed += 12 * sum(p.numel() for p in params if p.requires_grad)
+            kept = (" and the state a speculative optimizer step keeps while backward runs;"
+                    " overlap_optimizer='pipelined' keeps none")
+        check_host_memory(needed, f"homes for {run.what}, gradients and optimizer state{kept}")
+
+    def prepare(self, run: HomesRun) -> HomesBuilder:
+        """The blocks' homes are built from the engine's arena (:func:`build_homes`)."""
+        return _HostBuilder(run)
+
+
+class _HostBuilder(HomesBuilder):
+    def __init__(self, run: HomesRun) -> None:
+        self._run = run
+
+    def homes(self, arena: HostArena) -> Homes:
+        run = self._run
+        return build_homes(run.block_params, run.transfer_dtype, arena, node=run.node)
 
 
 def travels_in(params: Sequence[nn.Parameter], transfer_dtype: Optional[torch.dtype]) -> torch.dtype:

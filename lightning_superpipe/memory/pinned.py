@@ -27,7 +27,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
-from lightning_superpipe.memory.host_memory import HostMemoryError
+from lightning_superpipe.host_memory import HostMemoryError
 from lightning_superpipe.units import format_bytes
 
 log = logging.getLogger(__name__)

@@ -46,6 +46,7 @@ from lightning_superpipe.memory.host import transfer_bytes, travels_in
 from lightning_superpipe.planning.budget import MemoryBudget, resolve_budget
 from lightning_superpipe.planning.check import PlanCheck
 from lightning_superpipe.planning.cost import predict
+from lightning_superpipe.planning.engine_view import PlannedEngine
 from lightning_superpipe.planning.plan import ActivationsPolicy, Plan
 from lightning_superpipe.planning.profile import BlockCosts, Profile, StepProfiler
 from lightning_superpipe.planning.solver import InfeasibleBudget, solve
@@ -195,7 +196,7 @@ class BudgetPlanner:
         """Whether the run is still in its profiled steps (the optimizer then steps after backward)."""
         return self.plan is None
 
-    def see_batch(self, engine: Any, batch: Any) -> None:
+    def see_batch(self, engine: PlannedEngine, batch: Any) -> None:
         """Before a micro-batch's pass: a batch of more elements than any profiled (a longer sequence, a larger batch
         from Lightning's batch-size finder) may hold more activations than the plan has room for, so the run goes back
         to the least placement and profiles again."""
@@ -231,7 +232,7 @@ class BudgetPlanner:
                 " as CUDA's out of memory error would be, so that Lightning's batch-size finder backs off.)"
             ) from error
 
-    def _restart(self, engine: Any) -> None:
+    def _restart(self, engine: PlannedEngine) -> None:
         """Back to the least placement, profiling from the next micro-batch on."""
         if self._profiler is not None:
             self._profiler.pause()
@@ -241,7 +242,7 @@ class BudgetPlanner:
         engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
         engine.replan([], 0, "recompute")
 
-    def start_micro_batch(self, engine: Any) -> None:
+    def start_micro_batch(self, engine: PlannedEngine) -> None:
         """Profiles the first micro-batch of each profiled step; while the plan is checked, starts the step's
         clock."""
         if self.check is not None and not self.check.done and self._step_start is None:
@@ -254,7 +255,7 @@ class BudgetPlanner:
             torch.cuda.reset_peak_memory_stats(engine.device)
         self._profiler.start()
 
-    def end_backward(self, engine: Any) -> None:
+    def end_backward(self, engine: PlannedEngine) -> None:
         if self._profiler is None or self._profiler.engine.profiler is None:
             return
         self._profiler.pause()
@@ -277,7 +278,8 @@ class BudgetPlanner:
 
         return timed
 
-    def after_step(self, engine: Any, step_s: float, refresh_s: float, *, micro_batches: int, overlap: bool) -> None:
+    def after_step(self, engine: PlannedEngine, step_s: float, refresh_s: float, *, micro_batches: int,
+                   overlap: bool) -> None:
         """Records a profiled step's host time (``step_s`` covers ``optimizer_step``, closure included); after the
         last profiled step, solves for the plan, gives it to the engine and prints its table. ``micro_batches``: the
         step's accumulation; ``overlap``: whether the optimizer will step during backward once the plan runs.
@@ -307,7 +309,7 @@ class BudgetPlanner:
         self.profile = rank_zero_value(self._profile(engine, micro_batches, overlap))
         self._apply(engine, self._solve_or_refuse(engine, self.profile), "SuperpipeStrategy's plan for {call}:")
 
-    def _solve_or_refuse(self, engine: Any, profile: Profile) -> Plan:
+    def _solve_or_refuse(self, engine: PlannedEngine, profile: Profile) -> Plan:
         """The plan of ``profile``; where none fits, the run is back in the least placement, profiling afresh from
         the next batch, and the error is raised.
 
@@ -325,7 +327,7 @@ class BudgetPlanner:
                 " for this batch, so that Lightning's batch-size finder backs off.)"
             ) from error
 
-    def _apply(self, engine: Any, plan: Plan, title: str) -> None:
+    def _apply(self, engine: PlannedEngine, plan: Plan, title: str) -> None:
         """Places the engine as ``plan`` says, checks it from now on, and prints its table under ``title``."""
         engine.pending.settle()  # a pipelined step still writes the masters the new buffers are filled from
         engine.replan(sorted(plan.resident), plan.prefetch, plan.activations)
@@ -336,7 +338,7 @@ class BudgetPlanner:
         rank_zero_info(f"{title.format(call=self.call)}\n{plan.table()}\nIt is checked once applied:"
                        f" {PlanCheck.cost()}.")
 
-    def _within_budget(self, engine: Any) -> bool:
+    def _within_budget(self, engine: PlannedEngine) -> bool:
         """After a step in the plan: its measured peak joins the plan; where it went over the budget, the model's
         margin takes the excess and the placement is solved for again and applied (before the next step).
         Returns whether the plan stayed.
@@ -371,7 +373,7 @@ class BudgetPlanner:
         corrections change times, not bytes)."""
         return solve(profile, self.budget_bytes, **self.pinned)
 
-    def _checked_step(self, engine: Any) -> None:
+    def _checked_step(self, engine: PlannedEngine) -> None:
         """Gives a step's time to the check; applies the plan it solved for again, if any."""
         if self.check is None or self._step_start is None:
             return
@@ -386,7 +388,7 @@ class BudgetPlanner:
         if line is not None:
             rank_zero_info(line + (f"\n{plan.table()}" if plan is not None else ""))
 
-    def _profile(self, engine: Any, micro_batches: int, overlap: bool) -> Profile:
+    def _profile(self, engine: PlannedEngine, micro_batches: int, overlap: bool) -> Profile:
         best = {name: min(s[name] for s in self._samples) for name in ("optimizer_s", "refresh_s")}
         profilers = [s["profiler"] for s in self._samples]
 
@@ -532,7 +534,7 @@ def slowest_rank(seconds: float) -> float:
     return max(everyone)
 
 
-def _clock(engine: Any) -> float:
+def _clock(engine: PlannedEngine) -> float:
     """Now, once the device has done what was asked of it."""
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

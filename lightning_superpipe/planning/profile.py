@@ -17,6 +17,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_superpipe.planning.engine_view import PlannedEngine
+
 
 @dataclass(frozen=True)
 class BlockCosts:
@@ -167,7 +169,7 @@ class StepProfiler:
         num_blocks: The number of blocks.
     """
 
-    def __init__(self, engine: Any, num_blocks: int) -> None:
+    def __init__(self, engine: PlannedEngine, num_blocks: int) -> None:
         self.engine = engine
         self.num_blocks = num_blocks
         self.forward_s = [0.0] * num_blocks

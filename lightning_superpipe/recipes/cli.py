@@ -47,8 +47,8 @@ from lightning_superpipe.recipes.export import export_command
 from lightning_superpipe.recipes.model_building import check_folder
 from lightning_superpipe.recipes.progress import LoggingProgressBar, is_terminal
 from lightning_superpipe.recipes.text_data import TextDataModule
+from lightning_superpipe.run.options import KnobError, SuperpipeOptions
 from lightning_superpipe.streaming import NoBlocksFoundError
-from lightning_superpipe.streaming.options import KnobError, SuperpipeOptions
 
 #: Errors caused by the user's input, printed as one line. Anything else is a bug and keeps its traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (

@@ -23,10 +23,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_superpipe.memory.home import kind_that_wrote
 from lightning_superpipe.recipes.causal_lm import CausalLMModule
 from lightning_superpipe.recipes.errors import RecipeError, first_line
 from lightning_superpipe.recipes.tokenization import has_tokenizer_files
-from lightning_superpipe.streaming import disk_tier
 from lightning_superpipe.units import parse_bytes
 
 __all__ = ["ExportCheckpoints", "export_pretrained"]
@@ -167,11 +167,12 @@ def _load_checkpoint(path: Path) -> CausalLMModule:
     module = CausalLMModule(**settings)
     module.configure_model()
     state: dict[str, Tensor] = dict(checkpoint["state_dict"])
-    rebuilt: set[str] = set()  # a disk tier's 4-bit base: built again from pretrained_path, as a resume does
-    if disk_tier.DISK_KEY in checkpoint:
-        manifest = checkpoint[disk_tier.DISK_KEY]
-        state.update(disk_tier.checkpoint_block_values(path, manifest))
-        rebuilt = {f"{name}." for name in manifest.get(disk_tier.FROZEN_KEY, [])}
+    rebuilt: set[str] = set()  # a 4-bit base kept apart: built again from pretrained_path, as a resume does
+    writer = kind_that_wrote(checkpoint)
+    if writer is not None:  # the blocks are beside the .ckpt (the disk tier's files)
+        values, modules = writer.checkpoint_weights(path, checkpoint)
+        state.update(values)
+        rebuilt = {f"{name}." for name in modules}
     floating = {value.dtype for value in state.values() if value.is_floating_point()}
     if module.quantization is None and len(floating) == 1:
         module.model.to(floating.pop())  # a bf16-true run's weights stay bf16, not the built model's float32

@@ -246,7 +246,7 @@ def load_pretrained(
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lightning_superpipe.streaming.deferred_init import load_safetensors
+    from lightning_superpipe.construction.deferred_init import load_safetensors
 
     folder = check_folder(pretrained_path, safetensors_only=tensor_by_tensor)
     # From config.json first: a tokenizer the model cannot embed is refused before its weights are read.

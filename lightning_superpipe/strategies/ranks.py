@@ -25,10 +25,12 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.averaging import weight_averaging_callbacks
+from lightning_superpipe.construction.deferred_init import DeferredInit
 from lightning_superpipe.memory.pinned import shared_space
 from lightning_superpipe.rng import rng_states, set_rng_states
-from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.disk_tier import weight_averaging_callbacks
+from lightning_superpipe.run.options import SuperpipeOptions, default_sharding
+from lightning_superpipe.run.setup import as_devices, join_ranks
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
     NodeShare,
@@ -36,9 +38,6 @@ from lightning_superpipe.streaming.distributed import (
     gather_optimizer_state,
     on_every_rank,
 )
-from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions, default_sharding
-from lightning_superpipe.streaming.setup import as_devices, join_ranks
 
 #: The precisions whose blocks travel and compute in a narrower dtype than their fp32 masters, and that dtype.
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -94,9 +93,15 @@ class _Rank:
 
 
 class RanksStrategy(DDPStrategy):
-    """One process per device (devices times nodes ranks), or this process alone for one device on one node."""
+    """One process per device (devices times nodes ranks), or this process alone for one device on one node.
 
-    _engine: Optional[StreamingEngine]
+    A subclass that averages the gradients itself (the streaming engine, block by block) gives this base its
+    :attr:`averager` for the run, which :meth:`block_backward_sync` pauses and whose sharding
+    :meth:`optimizer_state` follows.
+    """
+
+    #: What averages the gradients across ranks during the run (``None``: nothing, or one rank).
+    averager: Optional[GradientAverager] = None
     #: The node's ranks, which share the blocks' host homes (``shard_optimizer="node"`` on several ranks).
     node: Optional[NodeShare] = None
     #: Why ``shard_optimizer="auto"`` was not ``"node"``, each said once.
@@ -109,7 +114,7 @@ class RanksStrategy(DDPStrategy):
 
     def resolve_sharding(self, options: SuperpipeOptions, trainer: Trainer) -> SuperpipeOptions:
         """``options`` for the run: ``shard_optimizer="auto"`` is ``False`` on one rank (it does nothing there) and on
-        several :func:`~lightning_superpipe.streaming.options.default_sharding`'s choice, the same on every rank (any
+        several :func:`~lightning_superpipe.run.options.default_sharding`'s choice, the same on every rank (any
         rank's reason against ``"node"`` holds for all), said once per reason."""
         if options.shard_optimizer != "auto":
             return options
@@ -172,7 +177,7 @@ class RanksStrategy(DDPStrategy):
         by_default: bool = False,
     ) -> None:
         """Before streaming starts: on several ranks the same model and knobs everywhere and rank 0's weights given
-        to all (:func:`~lightning_superpipe.streaming.setup.join_ranks`); on one, the data as a single-device strategy
+        to all (:func:`~lightning_superpipe.run.setup.join_ranks`); on one, the data as a single-device strategy
         sees it. ``options`` has ``shard_optimizer`` resolved (``by_default``: from ``"auto"``, as messages say)."""
         assert self.model is not None
         self.node = None
@@ -205,7 +210,7 @@ class RanksStrategy(DDPStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """The micro-batches of an accumulation before the last: gradients accumulate locally, unreduced (DDP's
         ``no_sync``)."""
-        averager = self._engine.gradients.averager if self._engine is not None else None
+        averager = self.averager
         if averager is None:
             yield
             return
@@ -218,7 +223,7 @@ class RanksStrategy(DDPStrategy):
     @property
     def sharded_optimizer(self) -> Optional[GradientAverager]:
         """The engine's averager where each rank keeps and steps only its share (``shard_optimizer``), else ``None``."""
-        averager = self._engine.gradients.averager if self._engine is not None else None
+        averager = self.averager
         return averager if averager is not None and averager.sharded else None
 
     @override

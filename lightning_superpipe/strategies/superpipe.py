@@ -3,8 +3,9 @@
 The model's home is host memory. Its blocks (decoder layers, vision stages) stream through the device just in
 time, in forward and again in backward; gradients return to the host block by block; the optimizer steps the
 host parameters, so its state never occupies the device. This module is thin glue between Lightning's hooks and
-the streaming engine in :mod:`lightning_superpipe.streaming`. With ``offload_device="disk"`` the blocks' masters and
-optimizer state live in files instead (:mod:`lightning_superpipe.streaming.disk_tier`). On several devices or nodes
+the streaming engine in :mod:`lightning_superpipe.streaming`. ``offload_device`` chooses the kind of home the blocks
+live in (:mod:`lightning_superpipe.memory.home`): host memory, or files (the disk tier), or a kind registered by the
+user. On several devices or nodes
 it is Lightning's ``DDPStrategy`` without the ``DistributedDataParallel`` wrapper: each rank streams its own copy and
 the gradients are averaged block by block on the way back (:mod:`lightning_superpipe.streaming.distributed`).
 """
@@ -12,7 +13,7 @@ the gradients are averaged block by block on the way back (:mod:`lightning_super
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -30,25 +32,32 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_superpipe.construction.deferred_init import DeferredInit
+from lightning_superpipe.emulation.link import EmulatedLink
+from lightning_superpipe.memory.home import kind_that_wrote
 from lightning_superpipe.planning.budget import MemoryBudget
 from lightning_superpipe.planning.plan import Plan
 from lightning_superpipe.planning.planner import BudgetPlanner
-from lightning_superpipe.strategies.checkpointing import CheckpointingStrategy
-from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES
-from lightning_superpipe.streaming.activations import ActivationsPolicy
-from lightning_superpipe.streaming.blocks import BlockPolicy
-from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.emulated import EmulatedLink
-from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.session import StreamingSession
-from lightning_superpipe.streaming.setup import (
+from lightning_superpipe.run.checkpoints import (
+    blocks_left_to_files,
+    load_model_state,
+    load_optimizer_states,
+    save_checkpoint,
+)
+from lightning_superpipe.run.options import DEFAULT_OFFLOAD_DEVICE, SuperpipeOptions
+from lightning_superpipe.run.session import StreamingSession
+from lightning_superpipe.run.setup import (
     EmptyInit,
     install_clipping,
     start_streaming,
     strategy_report,
     uninstall_clipping,
 )
+from lightning_superpipe.stepping.optimizers import put_state_in_group_order
+from lightning_superpipe.strategies.ranks import MIXED_PRECISION_DTYPES, RanksStrategy
+from lightning_superpipe.streaming.activations import ActivationsPolicy
+from lightning_superpipe.streaming.blocks import BlockPolicy
+from lightning_superpipe.streaming.engine import StreamingEngine
 
 
 def _knob(name: str) -> property:
@@ -56,7 +65,7 @@ def _knob(name: str) -> property:
     return property(lambda self: getattr(self.options, name), doc=f"``SuperpipeOptions.{name}``, as written.")
 
 
-class SuperpipeStrategy(CheckpointingStrategy):
+class SuperpipeStrategy(RanksStrategy):
     """Streams a host-resident model's blocks through each rank's device; optimizer and masters stay on the host.
 
     The knob reference (``docs/reference/knobs.md``) says what each knob costs. Every argument is a keyword, the knobs
@@ -76,8 +85,9 @@ class SuperpipeStrategy(CheckpointingStrategy):
         overlap_optimizer: Step each block's parameters during backward where that is exact (``"auto"``: and pays).
         blocks: Which modules stream: module classes or a predicate; by default every outermost stack.
         link: An :class:`~lightning_superpipe.EmulatedLink` (tests: the CUDA code paths on a CPU device).
-        offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default) or
-            ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers).
+        offload_device: Where the blocks' masters and optimizer state live: ``"cpu"`` (host memory, the default),
+            ``"disk"`` (files under ``offload_path``, streamed through a bounded pool of host buffers), or the name of
+            a kind of home registered with :func:`~lightning_superpipe.register_home_kind`.
         offload_path: The disk tier's folder (``offload_device="disk"``), on a fast local disk.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers (default: a few of the largest block's);
             below two whole blocks' buffers, each block is stepped and read in pieces (a parameter, or a slice of one).
@@ -92,8 +102,8 @@ class SuperpipeStrategy(CheckpointingStrategy):
             4-bit modes; bitsandbytes installed): every frozen matrix of the blocks (``requires_grad=False`` when the
             run starts) is quantized once with bitsandbytes' quantizer, kept in host memory and streamed as its 4-bit
             codes and scales, and dequantized on the device for each use; trainable parameters stay as they are.
-            After the run the matrices hold their dequantized values (:mod:`lightning_superpipe.memory.frozen4bit`).
-            ``None`` (default): streamed as they are.
+            After the run the matrices hold their dequantized values
+            (:mod:`lightning_superpipe.memory.fourbit.frozen4bit`). ``None`` (default): streamed as they are.
         device: The compute device; by default the one the Trainer resolves.
         accelerator: Passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (through :class:`.RanksStrategy`),
             as are the next four.
@@ -119,7 +129,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         overlap_optimizer: Union[bool, str] = "auto",
         blocks: Optional[BlockPolicy] = None,
         link: Optional[EmulatedLink] = None,
-        offload_device: str = "cpu",
+        offload_device: str = DEFAULT_OFFLOAD_DEVICE,
         offload_path: Optional[Union[str, os.PathLike[str]]] = None,
         host_buffer_bytes: Optional[int] = None,
         shard_optimizer: Union[bool, str] = "auto",
@@ -145,7 +155,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
             process_group_backend=process_group_backend, timeout=timeout,
         )
         self._run_options: Optional[SuperpipeOptions] = None  # the knobs of the last run: shard_optimizer resolved
-        self._resume: Optional[Path] = None  # a disk-tier checkpoint's folder to restore the blocks from
+        self._resume: Optional[Path] = None  # the folder a checkpoint's homes are restored from
         self._deferred: Optional[DeferredInit] = None  # init calls of `configure_model` (model_sharded_context)
         self._streaming: Optional[StreamingSession] = None
         self._planner: Optional[BudgetPlanner] = None  # kept after the run, for `plan` and its profile
@@ -157,7 +167,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         """What a copy gets (``copy.deepcopy``, pickling the Trainer; a callback that holds the Trainer is copied with
         it): the knobs and what the last run left, without the run in progress, whose engine, threads and device
         memory stay with this strategy."""
-        return {**super().__getstate__(), "_streaming": None}
+        return {**super().__getstate__(), "_streaming": None, "averager": None}
 
     # ------------------------------------------------------------------ the knobs, as written (read-only)
 
@@ -200,14 +210,15 @@ class SuperpipeStrategy(CheckpointingStrategy):
         # Several: the same model and knobs, rank 0's values (its draws, for the init calls deferred).
         self.join_ranks(trainer, self._run_options, self._deferred,
                         by_default=self.options.shard_optimizer != self._run_options.shard_optimizer)
-        early = self._fitting and self.offload_device == "disk"  # the tier sizes its files by the optimizer's state
+        kind = self.options.home_kind
+        early = self._fitting and kind is not None and kind.needs_optimizers  # e.g. files sized by optimizer state
         if early:
             self.setup_optimizers(trainer)
         self.on_every_rank(self.model_to_device, "start streaming")
         if self._fitting and not early:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; the disk tier
+        install_clipping(self.precision_plugin, self._engine)  # fused AdamW under bf16-mixed; homes that clip
         if self._streaming is not None:  # the gradients home before `on_after_backward`
             self._streaming.watch_backward(self.precision_plugin)
         if self._fitting and self._streaming is not None:  # `zero_grad` is watched on Lightning's new wrappers too
@@ -233,6 +244,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
             )
         self._resume = self._deferred = None
         self._planner = self._streaming.planner
+        self.averager = self._streaming.engine.gradients.averager  # several ranks: the engine averages
         if isinstance(model, LightningModule):
             model._device = self.root_device  # what `self.device` in the user's LightningModule should say
 
@@ -248,6 +260,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
         if self._streaming is not None:
             self._streaming.stop()
         self._streaming = None
+        self.averager = None
 
     @override
     @contextmanager
@@ -259,11 +272,13 @@ class SuperpipeStrategy(CheckpointingStrategy):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Around ``configure_model`` (only there): with the disk tier or ``quantize_frozen``, the init functions of
-        the modules built in it (and :func:`~lightning_superpipe.load_safetensors`' reads) are recorded and replayed
-        one block at a time as the blocks are written to their files or their frozen matrices quantized, so that the
-        model never sits whole in host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
-        if self.offload_device != "disk" and self.quantize_frozen is None:
+        """Around ``configure_model`` (only there): under a kind of home that :attr:`~.HomeKind.records_init` (the
+        disk tier) or with ``quantize_frozen``, the init functions of the modules built in it (and
+        :func:`~lightning_superpipe.load_safetensors`' reads) are recorded and replayed one block at a time as the
+        blocks are written to their homes or their frozen matrices quantized, so that the model never sits whole in
+        host memory; the values are those of an eager build (:mod:`.deferred_init`)."""
+        kind = self.options.home_kind
+        if not (kind is not None and kind.records_init) and self.quantize_frozen is None:
             yield
             return
         self._deferred = self._deferred or DeferredInit()
@@ -274,7 +289,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @property
     def streaming(self) -> StreamingSession:
-        """The run's engine, hooks and planner (:class:`~lightning_superpipe.streaming.session.StreamingSession`)."""
+        """The run's engine, hooks and planner (:class:`~lightning_superpipe.run.session.StreamingSession`)."""
         if self._streaming is None:
             raise RuntimeError(
                 "SuperpipeStrategy is not set up: it streams only inside `Trainer.fit/validate/test/predict`."
@@ -284,6 +299,16 @@ class SuperpipeStrategy(CheckpointingStrategy):
     @property
     def engine(self) -> StreamingEngine:
         return self.streaming.engine
+
+    @property
+    def _engine(self) -> Optional[StreamingEngine]:
+        """The run's engine, or ``None`` outside a run."""
+        return self._streaming.engine if self._streaming is not None else None
+
+    def _settle(self) -> None:
+        """Waits for pending (pipelined) optimizer steps: what follows reads weights, gradients or optimizer state."""
+        if self._streaming is not None:
+            self._streaming.settle()
 
     # Outside a run (its teardown took the hooks off) the model is a plain module in host memory, and Lightning's
     # own step calls (a loop run by hand after `fit`) run as under a single-device strategy.
@@ -297,8 +322,7 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._streaming is not None:
-            self._streaming.settle()  # a pipelined step reads `.grad`, which backward adds to
+        self._settle()  # a pipelined step reads `.grad`, which backward adds to
         super().pre_backward(closure_loss)
 
     @override
@@ -340,6 +364,57 @@ class SuperpipeStrategy(CheckpointingStrategy):
 
     def _forward_only(self) -> AbstractContextManager[None]:
         return self._streaming.forward_only() if self._streaming is not None else nullcontext()
+
+    # ------------------------------------------------------------------ checkpoints (:mod:`..run.checkpoints`)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        self._settle()
+        parent = super().save_checkpoint
+        save_checkpoint(checkpoint, filepath, self._engine, writes=self.is_global_zero,
+                        add_rng_states=self.add_rng_states,
+                        write=lambda written: parent(written, filepath, storage_options=storage_options))
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._settle()
+        with blocks_left_to_files(self._engine):
+            return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        self._settle()
+        put_state_in_group_order(getattr(optimizer, "_optimizer", optimizer))  # block steps made it in another order
+        return super().optimizer_state(optimizer)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        super().remove_checkpoint(filepath)
+        kind = self.options.home_kind
+        if kind is not None and self.is_global_zero:  # what the homes keep beside the .ckpt goes with it
+            kind.remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.restore_rng_states(checkpoint)
+        writer, kind = kind_that_wrote(checkpoint), self.options.home_kind
+        if writer is not None and kind is not None:  # its homes are beside the .ckpt: restored when streaming starts
+            self._resume = writer.resume_folder(checkpoint_path, checkpoint, kind)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        parent = super().load_model_state_dict
+        load_model_state(self.lightning_module, checkpoint, strict, self._engine, self._deferred,
+                         lambda state, strict: parent(state, strict=strict))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load_optimizer_states(self.optimizers, checkpoint, self._engine, self.keep_own_optimizer_state)
 
     # ------------------------------------------------------------------ memory report
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -33,10 +33,39 @@ from torch.utils._pytree import tree_flatten
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
 from lightning_superpipe.planning.plan import MODES, ActivationsPolicy
 from lightning_superpipe.streaming.copier import Copier, Event
-from lightning_superpipe.streaming.ledger import DeviceLedger
+from lightning_superpipe.streaming.ledger import DeviceLedger, MaterializedWeights
 
-if TYPE_CHECKING:
-    from lightning_superpipe.streaming.engine import StreamingEngine
+
+class BlockWeights(Protocol):
+    """What the activations need of the engine (:class:`~lightning_superpipe.streaming.engine.StreamingEngine`): its
+    copier, ledger and arena, which blocks' weights are where, and the calls that fetch a block's weights again."""
+
+    device: torch.device
+    copier: Copier
+    ledger: DeviceLedger
+    arena: HostArena
+    materialized: MaterializedWeights
+    resident_indices: frozenset[int]
+    activation_modes: list[str]
+
+    @property
+    def homes(self) -> Sequence[Any]: ...
+
+    def held_flat(self, index: int) -> Optional[Tensor]:
+        """Block ``index``'s device buffer if it is there for the current computation, else ``None``."""
+        ...
+
+    def weights_again(self, index: int) -> Tensor:
+        """Block ``index``'s device buffer for backward (fetched if it is not the one computing)."""
+        ...
+
+    def weights_first(self, index: int) -> None:
+        """At ``prefetch=0``, starts block ``index``'s copy before copies queued after it."""
+        ...
+
+    def is_persistent(self, address: int) -> bool:
+        """Whether a storage at ``address`` is model memory (a resident copy of the trunk)."""
+        ...
 
 #: Activations smaller than this stay on the device under ``"offload"``: their copies cost more than they free.
 OFFLOAD_MIN_BYTES = 64 * 1024
@@ -117,7 +146,7 @@ class ActivationPlacement:
         engine: The streaming engine (its copier, ledger, arena, and the blocks' weight buffers).
     """
 
-    def __init__(self, engine: StreamingEngine) -> None:
+    def __init__(self, engine: BlockWeights) -> None:
         self.engine = engine
         self.copier: Copier = engine.copier
         self.ledger: DeviceLedger = engine.ledger

@@ -16,7 +16,7 @@ before the host writes a buffer that a copy may still be reading.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -163,7 +163,13 @@ class CudaCopier(Copier):
         return event
 
 
-def make_copier(device: torch.device, link: Any = None) -> Copier:
+class OtherLink(Protocol):
+    """A link other than the device's own (an :class:`~lightning_superpipe.EmulatedLink`): it makes the copier."""
+
+    def copier(self, device: torch.device) -> Copier: ...
+
+
+def make_copier(device: torch.device, link: Optional[OtherLink] = None) -> Copier:
     """The copier for ``device``: ``link``'s (an ``EmulatedLink``) when given, else CUDA's or the plain one."""
     if link is not None:
         return link.copier(device)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -37,17 +37,14 @@ from torch import Tensor, nn
 from lightning_superpipe.memory.home import DeviceLayout, Home, Homes, ParamSlice, device_layout
 from lightning_superpipe.memory.host import master_state, track_edits, untrack_edits
 from lightning_superpipe.memory.pinned import HostArena, page_rounded
+from lightning_superpipe.stepping.overlap import OverlappedStep
+from lightning_superpipe.stepping.pipelined import PipelinedStep
 from lightning_superpipe.streaming.activations import ActivationPlacement, ActivationsPolicy, per_block_modes
-from lightning_superpipe.streaming.copier import Event, make_copier
+from lightning_superpipe.streaming.copier import Event, OtherLink, make_copier
 from lightning_superpipe.streaming.gradients import GradientReturn
-from lightning_superpipe.streaming.ledger import DeviceLedger, MaterializedWeights, engine_report
-from lightning_superpipe.streaming.overlap import OverlappedStep
-from lightning_superpipe.streaming.pipelined import PipelinedStep
+from lightning_superpipe.streaming.ledger import DeviceLedger, MaterializedWeights
 from lightning_superpipe.streaming.placement import choose_resident, clamp
 from lightning_superpipe.streaming.schedule import BlockSchedule
-
-if TYPE_CHECKING:
-    from lightning_superpipe.streaming.emulated import EmulatedLink
 
 
 @dataclass(eq=False)
@@ -75,7 +72,7 @@ class StreamingEngine:
         resident_blocks: How many blocks stay on the device permanently (evenly spaced), or which.
         prefetch: How many blocks are copied in ahead of the one computing.
         homes: Builds the blocks' homes from the engine's host arena (e.g. :func:`~lightning_superpipe.memory.host.
-            build_homes`, or a :class:`~lightning_superpipe.memory.disk_homes.DiskTier` already built).
+            build_homes`; a kind of home's :meth:`~lightning_superpipe.memory.home.HomesBuilder.homes`).
         link: An ``EmulatedLink`` to emulate an asynchronous device on the CPU; ``None`` for the real link.
         activations: Where each block's activations live between forward and backward (:mod:`.activations`).
     """
@@ -88,7 +85,7 @@ class StreamingEngine:
         resident_blocks: Union[int, Sequence[int]],
         prefetch: int,
         homes: Callable[[HostArena], Homes],
-        link: Optional[EmulatedLink] = None,
+        link: Optional[OtherLink] = None,
         activations: ActivationsPolicy = "recompute",
     ) -> None:
         self.device = device
@@ -445,7 +442,7 @@ class StreamingEngine:
     def _copy_trunk(self, param: nn.Parameter, after: Event) -> Event:
         """Copies ``param``'s master into its device copy (after ``after``) and notes the master's state."""
         self._trunk_seen[param] = master_state(param)
-        if self.home_kind.holds_trunk(param):  # its master is in the homes' keeping (the disk tier's files)
+        if self.home_kind.holds_trunk(param):  # its master is in the homes' keeping (files, say)
             return self.home_kind.copy_trunk_in(self._trunk[param], param, after, self._trunk_names[param])
         return self.copier.to_device(self._trunk[param], param.detach(), after, self._trunk_names[param])
 
@@ -513,7 +510,7 @@ class StreamingEngine:
 
         Raises:
             ValueError: A parameter does not stream with a block (outside the blocks, or tied).
-            RuntimeError: The blocks' homes cannot leave parameters out (the disk tier reads blocks whole).
+            RuntimeError: The blocks' homes cannot leave parameters out (they read blocks whole).
         """
         params = frozenset(params)
         outside = [param for param in params if param not in self._home_of]
@@ -582,8 +579,52 @@ class StreamingEngine:
         return self.arena.pinned_bytes
 
     def memory_report(self) -> dict[str, Any]:
-        """The engine's part of the strategy's memory report (:func:`.ledger.engine_report`: its keys)."""
-        return engine_report(self)
+        """The engine's part of the strategy's memory report, from its ledger, its arena and its homes' kind.
+
+        Returns:
+            ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
+            blocks, the gradients of both while they wait to leave, and the activations saved for backward, in the
+            blocks and outside them), ``device_bytes`` (held now),
+            ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
+            once), ``peak_dequantized_weight_bytes`` (``quantize_frozen``'s dense matrices, most at once; held
+            inside ``device_bytes`` and ``peak_device_bytes`` too), ``largest_block_bytes``, ``num_blocks``,
+            ``resident_blocks``, ``prefetch``,
+            ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
+            the host: homes, transfer copies, staging), ``shared_host_bytes`` (the part of it every rank of the node
+            maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
+            of it),
+            ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
+            ``peak_outside_activation_bytes`` (what training steps saved outside the blocks: embeddings, head, loss;
+            most at once),
+            ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
+            ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
+            backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
+            the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the host tier's
+            ``packed_weight_bytes`` and ``packed_weight_numel`` where blocks hold bitsandbytes 4-bit weights; the disk
+            tier's: bytes on disk, the pool's host bytes, bytes read and written).
+        """
+        return {
+            "peak_device_bytes": self.ledger.peak_bytes,
+            "device_bytes": self.ledger.total_bytes,
+            "peak_block_gradient_bytes": self.ledger.peaks["block_gradients"],
+            "peak_trunk_gradient_bytes": self.ledger.peaks["trunk_gradients"],
+            "peak_dequantized_weight_bytes": self.ledger.peaks["dequantized_weights"],
+            "largest_block_bytes": self.largest_block_bytes(),
+            "num_blocks": len(self.homes),
+            "resident_blocks": len(self.resident_indices),
+            "prefetch": self.prefetch,
+            "trunk_device_bytes": self.trunk_device_bytes(),
+            "host_bytes": self.host_bytes(),
+            "shared_host_bytes": self.arena.shared_bytes,
+            "pinned_host_bytes": self.pinned_bytes(),
+            "peak_activation_bytes": self.ledger.peaks["activations"],
+            "peak_outside_activation_bytes": self.ledger.peaks["outside_activations"],
+            "host_activation_bytes": self.activations.peak_host_bytes,
+            "peak_activation_bytes_per_block": [self.activations.block_peaks[i] for i in range(len(self.homes))],
+            "overlapped_block_steps": self.overlap.blocks_stepped,
+            "overlapped_trunk_steps": self.overlap.trunk_params_stepped,
+            **self.home_kind.memory_report(),
+        }
 
     def is_persistent(self, address: int) -> bool:
         """Whether a storage at ``address`` is one of the trunk's resident copies (model memory, not activations)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from lightning_superpipe.memory.home import Hook
 from lightning_superpipe.rng import rng_states, set_rng_states
 from lightning_superpipe.streaming.activations import (
     ActivationCensus,
@@ -548,15 +549,6 @@ def _cache_length(cache: Any) -> int:
         return int(cache.get_seq_length())
     except (AttributeError, IndexError, TypeError, NotImplementedError):  # layers not created yet: nothing held
         return 0
-
-
-class Hook(Protocol):
-    """What the strategy keeps of a hook (these, and the disk tier's ``ZeroGradHook``): attaching or detaching it
-    twice is harmless."""
-
-    def attach(self) -> None: ...
-
-    def detach(self) -> None: ...
 
 
 def outermost_pretrained_models(model: nn.Module) -> list[nn.Module]:

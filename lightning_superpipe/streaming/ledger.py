@@ -1,17 +1,14 @@
-"""The strategy's own count of the bytes it holds on the compute device, and the engine's report of them."""
+"""The strategy's own count of the bytes it holds on the compute device."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Optional
 
 from torch import Tensor
 
 from lightning_superpipe.memory.home import ParamSlice
-
-if TYPE_CHECKING:
-    from lightning_superpipe.streaming.engine import StreamingEngine
 
 #: What a run puts on the device: slots and resident blocks, the resident copies of the parameters outside
 #: blocks, the gradients of each while they wait to leave, the activations blocks save for backward when they
@@ -115,52 +112,3 @@ class MaterializedWeights:
         self._live.pop(address, None)
         self._pieces.pop(address, None)
         self.ledger.remove("dequantized_weights", nbytes)
-
-
-def engine_report(engine: StreamingEngine) -> dict[str, Any]:
-    """The engine's part of the strategy's memory report, from its ledger, its arena and its homes' kind.
-
-    Returns:
-        ``peak_device_bytes`` (the most held on the device at once: block weights, the resident weights outside
-        blocks, the gradients of both while they wait to leave, and the activations saved for backward, in the
-        blocks and outside them), ``device_bytes`` (held now),
-        ``peak_block_gradient_bytes`` and ``peak_trunk_gradient_bytes`` (the most gradients of each kind at
-        once), ``peak_dequantized_weight_bytes`` (``quantize_frozen``'s dense matrices, most at once; held
-        inside ``device_bytes`` and ``peak_device_bytes`` too), ``largest_block_bytes``, ``num_blocks``,
-        ``resident_blocks``, ``prefetch``,
-        ``trunk_device_bytes`` (weights outside blocks, resident), ``host_bytes`` (what the engine allocated on
-        the host: homes, transfer copies, staging), ``shared_host_bytes`` (the part of it every rank of the node
-        maps, ``shard_optimizer="node"``: count it once per node), ``pinned_host_bytes`` (the page-locked part
-        of it),
-        ``peak_activation_bytes`` (saved activations kept or brought back on the device, most at once),
-        ``peak_outside_activation_bytes`` (what training steps saved outside the blocks: embeddings, head, loss;
-        most at once),
-        ``host_activation_bytes`` (offloaded activations in host memory, most at once) and
-        ``peak_activation_bytes_per_block``, ``overlapped_block_steps`` (blocks the optimizer stepped during
-        backward, over the run), ``overlapped_trunk_steps`` (parameters outside the blocks stepped so) and,
-        the homes' own figures (:meth:`~lightning_superpipe.memory.home.Homes.memory_report`; the host tier's
-        ``packed_weight_bytes`` and ``packed_weight_numel`` where blocks hold bitsandbytes 4-bit weights; the disk
-        tier's: bytes on disk, the pool's host bytes, bytes read and written).
-    """
-    return {
-        "peak_device_bytes": engine.ledger.peak_bytes,
-        "device_bytes": engine.ledger.total_bytes,
-        "peak_block_gradient_bytes": engine.ledger.peaks["block_gradients"],
-        "peak_trunk_gradient_bytes": engine.ledger.peaks["trunk_gradients"],
-        "peak_dequantized_weight_bytes": engine.ledger.peaks["dequantized_weights"],
-        "largest_block_bytes": engine.largest_block_bytes(),
-        "num_blocks": len(engine.homes),
-        "resident_blocks": len(engine.resident_indices),
-        "prefetch": engine.prefetch,
-        "trunk_device_bytes": engine.trunk_device_bytes(),
-        "host_bytes": engine.host_bytes(),
-        "shared_host_bytes": engine.arena.shared_bytes,
-        "pinned_host_bytes": engine.pinned_bytes(),
-        "peak_activation_bytes": engine.ledger.peaks["activations"],
-        "peak_outside_activation_bytes": engine.ledger.peaks["outside_activations"],
-        "host_activation_bytes": engine.activations.peak_host_bytes,
-        "peak_activation_bytes_per_block": [engine.activations.block_peaks[i] for i in range(len(engine.homes))],
-        "overlapped_block_steps": engine.overlap.blocks_stepped,
-        "overlapped_trunk_steps": engine.overlap.trunk_params_stepped,
-        **engine.home_kind.memory_report(),
-    }

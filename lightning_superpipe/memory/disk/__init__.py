@@ -52,7 +52,7 @@ How the engine is meant to use it (``offload_device="disk"``)::
 
 Between steps ``optimizer.state`` holds nothing for block parameters: their state is in the files, and
 ``optimizer.state_dict()`` covers the trunk only (the store's manifest and files cover the rest).
-(``restricted`` is :func:`lightning_superpipe.memory.param_groups.restricted`.)
+(``restricted`` is :func:`lightning_superpipe.stepping.param_groups.restricted`.)
 
 Modules, by job (each imports only those listed after it):
 

@@ -4,16 +4,25 @@ files."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from lightning_superpipe.memory.fourbit.packed import PackedSlice, trainable_pieces
 from lightning_superpipe.memory.home import DeviceLayout, Event, Link, ParamSlice
-from lightning_superpipe.memory.packed import PackedSlice, trainable_pieces
 
-if TYPE_CHECKING:
-    from lightning_superpipe.memory.disk_homes import DiskTier
+
+class BlockFiles(Protocol):
+    """What a block's home needs of the tier that reads it (:class:`~lightning_superpipe.memory.disk.tier.DiskTier`)."""
+
+    def copy_in(self, dst: Tensor, index: int, after: Event, what: str) -> Event:
+        """Copies block ``index``'s values, read from the files, into ``dst`` once ``after`` is done."""
+        ...
+
+    def forget(self, index: int) -> None:
+        """Drops what was read ahead of block ``index`` (its record changed)."""
+        ...
 
 
 class DiskHome:
@@ -38,7 +47,7 @@ class DiskHome:
         offsets: Sequence[int],
         end: int,
         transfer_dtype: torch.dtype,
-        tier: DiskTier,
+        tier: BlockFiles,
         packed: Sequence[PackedSlice] = (),
     ) -> None:
         dtypes = {param.dtype for param in params}

@@ -29,8 +29,8 @@ from lightning_superpipe.memory.disk.folder import _grad_name
 from lightning_superpipe.memory.disk.lease import SharedBuffer
 from lightning_superpipe.memory.disk.pieces import Part, windows
 from lightning_superpipe.memory.disk.records import Entry, Record, _decode_value, _encode_value
-from lightning_superpipe.memory.param_groups import restricted
 from lightning_superpipe.memory.pinned import PAGE, page_rounded
+from lightning_superpipe.stepping.param_groups import restricted
 
 
 @dataclass

@@ -3,7 +3,7 @@ the hooks on the model, the planner, where the blocks are), and the calls the st
 
 :class:`~lightning_superpipe.SuperpipeStrategy` is glue: each of its Lightning hooks calls one method here (a
 training step starts, autograd's backward is done, the optimizer steps, an evaluation step runs), so that what the
-engine, the planner, the disk tier and the ranks do around a step is read in one place.
+engine, the planner, the kind of home and the ranks do around a step is read in one place.
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ from typing import Any, Callable, Optional, Union
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.memory.home import Hook
 from lightning_superpipe.planning.planner import BudgetPlanner
+from lightning_superpipe.stepping.pipelined import before_weight_readers
+from lightning_superpipe.stepping.step_modes import OptimizerSteps
 from lightning_superpipe.streaming.activations import OutsideActivations
-from lightning_superpipe.streaming.disk_tier import ZeroGradHook, disk_tier_of
 from lightning_superpipe.streaming.distributed import share_stepped, share_stepped_on_node
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.hooks import Hook
-from lightning_superpipe.streaming.pipelined import before_weight_readers
-from lightning_superpipe.streaming.step_modes import OptimizerSteps
-from lightning_superpipe.streaming.wrappers import BeforeCalls
+from lightning_superpipe.wrappers import BeforeCalls
 
 
 @dataclass
@@ -34,7 +33,7 @@ class StreamingSession:
 
     Attributes:
         engine: The streaming engine.
-        hooks: The hooks on the model (and, under the disk tier, on ``zero_grad``).
+        hooks: The hooks on the model (and the kind of home's, on ``zero_grad`` say).
         planner: Plans the placement for ``memory_budget`` from the first steps, or ``None``.
         stacks: Where the blocks are, e.g. ``['model.layers: 2 x LlamaDecoderLayer']``.
         overlap_optimizer: The strategy's knob (``True``, ``False`` or ``"auto"``).
@@ -50,13 +49,12 @@ class StreamingSession:
     _backward_end: float = field(default=0.0, repr=False)
 
     def watch_zero_grad(self, model: nn.Module, optimizers: Sequence[Any]) -> None:
-        """Under the disk tier while fitting: hooks the user's ``zero_grad`` calls, which the tier must see
-        (:class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`). ``optimizers``: the optimizer and
-        Lightning's wrappers of it, once the precision plugin has connected (it makes new wrappers)."""
-        tier = disk_tier_of(self.engine)
-        if tier is None or not optimizers or not tier.store.spills:
+        """While fitting: hooks the user's ``zero_grad`` calls where the kind of home must see them
+        (:meth:`.Homes.zero_grad_hook`). ``optimizers``: the optimizer and Lightning's wrappers of it, once the
+        precision plugin has connected (it makes new wrappers)."""
+        hook = self.engine.home_kind.zero_grad_hook(model, optimizers) if optimizers else None
+        if hook is None:
             return
-        hook = ZeroGradHook(tier, model, optimizers)
         hook.attach()
         self.hooks.append(hook)
 
@@ -74,7 +72,7 @@ class StreamingSession:
         optimizer state before a pipelined step is done waits for it (``zero_grad``; the training loop's hooks of
         callbacks and of the LightningModule that may read weights)."""
         self.steps = OptimizerSteps(self.engine, self.overlap_optimizer, trainer.precision_plugin)
-        if disk_tier_of(self.engine) is None and not self._sharded():  # those clip and unscale their own way
+        if not self.engine.home_kind.clips_gradients and not self._sharded():  # those clip and unscale their own way
             self.steps.install()
         for hook in (BeforeCalls([(owner, "zero_grad", self.settle) for owner in [*optimizers, model]]),  # reads .grad
                      before_weight_readers(trainer, self.settle_for_callbacks)):
@@ -95,7 +93,7 @@ class StreamingSession:
         them: a call from the callback would compute with the resident blocks' and the trunk's old weights)."""
         pending = self.engine.pending.launched
         self.settle()
-        if pending and disk_tier_of(self.engine) is None:  # the tier's homes would read their files: its next pass
+        if pending and self.engine.home_kind.refreshes_for_callbacks:
             self.engine.sync_with_masters()
 
     @contextmanager
@@ -121,9 +119,9 @@ class StreamingSession:
     def optimizer_step(
         self, trainer: Any, optimizer: Optimizer, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]
     ) -> Any:
-        """Lightning's optimizer step, ``step(closure)`` (the precision plugin's, which runs the closure's forward
-        and backward), run in the mode :mod:`.step_modes` picks (during backward, speculative, pipelined, after
-        backward), with around it: the disk tier's blocks stepped or committed after it, the sharded optimizer's new
+        """Lightning's optimizer step, ``step(closure)`` (the precision plugin's, which runs the closure's forward and
+        backward), run in the mode :mod:`.step_modes` picks (during backward, speculative, pipelined, after backward),
+        with around it: the kind of home's own step of its blocks, or its commit, after it, the sharded optimizer's new
         weights exchanged, the device copies marked stale, and the planner timing it. Returns what ``step`` returns."""
         # Not waiting for a pipelined step here: Lightning calls this before the closure's forward, which waits per
         # block; backward and `zero_grad` wait for the rest.
@@ -135,11 +133,11 @@ class StreamingSession:
         # Serial while the planner times the step; with shard_optimizer, each rank steps its share after backward.
         measuring = planner is not None and planner.plan is None
         mode = self.steps.choose(trainer, optimizer, sharded, measuring=measuring)
-        closure = engine.home_kind.checked(closure)  # the disk tier refuses a step over gradients already consumed
+        closure = engine.home_kind.checked(closure)  # e.g. a step over gradients the kind already consumed refused
         timed = planner.timed_closure(closure) if planner is not None else closure
         start = perf_counter()
         output = self.steps.run(trainer, optimizer, lambda: step(timed), mode)
-        engine.home_kind.finish_step(optimizer)  # the disk tier's blocks: committed, or stepped from spilled gradients
+        engine.home_kind.finish_step(optimizer)  # the kind's own step of its blocks, committed or taken now
         self.steps.homes_decided(engine.home_kind)
         params = {p for group in optimizer.param_groups for p in group["params"]}
         if sharded:  # every block's new masters (with "node": the trunk's) from its owner
@@ -174,7 +172,7 @@ class StreamingSession:
             self.engine.finish_pass()
 
     def stop(self) -> None:
-        """Detaches every hook and closes the engine (its device memory, the disk tier's files); twice is harmless."""
+        """Detaches every hook and closes the engine (its device memory, the homes); twice is harmless."""
         if self._stopped:
             return
         self._stopped = True

@@ -17,25 +17,59 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory import host_memory
-from lightning_superpipe.memory.param_groups import restricted
-from lightning_superpipe.streaming.optimizers import (
+from lightning_superpipe import host_memory
+from lightning_superpipe.stepping.optimizers import (
     REGISTER_HINT,
     has_step_hooks,
     shadow_of,
     updates_each_parameter_alone,
 )
-from lightning_superpipe.streaming.speculation import (
+from lightning_superpipe.stepping.overlap import OverlappedStep
+from lightning_superpipe.stepping.param_groups import restricted
+from lightning_superpipe.stepping.pipelined import KindSteps, PipelinedStep
+from lightning_superpipe.stepping.speculation import (
     KeptState,
     PreStepWatch,
     SpeculativeUnscale,
     gradient_preparation,
 )
+
+
+class StepHomes(Protocol):
+    """What the step modes need of the run's homes (:class:`~lightning_superpipe.memory.home.Homes`)."""
+
+    last_micro_batch: bool
+    keeps_gradients: bool
+    keeps_previous_step: bool
+    own_steps: Optional[tuple[str, str]]
+    speculation_outcome: Optional[str]
+    gradients_changed: Optional[bool]
+
+    def speculate(self, unscale: Optional[Tensor], clip_value: Optional[float]) -> None: ...
+
+    def launch_step(self, optimizer: Any) -> Optional[KindSteps]: ...
+
+
+class SteppedEngine(Protocol):
+    """What the step modes need of the engine (:class:`~lightning_superpipe.streaming.engine.StreamingEngine`): its
+    overlapped and pipelined steps, its homes, and which parameters are outside the blocks."""
+
+    overlap: OverlappedStep
+    pending: PipelinedStep
+    home_kind: StepHomes
+    trunk_first: set[nn.Parameter]
+
+    def disarm_overlap(self) -> None: ...
+
+    def is_trunk(self, param: nn.Parameter) -> bool: ...
+
+    def mark_stepped(self, index: int, params: Optional[list[nn.Parameter]] = None) -> None: ...
 
 #: Above this share of recent steps whose gradients changed after backward (clipped, or skipped by the scaler),
 #: ``"auto"`` pipelines instead of speculating: each such step pays a redo after backward.
@@ -64,11 +98,13 @@ class StepMode:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the choice needs that the trainer does not say: the tier, the sharding, the planner, memory."""
+    """What the choice needs that the trainer does not say: the homes, the sharding, the planner, memory.
+    ``own_steps``: how the kind of home steps its blocks itself and keeps the previous step (:attr:`.Homes.own_steps`),
+    ``None`` where the optimizer steps them."""
 
     sharded: bool = False
     measuring: bool = False
-    disk: bool = False
+    own_steps: Optional[tuple[str, str]] = None
     changed_rate: float = 0.0
     kept_bytes: int = 0
     free_host_bytes: Optional[int] = None  # unknown (not Linux): no limit assumed
@@ -92,17 +128,16 @@ def _mode_where_exact(
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     clip = trainer.gradient_clip_val or 0
     decides = bool(scaler is not None or (clip > 0 and trainer.gradient_clip_algorithm != "value"))
-    if facts.disk:  # its blocks step through its store; the other slot of each block keeps the previous step
+    if facts.own_steps is not None:  # the homes step their blocks and keep the previous step themselves
+        from_kept, keeps_previous = facts.own_steps
         if knob == "pipelined":
             return StepMode("pipelined", "overlap_optimizer='pipelined'")
         if rewrites:
-            return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward (the disk tier steps its"
-                            " blocks from what it spilled)")
+            return StepMode("pipelined", f"{rewrites} may rewrite gradients after backward ({from_kept})")
         if (decides or clip > 0) and knob != "speculative" and facts.changed_rate > REDO_RATE_LIMIT:
-            return StepMode("pipelined", f"{OFTEN} (the disk tier steps its blocks from what it spilled)")
+            return StepMode("pipelined", f"{OFTEN} ({from_kept})")
         if decides or clip > 0:
-            return StepMode("speculative", "clipping or the gradient scaler decide after backward (the disk tier's"
-                            " other slot keeps the previous step)")
+            return StepMode("speculative", f"clipping or the gradient scaler decide after backward ({keeps_previous})")
         return StepMode("overlapped", "nothing after backward changes a gradient")
     if not rewrites and not decides and knob != "pipelined":
         return StepMode("overlapped", "nothing after backward changes a gradient")
@@ -139,7 +174,7 @@ def _serial_reason(trainer: Any, optimizer: Optimizer, knob: Any, facts: RunFact
     if facts.sharded:
         return "the optimizer is sharded across ranks: each steps its share after backward and sends the new weights"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    pays = facts.disk or knob != "auto"  # the disk tier's alternative reads the gradients back from disk
+    pays = facts.own_steps is not None or knob != "auto"  # the homes' alternative reads the kept gradients back
     if not pays and trainer.strategy.root_device.type == "cpu" and torch.get_num_threads() >= cores:
         return (
             f"the compute device is the CPU and torch's {torch.get_num_threads()} threads use every core, so a host"
@@ -178,7 +213,7 @@ class OptimizerSteps:
         plugin: The run's precision plugin (its clipping and scaler are watched; host tier only).
     """
 
-    def __init__(self, engine: Any, knob: Any, plugin: Any) -> None:
+    def __init__(self, engine: SteppedEngine, knob: Any, plugin: Any) -> None:
         self.engine = engine
         self.knob = knob
         self.watch = PreStepWatch(plugin)
@@ -196,9 +231,9 @@ class OptimizerSteps:
             self._kept.release()
 
     def choose(self, trainer: Any, optimizer: Optimizer, sharded: bool, measuring: bool) -> StepMode:
-        disk = self.engine.home_kind.overlap_always_pays
         facts = RunFacts(
-            sharded=sharded, measuring=measuring, disk=disk, changed_rate=self.watch.changed_rate,
+            sharded=sharded, measuring=measuring, own_steps=self.engine.home_kind.own_steps,
+            changed_rate=self.watch.changed_rate,
             kept_bytes=kept_bytes(optimizer), free_host_bytes=host_memory.available_host_bytes(),
         )
         return choose_step_mode(trainer, optimizer, self.knob, facts)
@@ -218,7 +253,7 @@ class OptimizerSteps:
             scaler = watch.scaler if mode.mode == "speculative" else None
             unscale = SpeculativeUnscale(scaler) if scaler is not None else None
             clip_value = (trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "value" else None) or None
-            if by_homes:  # the homes unscale, clamp, keep and decide (the disk tier: at its commit)
+            if by_homes:  # the homes unscale, clamp, keep and decide (at their commit)
                 homes.speculate(unscale.inv_scale if unscale is not None else None, clip_value)
                 engine.overlap.arm(optimizer, blocks_only=True)
             else:
@@ -267,7 +302,7 @@ class OptimizerSteps:
             self._kept.peak_bytes = peak
         return self._kept
 
-    def homes_decided(self, homes: Any) -> None:
+    def homes_decided(self, homes: StepHomes) -> None:
         """Counts how the homes ended their speculative step (``finish_step``), if they decided one, and whether
         clipping or the scaler changed the gradients, if they saw."""
         if homes.speculation_outcome is not None:

@@ -2,7 +2,7 @@
 those (with their groups' hyperparameters, state and learning rate as configured).
 
 Here, below both users, because the disk tier (:mod:`lightning_superpipe.memory.disk`) steps a block's parameters
-this way, as the overlapped step (:mod:`lightning_superpipe.streaming.overlap`) does, and memory/ must not import
+this way, as the overlapped step (:mod:`lightning_superpipe.stepping.overlap`) does, and memory/ must not import
 streaming/.
 """
 

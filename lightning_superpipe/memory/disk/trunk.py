@@ -9,7 +9,7 @@ host memory and are stepped by the optimizer in place, as on the host tier: thei
 a 70B model (8192 elements), and a record of their own would cost a file, a read and a write per step each. A frozen
 parameter has no optimizer state and stays in host memory too.
 
-How they train (:class:`~lightning_superpipe.memory.disk_homes.DiskTier` does it):
+How they train (:class:`~lightning_superpipe.memory.disk.tier.DiskTier` does it):
 
 * **Device copy**: resident, as every trunk parameter's (the engine's), copied again after each step from the
   record's new masters through the pool (:meth:`~lightning_superpipe.memory.home.Homes.copy_trunk_in`); the

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from lightning_superpipe.memory.param_groups import restricted
+from lightning_superpipe.stepping.param_groups import restricted
 
 
 class KeptState:
@@ -268,7 +268,7 @@ class PreStepWatch:
 
     @property
     def installed(self) -> bool:
-        """Whether the plugin's clipping runs through the watch (not where the disk tier or sharding clip)."""
+        """Whether the plugin's clipping runs through the watch (not where the homes or sharding clip)."""
         return any(name == "clip_grad_by_norm" for _, name in self._installed)
 
     def uninstall(self) -> None:

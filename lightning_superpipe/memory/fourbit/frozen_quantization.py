@@ -1,6 +1,6 @@
 """``SuperpipeStrategy(quantize_frozen=...)`` for one run: the streamed blocks' frozen matrices quantized to 4 bits as
-streaming starts (:mod:`lightning_superpipe.memory.frozen4bit`), after what they do not support is refused, and given
-their values back as the run ends.
+streaming starts (:mod:`lightning_superpipe.memory.fourbit.frozen4bit`), after what they do not support is refused,
+and given their values back as the run ends.
 
 In between, each such parameter holds a placeholder and its values are 4-bit bytes in its block's home. So that
 ``state_dict()`` (a Lightning checkpoint, ``torch.save``, peft's adapter export) still holds the model's values, a
@@ -18,30 +18,46 @@ quantize to themselves); with ``"-dq"`` the scales' own 8-bit rounding may move 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_superpipe.memory.frozen4bit import quantize, quantized_format, restore
-from lightning_superpipe.memory.packed import PACKED_ATTR, packed_entries_are_left_out, packed_format
-from lightning_superpipe.streaming.deferred_init import DeferredInit
-from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.quantized_layers import QuantizedLayerError
+from lightning_superpipe.memory.fourbit.frozen4bit import frozen_matrices, quantize, quantized_format, restore
+from lightning_superpipe.memory.fourbit.packed import PACKED_ATTR, packed_entries_are_left_out, packed_format
+from lightning_superpipe.memory.fourbit.quantized_layers import QuantizedLayerError
 
 
-def frozen_matrices(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    """What ``quantize_frozen`` quantizes of a block's ``params``: the frozen floating-point ones of two or more
-    dimensions (biases, norms and anything trainable stay as they are), and those an earlier run kept in 4 bits."""
-    return [p for p in params if not p.requires_grad and p.is_floating_point() and p.dim() >= 2
-            and (packed_format(p) is None or quantized_format(p) is not None)]
+class FrozenKnobs(Protocol):
+    """The knobs ``quantize_frozen`` is checked against (:class:`~lightning_superpipe.run.options.
+    SuperpipeOptions`)."""
+
+    @property
+    def quantize_frozen(self) -> Optional[str]: ...
+
+    @property
+    def activations(self) -> Any: ...
+
+    @property
+    def memory_budget(self) -> Any: ...
 
 
-def check_quantize_frozen(options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]]) -> None:
+class DeferredValues(Protocol):
+    """The init calls ``configure_model`` recorded (a :class:`~lightning_superpipe.construction.deferred_init.
+    DeferredInit`), as quantizing a matrix from values made apart from it needs them."""
+
+    def determines(self, tensor: Tensor) -> bool: ...
+
+    def initial_values(self, block: Mapping[str, Tensor]) -> dict[str, Tensor]: ...
+
+    def materialize(self, tensors: Iterable[Tensor]) -> None: ...
+
+
+def check_quantize_frozen(options: FrozenKnobs, model: nn.Module, block_params: list[list[nn.Parameter]]) -> None:
     """Refuses, before anything is allocated, what ``quantize_frozen`` does not support: a model already in 4 bits,
     and a budget planned without pinning the activations. (Blocks that keep or offload their activations save their
     dense dequantized matrices as handles, dequantized again in backward: :mod:`.activations`.)
@@ -87,7 +103,7 @@ class FrozenQuantization:
     """
 
     def __init__(self, model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: str,
-                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                 transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredValues] = None,
                  written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None) -> None:
         self.params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
@@ -115,7 +131,7 @@ class FrozenQuantization:
                 ]
 
     def _quantize(self, name: str, param: nn.Parameter, mode: str, compute_dtype: torch.dtype,
-                  deferred: Optional[DeferredInit]) -> None:
+                  deferred: Optional[DeferredValues]) -> None:
         kept = quantized_format(param)
         if kept is not None:  # kept in 4 bits by an earlier run (and hooked by it)
             if kept.mode != mode:
@@ -167,7 +183,7 @@ class FrozenQuantization:
 
 
 def quantize_frozen(model: nn.Module, block_params: Sequence[Sequence[nn.Parameter]], mode: Optional[str],
-                    transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredInit] = None,
+                    transfer_dtype: Optional[torch.dtype], deferred: Optional[DeferredValues] = None,
                     written: Optional[Callable[[int, Sequence[nn.Parameter]], None]] = None,
                     ) -> Optional[FrozenQuantization]:
     """The run's :class:`FrozenQuantization`, or ``None`` when ``mode`` (``quantize_frozen``) is ``None``."""
@@ -189,7 +205,8 @@ def _dequantized_entries(names: list[str], module: nn.Module, state_dict: dict[s
                          local_metadata: Any) -> None:
     """Puts the dequantized values of ``module``'s quantized parameters ``names`` into ``state_dict`` in place of
     their placeholders (``state_dict(keep_vars=True)`` asks for the parameters themselves: they stay; so do all of
-    them where the caller leaves them out, :func:`~lightning_superpipe.memory.packed.packed_entries_left_out`)."""
+    them where the caller leaves them out,
+    :func:`~lightning_superpipe.memory.fourbit.packed.packed_entries_left_out`)."""
     if packed_entries_are_left_out():
         return
     for name in names:

@@ -1,7 +1,7 @@
 """``state_dict()`` of layers whose packed weights stream (bitsandbytes' 4-bit ones): their entries on their own.
 
 A block's home holds its floating parameters and its packed weights' tensors (bitsandbytes' 4-bit codes, absmax,
-codebooks) in one flat buffer, each viewed there with its own dtype (:mod:`lightning_superpipe.memory.packed`).
+codebooks) in one flat buffer, each viewed there with its own dtype (:mod:`lightning_superpipe.memory.fourbit.packed`).
 ``torch.save`` refuses views of one storage with different dtypes ("Cannot save multiple tensors or storages that
 view the same data as different types"), so a Lightning checkpoint of such a model would fail.
 :func:`clone_packed_entries` clones the entries the layers holding packed weights put in a state dict: a transient
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.packed import packed_entries_are_left_out
+from lightning_superpipe.memory.fourbit.packed import packed_entries_are_left_out
 
 #: The attribute that marks a module whose state-dict entries are cloned already (a second run hooks it no more).
 MARK = "_superpipe_packed_state_dict_hook"
@@ -36,7 +36,7 @@ def clone_packed_entries(model: nn.Module, packed: set[nn.Parameter]) -> None:
 def _own_entries_cloned(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """Replaces the tensors ``module`` (and anything below it) put in ``state_dict`` with copies of their own. The
     parameters ``state_dict(keep_vars=True)`` asks for stay themselves; so do all of them where the caller leaves
-    them out (:func:`~lightning_superpipe.memory.packed.packed_entries_left_out`)."""
+    them out (:func:`~lightning_superpipe.memory.fourbit.packed.packed_entries_left_out`)."""
     if packed_entries_are_left_out():
         return
     for key, value in list(state_dict.items()):

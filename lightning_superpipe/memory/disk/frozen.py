@@ -1,12 +1,12 @@
 """The disk tier's frozen packed weights: a 4-bit base (bitsandbytes' ``Linear4bit`` weights, or the frozen matrices
 ``quantize_frozen`` quantized) in read-only files beside the tier's records.
 
-A packed weight never trains (:mod:`.packed`): its bytes (codes, scales, nested scales, codebooks) are written once,
-block by block, to ``frozen{i:05d}.bin`` under the tier's folder, laid out as the host tier lays them out after a
-block's masters (each weight's region, each of its tensors aligned in it), so that one read of the file is the tail of
-the block's device buffer. The file is written to a temporary name, ``fsync``\\ ed, made read-only and renamed into
-place: the step never writes it (it touches the masters' records only), a kill leaves it whole or absent, and a later
-run writes a new file (a new inode) rather than into one a model still maps.
+A packed weight never trains (:mod:`~lightning_superpipe.memory.fourbit.packed`): its bytes (codes, scales, nested
+scales, codebooks) are written once, block by block, to ``frozen{i:05d}.bin`` under the tier's folder, laid out as the
+host tier lays them out after a block's masters (each weight's region, each of its tensors aligned in it), so that one
+read of the file is the tail of the block's device buffer. The file is written to a temporary name, ``fsync``\\ ed, made
+read-only and renamed into place: the step never writes it (it touches the masters' records only), a kill leaves it
+whole or absent, and a later run writes a new file (a new inode) rather than into one a model still maps.
 
 Once written, each weight's tensors point at copy-on-write views of its file (``torch.from_file(shared=False)``):
 host memory holds none of the base (pages come in only where something reads them on the host, e.g. a state dict,
@@ -37,8 +37,9 @@ from torch import Tensor, nn
 from lightning_superpipe.memory.disk.buffers import _aligned_buffer, _byte_view
 from lightning_superpipe.memory.disk.errors import DiskTierError
 from lightning_superpipe.memory.disk.file_io import _fsync_dir
+from lightning_superpipe.memory.fourbit.frozen4bit import frozen_matrices, quantized_bytes
+from lightning_superpipe.memory.fourbit.packed import PackedSlice, packed_format, packed_slice, split_packed
 from lightning_superpipe.memory.home import Arena, Event, Link
-from lightning_superpipe.memory.packed import PackedSlice, packed_slice, split_packed
 
 #: A dtype of each element size, to view bytes as a device buffer's elements (only their size matters).
 _ELEMENTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -289,3 +290,27 @@ def _read(path: Path, buffer: Tensor, nbytes: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def block_itemsize(block_params: Sequence[Sequence[nn.Parameter]], transfer_dtype: Optional[torch.dtype]) -> int:
+    """Bytes of an element of the blocks' device buffers: the transfer dtype's, or the floating parameters' own."""
+    if transfer_dtype is not None:
+        return transfer_dtype.itemsize
+    floating = (p for params in block_params for p in split_packed(params)[0])
+    return next(floating, torch.empty(0)).dtype.itemsize
+
+
+def split_frozen(block_params: Sequence[Sequence[nn.Parameter]], mode: Optional[str],
+                 transfer_dtype: Optional[torch.dtype]) -> tuple[list[list[nn.Parameter]], list[int]]:
+    """Each block's parameters that go to the tier's store (its masters), and the bytes of each block's frozen
+    4-bit weights (packed already, or the matrices ``quantize_frozen`` in ``mode`` will quantize), which go to its
+    frozen file."""
+    itemsize = block_itemsize(block_params, transfer_dtype)
+    masters, frozen_bytes = [], []
+    for params in block_params:
+        matrices = set(frozen_matrices(params)) if mode is not None else set()
+        floating, _ = split_packed(params)
+        masters.append([p for p in floating if p not in matrices])
+        to_quantize = sum(quantized_bytes(p.numel(), mode) for p in matrices if packed_format(p) is None) if mode else 0
+        frozen_bytes.append(frozen_region_bytes(params, itemsize) + to_quantize)
+    return masters, frozen_bytes

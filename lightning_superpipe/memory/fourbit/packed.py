@@ -158,7 +158,7 @@ def packed_format(param: nn.Parameter) -> Optional[PackedFormat]:
     if own is not None:
         return own
     if type(param).__module__.startswith("bitsandbytes"):
-        from lightning_superpipe.memory.bnb4bit import BNB_4BIT, is_params4bit
+        from lightning_superpipe.memory.fourbit.bnb4bit import BNB_4BIT, is_params4bit
 
         return BNB_4BIT if is_params4bit(param) else None
     return None

@@ -29,8 +29,8 @@ from typing import Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.param_groups import restrict, restricted, unrestrict
-from lightning_superpipe.streaming.speculation import KeptState
+from lightning_superpipe.stepping.param_groups import restrict, restricted, unrestrict
+from lightning_superpipe.stepping.speculation import KeptState
 
 
 class OverlappedStep:

@@ -3,37 +3,40 @@
 The host tier's parameters are the masters, so Lightning's save and load work on them as they are; only the device
 copies must be refreshed after a load. They are views into their block's flat buffer, which ``torch.save`` would write
 whole for each one saved: a ``.ckpt`` holding only some of them (a LoRA run's adapters) gets copies of those instead
-(:func:`saved_bytes_only`). The disk tier's block values are in its files: a ``.ckpt`` carries their
-manifest and a hard-linked copy of the files beside it, and a resume restores the blocks from that copy when
-streaming starts (:mod:`.disk_tier`).
+(:func:`saved_bytes_only`). A kind of home that keeps the blocks elsewhere adds what a resume needs of them to the
+``.ckpt`` (:meth:`.Homes.saving_checkpoint`; the disk tier links its files beside it), and restores them from there
+when streaming starts (:meth:`.HomeKind.resume_folder`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.packed import packed_entries_left_out
-from lightning_superpipe.streaming import disk_tier
-from lightning_superpipe.streaming.deferred_init import DeferredInit
+from lightning_superpipe.construction.deferred_init import DeferredInit
+from lightning_superpipe.memory.home import kind_that_wrote
 from lightning_superpipe.streaming.engine import StreamingEngine
 
 
-@contextmanager
-def tier_files_beside(engine: Optional[StreamingEngine], checkpoint: dict[str, Any], filepath: Any) -> Iterator[None]:
-    """Around the write of a ``.ckpt`` (on the rank that writes it): the disk tier's committed files are linked
-    beside it first, since a ``.ckpt`` implies them, and older copies go once the ``.ckpt`` is in place."""
-    tier = disk_tier.disk_tier_of(engine)
-    if tier is not None:
-        disk_tier.add_to_checkpoint(tier, checkpoint, filepath)
-    yield
-    if tier is not None:
-        disk_tier.checkpoint_saved(checkpoint, filepath)
+def save_checkpoint(
+    checkpoint: dict[str, Any], filepath: Any, engine: Optional[StreamingEngine], *, writes: bool,
+    add_rng_states: Callable[[dict[str, Any]], None], write: Callable[[dict[str, Any]], None],
+) -> None:
+    """Writes ``checkpoint`` to ``filepath`` with Lightning's ``write``, with what the run adds: the RNG states, and,
+    on the rank that ``writes`` it, what the kind of home keeps beside the file (:meth:`.Homes.saving_checkpoint`),
+    and copies of the tensors that are views into storages they cover only part of (:func:`saved_bytes_only`). The
+    dict the hooks were handed (and may keep) is left as it was."""
+    checkpoint = dict(checkpoint)
+    add_rng_states(checkpoint)
+    homes = engine.home_kind if engine is not None and writes else None  # every rank's homes are alike
+    with homes.saving_checkpoint(checkpoint, filepath) if homes is not None else nullcontext():
+        # Here, below every checkpoint IO plugin, and after the homes have dropped what they keep beside it.
+        write(saved_bytes_only(checkpoint) if writes else checkpoint)
 
 
 #: The most a storage's bytes may exceed those of its tensors in a checkpoint before they are written as copies: a
@@ -141,15 +144,10 @@ def _replace_tensors(value: Any, replace: Callable[[Tensor], Tensor]) -> Any:
     return value
 
 
-@contextmanager
-def blocks_left_to_files(engine: Optional[StreamingEngine]) -> Iterator[None]:
-    """Around the state dict of a ``.ckpt``: under the disk tier its blocks' entries are dropped for the files
-    linked beside it (:meth:`~.disk_tier.DiskTier.placeholders_in_state_dict`), and those of a 4-bit base, in the
-    tier's read-only files, are neither copied nor dequantized (the ``.ckpt`` holds none of them)."""
-    tier = disk_tier.disk_tier_of(engine)
-    with tier.placeholders_in_state_dict() if tier is not None else nullcontext():
-        with packed_entries_left_out() if tier is not None else nullcontext():
-            yield
+def blocks_left_to_files(engine: Optional[StreamingEngine]) -> AbstractContextManager[None]:
+    """Around the state dict of a ``.ckpt``: the kind of home leaves out what it keeps beside the file
+    (:meth:`.Homes.checkpoint_state_dict`)."""
+    return engine.home_kind.checkpoint_state_dict() if engine is not None else nullcontext()
 
 
 def load_model_state(
@@ -161,14 +159,16 @@ def load_model_state(
     load: Callable[[Mapping[str, Any], bool], None],
 ) -> None:
     """Loads ``checkpoint``'s state dict into ``module`` where ``load`` (Lightning's) would, with the streaming
-    run's rules: what it holds is not initialized later by the deferred init calls; a disk-tier checkpoint's blocks
-    come from its files when streaming starts; while streaming, no copy may read a master being loaded, and the
-    device copies are refreshed after."""
+    run's rules: what it holds is not initialized later by the deferred init calls; the blocks of a checkpoint whose
+    kind of home keeps them beside the ``.ckpt`` come from there when streaming starts
+    (:meth:`.HomeKind.load_model_state`); while streaming, no copy may read a master being loaded, and the device
+    copies are refreshed after."""
     if deferred is not None:
         held = module.state_dict(keep_vars=True)
         deferred.discard(held[name] for name in checkpoint["state_dict"] if name in held)
-    if disk_tier.DISK_KEY in checkpoint:
-        disk_tier.load_state_dict(module, checkpoint, strict, engine is not None)
+    writer = kind_that_wrote(checkpoint)
+    if writer is not None:
+        writer.load_model_state(module, checkpoint, strict, engine is not None)
         return
     if engine is not None:
         engine.copier.synchronize()
@@ -184,11 +184,10 @@ def load_optimizer_states(
     keep_own: Callable[[Optimizer], None],
 ) -> None:
     """Loads each optimizer's state from ``checkpoint``, kept with the host masters (Lightning's moves it to the
-    device); ``keep_own`` drops what another rank steps (``shard_optimizer``). The disk tier refuses a host tier's
-    state for its blocks first."""
-    tier = disk_tier.disk_tier_of(engine)
+    device); ``keep_own`` drops what another rank steps (``shard_optimizer``). The kind of home refuses first a state
+    it could not use (:meth:`.Homes.check_optimizer_state`)."""
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
-        if tier is not None and disk_tier.DISK_KEY not in checkpoint:
-            disk_tier.check_optimizer_state(tier, optimizer, state)
+        if engine is not None:
+            engine.home_kind.check_optimizer_state(optimizer, state, checkpoint)
         optimizer.load_state_dict(state)
         keep_own(optimizer)

@@ -6,7 +6,7 @@ block's record, masters, optimizer state and gradients), the gradients of up to 
 from the device (one arriving, one being spilled or stepped), the staging buffers of the cast to the transfer dtype
 (one per device slot and one more, of the largest block, page-locked), and the trunk (the parameters outside the
 blocks): the small ones (norms, biases) with their gradients and optimizer state, and of the large ones, which keep
-their masters and optimizer state in the tier's files (:mod:`~lightning_superpipe.memory.disk_trunk`), the gradient
+their masters and optimizer state in the tier's files (:mod:`~lightning_superpipe.memory.disk.trunk`), the gradient
 arriving in host memory until the step's spill. With a bound, the pool is independent of the model: records larger
 than a buffer go in pieces (:mod:`~lightning_superpipe.memory.disk.pieces`).
 """
@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_superpipe.host_memory import HostMemoryError, available_host_bytes
 from lightning_superpipe.memory.disk import DiskStore, probe_state_size
-from lightning_superpipe.memory.disk_homes import READ_AHEAD
-from lightning_superpipe.memory.disk_trunk import trunk_on_disk
-from lightning_superpipe.memory.host_memory import HostMemoryError, available_host_bytes
+from lightning_superpipe.memory.disk.tier import READ_AHEAD
+from lightning_superpipe.memory.disk.trunk import trunk_on_disk
 from lightning_superpipe.memory.pinned import PAGE
 from lightning_superpipe.units import format_bytes
 

@@ -1,5 +1,5 @@
-"""Starting to stream: the blocks found, what of the knobs needs them checked, the homes (host or disk) and the engine
-built.
+"""Starting to stream: the blocks found, what of the knobs needs them checked, the homes (of the kind
+``offload_device`` chose) and the engine built.
 
 This is the body of :meth:`SuperpipeStrategy.model_to_device`, kept here so that the strategy stays glue. The knobs
 were checked on their own when the strategy was made (:mod:`.options`); what needs the model or the run is checked
@@ -10,7 +10,6 @@ here, before anything is allocated, so a bad knob leaves the model as it was. Un
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -22,29 +21,28 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_superpipe.memory.disk import DiskTierError
-from lightning_superpipe.memory.disk_trunk import trunk_on_disk
-from lightning_superpipe.memory.frozen4bit import quantized_bytes, quantized_format
-from lightning_superpipe.memory.host import build_homes, check_host_memory, host_bytes_to_come, training_state_bytes
-from lightning_superpipe.memory.packed import packed_format, split_packed
+from lightning_superpipe.averaging import weight_averaging_callbacks
+from lightning_superpipe.construction.deferred_init import DeferredInit, UnfilledNewTensors
+from lightning_superpipe.memory.fourbit.frozen4bit import quantized_format
+from lightning_superpipe.memory.fourbit.frozen_quantization import (
+    check_quantize_frozen,
+    given_back_on_error,
+    quantize_frozen,
+)
+from lightning_superpipe.memory.fourbit.packed import packed_format, split_packed
+from lightning_superpipe.memory.fourbit.packed_state import clone_packed_entries
+from lightning_superpipe.memory.fourbit.quantized_layers import check_quantized_layers
+from lightning_superpipe.memory.home import HomeKind, HomesBuilder, HomesRun
+from lightning_superpipe.memory.host import training_state_bytes
 from lightning_superpipe.planning.planner import BudgetPlanner, static_costs
+from lightning_superpipe.run.options import SuperpipeOptions
+from lightning_superpipe.run.session import StreamingSession
 from lightning_superpipe.streaming.blocks import (
     NoBlocksFoundError,
     assign_parameters,
     describe,
     describe_stacks,
     find_blocks,
-)
-from lightning_superpipe.streaming.deferred_init import DeferredInit, UnfilledNewTensors
-from lightning_superpipe.streaming.disk_tier import (
-    BlockValuesHook,
-    DiskTier,
-    check_disk_host_room,
-    check_training,
-    disk_host_bytes,
-    disk_tier_of,
-    rank_folder,
-    weight_averaging_callbacks,
 )
 from lightning_superpipe.streaming.distributed import (
     GradientAverager,
@@ -56,18 +54,7 @@ from lightning_superpipe.streaming.distributed import (
     ready_on_every_rank,
 )
 from lightning_superpipe.streaming.engine import StreamingEngine
-from lightning_superpipe.streaming.frozen_files import FrozenFiles, frozen_files, split_frozen
-from lightning_superpipe.streaming.frozen_quantization import (
-    check_quantize_frozen,
-    frozen_matrices,
-    given_back_on_error,
-    quantize_frozen,
-)
 from lightning_superpipe.streaming.hooks import attach_hooks
-from lightning_superpipe.streaming.options import SuperpipeOptions
-from lightning_superpipe.streaming.packed_state import clone_packed_entries
-from lightning_superpipe.streaming.quantized_layers import check_quantized_layers
-from lightning_superpipe.streaming.session import StreamingSession
 
 
 class EmptyInit(UnfilledNewTensors, _EmptyInit):
@@ -109,12 +96,12 @@ def start_streaming(
     """Finds the blocks, checks what of the knobs needs the model and the run, builds the homes and the engine, and
     hooks the blocks.
 
-    Buffers (and torchmetrics states) go to ``device``; parameters stay home (host memory or the disk tier), with
+    Buffers (and torchmetrics states) go to ``device``; parameters stay home (of the kind ``options`` chose), with
     ``options.quantize_frozen`` the blocks' frozen matrices in 4 bits (their values given back when the run stops).
     With ``ranks`` above one, the engine averages the gradients across them (with ``options.shard_optimizer``, resolved
     from ``"auto"`` by the strategy, each block's to its owner rank only; with ``node``, ``"node"``, the homes shared
-    by the node's ranks); the disk tier of global rank ``rank`` keeps its files in a folder of its own, beside those
-    of the node's ``local_ranks``.
+    by the node's ranks); the homes of global rank ``rank`` are told of the node's ``local_ranks``, and ``resume`` is
+    the folder a checkpoint's homes are restored from (:meth:`.HomeKind.resume_folder`).
 
     Raises:
         MisconfigurationException: A knob the user gave does not suit the model or the run (the message quotes it),
@@ -122,8 +109,10 @@ def start_streaming(
             support yet, or ``quantize_frozen`` meets what it does not support (:class:`.QuantizedLayerError`);
             nothing was allocated.
     """
+    kind = options.home_kind
+    assert kind is not None, "SuperpipeOptions refuses an offload_device no kind of home is registered as"
     blocks = blocks_or_none(model, options.blocks)
-    check_for_run(options, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
+    check_for_run(options, kind, len(blocks), fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
     stacks = describe_stacks(model, blocks)
     block_params, trunk_params = assign_parameters(model, blocks, mixed_precision=transfer_dtype is not None)
     check_quantized_layers(model, block_params, options)
@@ -131,32 +120,19 @@ def start_streaming(
     check_quantize_frozen(options, model, block_params)
     planner, (resident, ahead, modes) = first_placement(options, device, block_params, trunk_params, transfer_dtype,
                                                         fitting)
-    disk = options.offload_device == "disk"
-    optimizer = optimizers[0] if disk and fitting else None
-    check_host_room(options, describe(blocks), block_params, trunk_params, device, transfer_dtype, fitting, optimizer,
-                    ahead + 1, model, deferred)
+    run = HomesRun(options, model, block_params, trunk_params, device, transfer_dtype, fitting,
+                   optimizers=optimizers, trainer=trainer, slots=ahead + 1,
+                   what=describe(blocks), deferred=deferred, resume=resume, ranks=ranks, rank=rank,
+                   local_ranks=local_ranks, node=node, barrier=ready_on_every_rank)
+    kind.check_host_room(run)
     packed = {p for params in block_params for p in params if packed_format(p) and not quantized_format(p)}
-    files = frozen_files(options, block_params, transfer_dtype, rank, ranks) if disk else None
+    builder = kind.prepare(run)
     # Once nothing but building the homes can refuse the run; given back if that fails. Before the rest of a deferred
-    # init runs in place: frozen matrices quantized from values made apart (the disk tier's files: block by block).
+    # init runs in place: frozen matrices quantized from values made apart (a kind may write them block by block).
     frozen = quantize_frozen(model, block_params, options.quantize_frozen, transfer_dtype, deferred,
-                             files.write_block if files is not None else None)
+                             builder.write_frozen)
     with given_back_on_error(frozen):
-        tier = None
-        if disk:
-            tier = build_tier(options, model, block_params, optimizer, transfer_dtype, ahead + 1, resume, deferred,
-                              ranks=ranks, rank=rank, local_ranks=local_ranks, frozen=files, trunk=trunk_params)
-        move_the_rest(model, device, deferred, tier)
-        # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
-        clone_packed_entries(model, packed)
-        if node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
-            ready_on_every_rank("start streaming")
-        homes = (lambda arena: tier) if tier is not None else partial(build_homes, block_params, transfer_dtype,
-                                                                        node=node)
-        engine = StreamingEngine(
-            block_params, trunk_params, device, resident_blocks=resident, prefetch=ahead, homes=homes,
-            link=options.link, activations=modes,
-        )
+        engine = build_engine(run, builder, (resident, ahead, modes), options.link, packed)
     if frozen is not None:
         frozen.started()
     if ranks > 1:
@@ -164,12 +140,28 @@ def start_streaming(
     hooks = attach_hooks(engine, model, blocks)
     if frozen is not None:  # detached with the hooks when the run ends, before the engine closes
         hooks.append(frozen)
-    if tier is not None:  # state_dict() during the run: the files' values; load_state_dict(): refused
-        hooks.append(BlockValuesHook(tier, model))
-        hooks[-1].attach()
-        if optimizer is not None:
-            tier.manual_optimization = not trainer.lightning_module.automatic_optimization
+    hooks += engine.home_kind.run_hooks(model, trainer)
     return StreamingSession(engine, hooks, planner, stacks, options.overlap_optimizer)
+
+
+def build_engine(run: HomesRun, builder: HomesBuilder, placement: tuple[Any, int, Any], link: Any,
+                 packed: set[nn.Parameter]) -> StreamingEngine:
+    """The homes (``builder``'s) and the engine over them at ``placement`` (resident blocks, prefetch, activations),
+    the rest of the model (buffers, torchmetrics states) moved to the device between the two, and the ``packed``
+    weights' state-dict entries made copies; whatever the homes built goes again if this fails."""
+    resident, ahead, modes = placement
+    try:
+        builder.before_engine()
+        move_the_rest(run.model, run.device, run.deferred)
+        # torch.save refuses the views of other dtypes that packed weights are in their homes: state dicts hold copies.
+        clone_packed_entries(run.model, packed)
+        if run.node is not None:  # the engine's homes are built together by the node's ranks: all of them must be here
+            ready_on_every_rank("start streaming")
+        return StreamingEngine(run.block_params, run.trunk_params, run.device, resident_blocks=resident,
+                               prefetch=ahead, homes=builder.homes, link=link, activations=modes)
+    except BaseException:
+        builder.discard()
+        raise
 
 
 def blocks_or_none(model: nn.Module, policy: Optional[Any]) -> list[nn.Module]:
@@ -213,30 +205,20 @@ def check_block_dtypes(model: nn.Module, block_params: Sequence[Sequence[nn.Para
 
 
 def check_for_run(
-    options: SuperpipeOptions, num_blocks: int, *, fitting: bool, trainer: Any, optimizers: Sequence[Optimizer],
-    ranks: int,
+    options: SuperpipeOptions, kind: HomeKind, num_blocks: int, *, fitting: bool, trainer: Any,
+    optimizers: Sequence[Optimizer], ranks: int,
 ) -> None:
-    """What of the knobs the constructor could not check: against the model's ``num_blocks``, the folder of the disk
-    tier, sharding on several ``ranks`` with it, and what the tier cannot train.
+    """What of the knobs the constructor could not check: against the model's ``num_blocks``, and what the ``kind`` of
+    home needs of the run (its folder, the optimizer, sharding on several ``ranks``).
 
     Raises:
         MisconfigurationException: With the user's call.
     """
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    call = options.offload_call
-    disk, shard_optimizer = options.offload_device == "disk", options.shard_optimizer
     try:
-        if disk and ranks > 1 and shard_optimizer:
-            raise ValueError(
-                f"{call} keeps each rank's copy of the training state in files of its own, so"
-                f" shard_optimizer={shard_optimizer!r} does not apply: leave it False, or use offload_device='cpu'"
-                " to shard the optimizer state across ranks."
-            )
         options.check_for_model(num_blocks)
-        options.check_offload_path()
-        if disk and fitting:
-            check_training(trainer, optimizers, call)
+        kind.check_run(options, fitting=fitting, trainer=trainer, optimizers=optimizers, ranks=ranks)
     except ValueError as error:
         raise MisconfigurationException(str(error)) from error
 
@@ -256,100 +238,13 @@ def first_placement(
     return planner, planner.first_placement(static, fitting)
 
 
-def check_host_room(
-    options: SuperpipeOptions, what: str, block_params: list[list[nn.Parameter]], trunk_params: list[nn.Parameter],
-    device: torch.device, transfer_dtype: Optional[torch.dtype], fitting: bool, optimizer: Optional[Optimizer],
-    slots: int, model: Optional[nn.Module] = None, deferred: Optional[DeferredInit] = None,
-) -> None:
-    """Refuses, before anything is allocated, a run whose host memory is too small: for the homes of the blocks
-    (``what``; with ``quantize_frozen`` their frozen matrices in 4 bits), gradients and optimizer state, and what the
-    ``deferred`` init of ``model`` will fill in place; or, with the disk tier, its buffers for ``slots`` device
-    slots.
-
-    Raises:
-        HostMemoryError: With the bytes needed and available.
-    """
-    if options.offload_device == "disk":
-        from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-        # A 4-bit base is in files of its own, read through staging buffers of the largest block's frozen bytes.
-        masters, frozen_bytes = split_frozen(block_params, options.quantize_frozen, transfer_dtype)
-        try:  # the pool, the gradients arriving, the cast's staging and the trunk's state
-            parts = disk_host_bytes(masters, trunk_params if fitting else [], optimizer, transfer_dtype, slots,
-                                    options.host_buffer_bytes, pinned=device.type == "cuda")
-        except DiskTierError as error:  # a bound below the least pool
-            raise MisconfigurationException(f"{options.offload_call}: {error}") from error
-        parts = replace(parts, staging=parts.staging + (slots + 1) * max(frozen_bytes, default=0))
-        check_disk_host_room(parts, options.host_buffer_bytes)
-    else:
-        mode = options.quantize_frozen
-        frozen = {p for params in block_params for p in frozen_matrices(params)} if mode is not None else set()
-        streamed = [[p for p in params if p not in frozen] for params in block_params]
-        needed = host_bytes_to_come(streamed, trunk_params, transfer_dtype, fitting, pinned=device.type == "cuda")
-        needed += sum(quantized_bytes(p.numel(), mode) for p in frozen if not quantized_format(p))
-        if deferred is not None and model is not None:  # all but the frozen matrices, quantized from values apart
-            needed += deferred.pending_bytes(t for t in [*model.parameters(), *model.buffers()] if t not in frozen)
-        kept = ""
-        if fitting and options.overlap_optimizer == "speculative":  # "auto" speculates only where memory allows
-            params = [p for block in block_params for p in block] + list(trunk_params)
-            needed += 12 * sum(p.numel() for p in params if p.requires_grad)
-            kept = (" and the state a speculative optimizer step keeps while backward runs;"
-                    " overlap_optimizer='pipelined' keeps none")
-        check_host_memory(needed, f"homes for {what}, gradients and optimizer state{kept}")
-
-
-def build_tier(
-    options: SuperpipeOptions, model: nn.Module, block_params: list[list[nn.Parameter]],
-    optimizer: Optional[Optimizer], transfer_dtype: Optional[torch.dtype], slots: int, resume: Optional[Path],
-    deferred: Optional[DeferredInit], *, ranks: int, rank: int, local_ranks: int, frozen: Optional[FrozenFiles] = None,
-    trunk: Sequence[nn.Parameter] = (),
-) -> DiskTier:
-    """The disk tier's store under ``offload_path`` (on several ranks, this rank's folder in it, once every rank
-    checked the node's space), written from the model or restored from ``resume``; of the ``trunk`` parameters, those
-    that go to its files when it trains (:func:`~lightning_superpipe.memory.disk_trunk.trunk_on_disk`), each a
-    record after the blocks'.
-
-    Raises:
-        MisconfigurationException: The folder cannot hold it (the message quotes the user's call).
-    """
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    assert options.offload_path is not None
-    trunk = trunk_on_disk(trunk) if optimizer is not None else []  # matrices that train; the rest stays in memory
-    names = {p: name for name, p in model.named_parameters()}
-    streamed = {p for params in block_params for p in params} | set(trunk)
-    state_names = {name for name, p in model.named_parameters(remove_duplicate=False) if p in streamed}
-    masters = [split_packed(params)[0] for params in block_params]  # the 4-bit base goes to ``frozen``'s files
-    in_store = {p for params in masters for p in params} | set(trunk)
-    try:
-        folder = Path(options.offload_path)
-        if ranks > 1:  # every rank checks the node's space before any of them writes
-            records = [*masters, *([p] for p in trunk)]
-            folder = rank_folder(options.offload_path, rank, local_ranks, records, optimizer, resume is None)
-            ready_on_every_rank("check the disk tier's folders")
-        tier = DiskTier.build(folder, block_params, names, state_names, optimizer, transfer_dtype,
-                              options.host_buffer_bytes, slots, resume, deferred, frozen, trunk)
-        tier.frozen_names = {name for name, p in model.named_parameters(remove_duplicate=False)
-                             if p in streamed and p not in in_store}
-        return tier
-    except DiskTierError as error:
-        raise MisconfigurationException(f"{options.offload_call}: {error}") from error
-
-
-def move_the_rest(model: nn.Module, device: torch.device, deferred: Optional[DeferredInit],
-                  tier: Optional[DiskTier]) -> None:
+def move_the_rest(model: nn.Module, device: torch.device, deferred: Optional[DeferredInit]) -> None:
     """Everything of ``model`` but its parameters (and their gradients) to ``device``: buffers, torchmetrics states.
-    With the init calls ``deferred``, the rest of what ``configure_model`` built is made first, in place; a failure
-    closes the ``tier``."""
-    if deferred is not None:  # the blocks are in their files: the rest of what configure_model built, in place
+    With the init calls ``deferred``, the rest of what ``configure_model`` built is made first, in place."""
+    if deferred is not None:  # the blocks are in their homes: the rest of what configure_model built, in place
         deferred.materialize(model)
-    try:
-        at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
-        model._apply(lambda t: t if id(t) in at_home else t.to(device))
-    except BaseException:
-        if tier is not None:
-            tier.close()
-        raise
+    at_home = {id(p) for p in model.parameters()} | {id(p.grad) for p in model.parameters() if p.grad is not None}
+    model._apply(lambda t: t if id(t) in at_home else t.to(device))
 
 
 def averager_for(
@@ -380,7 +275,7 @@ def join_ranks(
     """Before a run on several ranks streams: the same model and knobs (``options``, with ``shard_optimizer``
     resolved) everywhere (else one error on every rank), what is not supported there yet refused, and rank 0's
     parameters and buffers given to every rank (those whose init calls are ``deferred`` are given rank 0's random
-    draws instead, and stay uninitialized until the disk tier writes their blocks).
+    draws instead, and stay uninitialized until their homes are written).
 
     Raises:
         RanksDisagreeError: The ranks differ (the message names what and where).
@@ -420,23 +315,24 @@ def install_clipping(plugin: Any, engine: Optional[StreamingEngine]) -> None:
 
     Lightning's mixed-precision plugin refuses to clip for optimizers that unscale inside ``step`` (fused AdamW, the
     fastest host optimizer), which matters only with a gradient scaler; ``bf16-mixed`` has none: the plain way then.
-    Under the disk tier the blocks' gradients are on disk: the tier clips (:meth:`DiskTier.clip_gradients`), and a
-    gradient scaler's ``unscale_`` also checks and unscales them (:meth:`DiskTier.unscale`). The strategy's teardown
-    takes the instance attributes away again (:func:`uninstall_clipping`).
+    A kind of home that keeps the blocks' gradients outside ``.grad`` clips them itself
+    (:attr:`.Homes.clips_gradients`), and a gradient scaler's ``unscale_`` also checks and unscales them there
+    (:meth:`.Homes.unscale`). The strategy's teardown takes the instance attributes away again
+    (:func:`uninstall_clipping`).
     """
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
     averager = engine.gradients.averager if engine is not None else None
-    tier = disk_tier_of(engine)
-    if tier is not None:
+    homes = engine.home_kind if engine is not None else None
+    if homes is not None and homes.clips_gradients:
         scaler = getattr(plugin, "scaler", None)
-        plugin.clip_gradients = tier.clip_gradients
+        plugin.clip_gradients = homes.clip_gradients
         if scaler is not None:
             unscale = scaler.unscale_
 
             def unscale_(optimizer: Optimizer) -> None:
                 unscale(optimizer)
-                tier.unscale(scaler, optimizer)
+                homes.unscale(scaler, optimizer)
 
             scaler.unscale_ = unscale_
     elif averager is not None and averager.sharded:  # each rank holds only its share of the gradients

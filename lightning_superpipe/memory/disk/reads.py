@@ -3,7 +3,7 @@ device slots), copied from there into a slot (cast on the fly into a host stagin
 and each buffer given back once the copy no longer reads it. A pipelined step hands over the buffers it stepped
 blocks in, so that the next forward copies the new masters from there instead of reading them again.
 
-:class:`~lightning_superpipe.memory.disk_homes.DiskTier` owns one :class:`DiskReads`.
+:class:`~lightning_superpipe.memory.disk.tier.DiskTier` owns one :class:`DiskReads`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of
   beyond the device slots, and copied from there into the slot; with mixed precision they are cast on the fly into
   a host staging buffer of the transfer dtype first (no bf16 copy on disk: it would add 2 bytes per parameter of
   writes to every step). A read's buffer goes back to the pool once the copy no longer reads it (its event).
-  :class:`~lightning_superpipe.memory.disk_reads.DiskReads` does this part.
+  :class:`~lightning_superpipe.memory.disk.reads.DiskReads` does this part.
 * **Gradients**: when the overlapped step is armed (exact: no clipping, a per-parameter optimizer), each block is
   stepped through the store as soon as its gradients are complete (``step(blocks=[i], commit=False)``; gradients of
   earlier micro-batches spilled first are added on disk) and the step is committed after backward. Otherwise each
@@ -18,15 +18,15 @@ knows a block's layout but holds no memory, and :class:`DiskTier`, their kind of
   ``torch.nn.utils.clip_grad_norm_`` computes it: at once, or pipelined (:meth:`DiskTier.launch_step`) on the
   optimizer thread while the next forward runs, which copies each block from the buffer its step left it in. The
   trunk's matrices (embeddings, head) are records of the store too, stepped from their files after backward
-  (:mod:`.disk_trunk`); its vectors (norms, biases) are stepped in memory.
+  (:mod:`.trunk`); its vectors (norms, biases) are stepped in memory.
   The user's ``zero_grad`` drops spilled gradients as it would drop ``.grad`` (:meth:`DiskTier.zero_grad`), which is
   what manual optimization needs; a step consumes them.
 * **Several ranks**: each keeps its own store, stepped alike from the averaged gradients; under accumulation a
   block's spilled gradients come back into ``.grad`` for the last micro-batch's reduction
   (:meth:`DiskTier.before_reduce`).
 
-What Lightning sees of the tier (checks of the run, hooks on ``zero_grad`` and ``state_dict``, checkpoints beside the
-``.ckpt``) is :mod:`lightning_superpipe.streaming.disk_tier`.
+The kind of home that checks and builds it is :class:`~lightning_superpipe.memory.disk.kind.DiskKind`; its hooks on
+the user's ``zero_grad`` and ``state_dict`` are :mod:`.hooks`, its files beside each ``.ckpt`` :mod:`.checkpoints`.
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ from lightning_superpipe.memory.disk import (
     DiskStore,
     DiskTierError,
     MasterLease,
+    checkpoints,
     limit_heap_retention,
 )
+from lightning_superpipe.memory.disk.clipping import clip_by_global_norm, scaler_found_inf, spilled_norms
+from lightning_superpipe.memory.disk.frozen import FrozenFiles
 from lightning_superpipe.memory.disk.home import DiskHome
-from lightning_superpipe.memory.disk_clipping import clip_by_global_norm, scaler_found_inf, spilled_norms
-from lightning_superpipe.memory.disk_frozen import FrozenFiles
-from lightning_superpipe.memory.disk_reads import PIPELINED_STEP_READ_AHEAD, DiskReads
-from lightning_superpipe.memory.disk_trunk import trunk_records
-from lightning_superpipe.memory.home import Arena, Event, Homes, KindSteps, Link, StepHook
-from lightning_superpipe.memory.packed import split_packed
+from lightning_superpipe.memory.disk.hooks import BlockValuesHook, ZeroGradHook
+from lightning_superpipe.memory.disk.reads import PIPELINED_STEP_READ_AHEAD, DiskReads
+from lightning_superpipe.memory.disk.trunk import trunk_records
+from lightning_superpipe.memory.fourbit.packed import packed_entries_left_out, split_packed
+from lightning_superpipe.memory.home import Arena, Event, Homes, Hook, KindSteps, Link, StepHook
 
 #: Blocks whose masters are read ahead beyond the device slots.
 READ_AHEAD = 2
@@ -76,7 +78,7 @@ class DiskTier(Homes):
         transfer_dtype: The dtype the weights travel in (``None``: the masters').
         state_names: The state-dict keys of the parameters in the store (tied aliases included).
         frozen: The blocks' frozen packed weights (a 4-bit base), written to their read-only files already.
-        trunk: The trunk parameters the store holds, each a record after the blocks' (:mod:`.disk_trunk`).
+        trunk: The trunk parameters the store holds, each a record after the blocks' (:mod:`.trunk`).
     """
 
     def __init__(
@@ -177,10 +179,15 @@ class DiskTier(Homes):
 
     #: Gradients leave host memory as each block completes (stepped through the store or spilled).
     keeps_gradients = False
-    #: Where exact, the overlapped step always pays: the alternative spills the gradients to disk and reads them back.
-    overlap_always_pays = True
+    #: The blocks step through the store, from their spilled gradients; where exact, the overlapped step always pays.
+    own_steps = ("the disk tier steps its blocks from what it spilled",
+                 "the disk tier's other slot keeps the previous step")
     #: A speculative step writes each block's other slot; the manifest's commit is the decision.
     keeps_previous_step = True
+    #: The blocks' gradients are spilled to disk, where the tier clips and unscales them.
+    clips_gradients = True
+    #: The homes read their files: the next pass makes the device copies, not a callback's hook.
+    refreshes_for_callbacks = False
 
     def attach(self, link: Link, arena: Arena, overlap: StepHook, slots: int) -> None:
         """Connects the tier to its engine's copier, arena and overlapped step, whose per-block step goes through the
@@ -309,7 +316,7 @@ class DiskTier(Homes):
     @contextmanager
     def placeholders_in_state_dict(self) -> Iterator[None]:
         """Around the state dict of a ``.ckpt``: its blocks' entries are dropped for the files linked beside it
-        (:meth:`add_to_checkpoint`), so they are not mapped (nor their slots handed over to readers)."""
+        (:meth:`saving_checkpoint`), so they are not mapped (nor their slots handed over to readers)."""
         self.checkpointing = True
         try:
             yield
@@ -331,7 +338,7 @@ class DiskTier(Homes):
 
     def zero_grad(self, params: Iterable[nn.Parameter]) -> None:
         """The user zeroes these parameters' gradients (``optimizer.zero_grad()``, ``module.zero_grad()``: see
-        :class:`~lightning_superpipe.streaming.disk_tier.ZeroGradHook`): what backward spilled of them is dropped,
+        :class:`~lightning_superpipe.memory.disk.hooks.ZeroGradHook`): what backward spilled of them is dropped,
         as ``.grad`` would be."""
         by_block: dict[int, set[int]] = {}
         for param in params:
@@ -424,7 +431,7 @@ class DiskTier(Homes):
 
     def unscale(self, scaler: Any, optimizer: Optimizer) -> None:
         """Completes ``GradScaler.unscale_(optimizer)``, which saw the gradients in memory only (see
-        :func:`.disk_clipping.scaler_found_inf`); the spilled gradients are unscaled as they are stepped from disk
+        :func:`.clipping.scaler_found_inf`); the spilled gradients are unscaled as they are stepped from disk
         (1/scale, a power of two: bitwise what unscaling them in memory gives)."""
         self._grad_unscale = scaler._scale.double().reciprocal().float().cpu()  # as unscale_ computes it
         self._found_inf = scaler_found_inf(scaler, optimizer, self._block_norms())
@@ -529,6 +536,41 @@ class DiskTier(Homes):
         return scale, clip_value, speculation
 
     # ------------------------------------------------------------------ checkpoints and reports
+
+    def run_hooks(self, model: nn.Module, trainer: Any) -> list[Hook]:
+        """``state_dict()`` during the run gives the files' values, ``load_state_dict()`` of block parameters is
+        refused (:class:`~.hooks.BlockValuesHook`); while fitting, the tier learns whether the optimization is
+        manual."""
+        if trainer is not None:
+            self.manual_optimization = not trainer.lightning_module.automatic_optimization
+        hook = BlockValuesHook(self, model)
+        hook.attach()
+        return [hook]
+
+    def zero_grad_hook(self, model: nn.Module, optimizers: Sequence[Any]) -> Optional[Hook]:
+        """Where the tier spills gradients, the user's ``zero_grad`` calls drop them (:class:`~.hooks.ZeroGradHook`)."""
+        return ZeroGradHook(self, model, optimizers) if self.store.spills else None
+
+    @contextmanager
+    def saving_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, os.PathLike[str]]) -> Iterator[None]:
+        """The committed files are linked beside the ``.ckpt`` first, since a ``.ckpt`` implies them, and older
+        copies go once the ``.ckpt`` is in place (:mod:`.checkpoints`)."""
+        checkpoints.add_to_checkpoint(self.store, self.frozen_names, self.state_names, checkpoint, filepath)
+        yield
+        checkpoints.checkpoint_saved(checkpoint, filepath)
+
+    @contextmanager
+    def checkpoint_state_dict(self) -> Iterator[None]:
+        """The blocks' entries are dropped for the files linked beside the ``.ckpt``
+        (:meth:`placeholders_in_state_dict`), and those of a 4-bit base, in the tier's read-only files, are neither
+        copied nor dequantized (the ``.ckpt`` holds none of them)."""
+        with self.placeholders_in_state_dict(), packed_entries_left_out():
+            yield
+
+    def check_optimizer_state(self, optimizer: Any, state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> None:
+        """Refuses a host tier's optimizer state for the blocks (:func:`.checkpoints.refuse_host_optimizer_state`)."""
+        if checkpoints.DISK_KEY not in checkpoint:
+            checkpoints.refuse_host_optimizer_state(self.holds, optimizer, state)
 
     def memory_report(self) -> dict[str, Any]:
         """``offload_device``, ``disk_bytes`` (the tier's files), ``disk_pool_host_bytes`` (the pool's buffers now)

@@ -1,6 +1,6 @@
 """Clipping and gradient scaling over the disk tier's spilled gradients: the global norm from each spilled
 gradient's norm and the ones in memory, as ``torch.nn.utils.clip_grad_norm_`` computes it, and a ``16-mixed``
-scaler's check of spilled gradients. :class:`~lightning_superpipe.memory.disk_homes.DiskTier` applies them (the
+scaler's check of spilled gradients. :class:`~lightning_superpipe.memory.disk.tier.DiskTier` applies them (the
 trunk's gradients in memory now, the spilled ones as they are stepped from disk)."""
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.bnb4bit import copied_state, get_path, set_path, state_paths
-from lightning_superpipe.memory.packed import PACKED_ATTR
+from lightning_superpipe.memory.fourbit.bnb4bit import copied_state, get_path, set_path, state_paths
+from lightning_superpipe.memory.fourbit.packed import PACKED_ATTR, packed_format
 
 #: ``quantize_frozen``'s values, Lightning's ``BitsandbytesPrecision`` 4-bit mode names: (quant type, double quant).
 MODES: dict[str, tuple[str, bool]] = {
@@ -202,3 +202,10 @@ def quantized_bytes(numel: int, mode: str) -> int:
     if not MODES[mode][1]:
         return codes + 4 * blocks
     return codes + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4
+
+
+def frozen_matrices(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """What ``quantize_frozen`` quantizes of a block's ``params``: the frozen floating-point ones of two or more
+    dimensions (biases, norms and anything trainable stay as they are), and those an earlier run kept in 4 bits."""
+    return [p for p in params if not p.requires_grad and p.is_floating_point() and p.dim() >= 2
+            and (packed_format(p) is None or quantized_format(p) is not None)]

@@ -1,10 +1,11 @@
 """The strategy's knobs, declared once: :class:`SuperpipeOptions`, checked when it is made.
 
 ``SuperpipeStrategy(...)`` builds one, so a bad value fails in the strategy's constructor with a message that quotes
-the user's call. What needs the model (one activation mode per block), the trainer (the disk tier's callbacks and
-optimizer; the number of ranks) or the machine (``offload_path``'s folder) is checked when streaming starts
-(:func:`~lightning_superpipe.streaming.setup.start_streaming`). On several ranks ``shard_optimizer="auto"`` is
-resolved there too (:func:`default_sharding`).
+the user's call. ``offload_device`` chooses the kind of home (:attr:`SuperpipeOptions.home_kind`, from the
+registry of :mod:`lightning_superpipe.memory.home`), which checks its own knobs. What needs the model (one activation
+mode per block), the trainer (what the kind of home cannot train; the number of ranks) or the machine (the kind's
+folder) is checked when streaming starts (:func:`~lightning_superpipe.run.setup.start_streaming`). On several
+ranks ``shard_optimizer="auto"`` is resolved there too (:func:`default_sharding`).
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-from lightning_superpipe.memory.disk import DiskSpaceError, DiskTierError, preflight
-from lightning_superpipe.memory.frozen4bit import MODES as QUANTIZE_MODES
-from lightning_superpipe.memory.frozen4bit import bitsandbytes_installed
+from lightning_superpipe.emulation.link import EmulatedLink
+from lightning_superpipe.memory.fourbit.frozen4bit import MODES as QUANTIZE_MODES
+from lightning_superpipe.memory.fourbit.frozen4bit import bitsandbytes_installed
+from lightning_superpipe.memory.home import HomeKind, home_kind, home_kinds
 from lightning_superpipe.planning.budget import MemoryBudget, parse_budget, resolve_budget
 from lightning_superpipe.streaming.activations import ActivationsPolicy, per_block_modes
 from lightning_superpipe.streaming.blocks import BlockPolicy, _as_predicate
-from lightning_superpipe.streaming.emulated import EmulatedLink
 from lightning_superpipe.units import format_bytes
 
-#: Where the blocks' training state lives: host memory, or files under ``offload_path``.
-OFFLOAD_DEVICES = ("cpu", "disk")
+#: The kind of home the blocks live in unless ``offload_device`` says otherwise: host memory.
+DEFAULT_OFFLOAD_DEVICE = "cpu"
 #: ``shard_optimizer``'s values: ``"auto"`` is ``"node"`` on several ranks where that works (:func:`default_sharding`).
 SHARD_MODES = (True, False, "node", "auto")
 
@@ -54,10 +55,11 @@ class SuperpipeOptions:
         activations: ``"recompute"``, ``"keep"``, ``"offload"``, or one of them per block.
         overlap_optimizer: How the host optimizer step hides: ``"auto"`` (where it pays, the best exact mode),
             ``True`` (that, on a CPU compute device too), ``"speculative"``, ``"pipelined"`` or ``False`` (after
-            backward). See :mod:`~lightning_superpipe.streaming.step_modes`.
+            backward). See :mod:`~lightning_superpipe.stepping.step_modes`.
         blocks: Which modules stream: module classes or a predicate; ``None``: every outermost stack.
         link: An :class:`~lightning_superpipe.EmulatedLink`, or ``None``.
-        offload_device: ``"cpu"`` (host memory) or ``"disk"`` (files under ``offload_path``).
+        offload_device: The kind of home the blocks live in: ``"cpu"`` (host memory), ``"disk"`` (files under
+            ``offload_path``), or another registered one (:func:`~lightning_superpipe.register_home_kind`).
         offload_path: The disk tier's folder.
         host_buffer_bytes: Bound on the disk tier's pool of host buffers; ``None``: a few of the largest block's.
             Below two whole blocks' buffers, blocks are stepped and read in pieces, whatever their size.
@@ -65,7 +67,7 @@ class SuperpipeOptions:
             state split across ranks), ``"node"`` (that, and one copy of the blocks per node) or ``"auto"``.
         quantize_frozen: ``"nf4"``, ``"nf4-dq"``, ``"fp4"`` or ``"fp4-dq"`` (Lightning's ``BitsandbytesPrecision``
             4-bit modes): the blocks' frozen matrices kept, streamed and computed with in 4 bits
-            (:mod:`~lightning_superpipe.memory.frozen4bit`); ``None``: as they are.
+            (:mod:`~lightning_superpipe.memory.fourbit.frozen4bit`); ``None``: as they are.
 
     Raises:
         KnobError: A value no model or run could accept (the message quotes the user's call).
@@ -78,7 +80,7 @@ class SuperpipeOptions:
     overlap_optimizer: Union[bool, str] = "auto"
     blocks: Optional[BlockPolicy] = None
     link: Optional[EmulatedLink] = None
-    offload_device: str = "cpu"
+    offload_device: str = DEFAULT_OFFLOAD_DEVICE
     offload_path: Optional[Union[str, os.PathLike[str]]] = None
     host_buffer_bytes: Optional[int] = None
     shard_optimizer: Union[bool, str] = "auto"
@@ -146,25 +148,22 @@ class SuperpipeOptions:
             raise ValueError(f"SuperpipeStrategy(link={self.link!r}) must be an `EmulatedLink` or None.")
 
     def _check_offload(self) -> None:
-        call = self.offload_call
-        if self.offload_device not in OFFLOAD_DEVICES:
-            raise ValueError(
-                f"{call}: offload_device must be 'cpu' (the default: masters, gradients and optimizer state in host"
-                " memory) or 'disk' (block masters and optimizer state in files under offload_path)."
-            )
-        if self.offload_device == "cpu":
-            for name in ("offload_path", "host_buffer_bytes"):
-                if getattr(self, name) is not None:
+        """``offload_device`` names a registered kind of home; the knobs only other kinds read are left out, and the
+        kind checks its own."""
+        call, kind = self.offload_call, self.home_kind
+        if kind is None:
+            choices = [f"{k.name!r} ({'the default: ' if k.name == DEFAULT_OFFLOAD_DEVICE else ''}{k.summary})"
+                       for k in home_kinds()]
+            listed = f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
+            raise ValueError(f"{call}: offload_device must be {listed}.")
+        for other in home_kinds():
+            for name in other.own_knobs:
+                if name not in kind.own_knobs and getattr(self, name) is not None:
                     raise ValueError(
-                        f"{call}: {name} is used only by the disk tier. Pass offload_device='disk' to keep the"
-                        f" training state in files, or leave {name} out."
+                        f"{call}: {name} is used only by {other.title}. Pass offload_device={other.name!r} to"
+                        f" {other.purpose}, or leave {name} out."
                     )
-            return
-        if self.offload_path is None:
-            raise ValueError(f"{call}: offload_device='disk' needs offload_path, a folder on a fast local disk.")
-        size = self.host_buffer_bytes
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
-            raise ValueError(f"{call}: host_buffer_bytes must be a positive number of bytes, or None for the default.")
+        kind.check_knobs(self)
 
     def _check_quantize_frozen(self) -> None:
         mode = self.quantize_frozen
@@ -182,6 +181,12 @@ class SuperpipeOptions:
                 f"{call} quantizes the frozen matrices with bitsandbytes, which is not installed:"
                 " `pip install bitsandbytes` (it runs on the CPU too)."
             )
+
+    @property
+    def home_kind(self) -> Optional[HomeKind]:
+        """The kind of home ``offload_device`` chooses (``None``: none is registered by that name, which
+        :meth:`validate` refuses). The one place that reads ``offload_device``."""
+        return home_kind(self.offload_device)
 
     @property
     def offload_call(self) -> str:
@@ -210,22 +215,9 @@ class SuperpipeOptions:
         if self.activations is not None:
             per_block_modes(self.activations, num_blocks)
 
-    def check_offload_path(self) -> None:
-        """That the disk tier's folder exists and is writable now (its free space is checked once the bytes needed
-        are known); nothing with ``offload_device="cpu"``.
-
-        Raises:
-            ValueError: With the user's call.
-        """
-        if self.offload_device != "disk":
-            return
-        assert self.offload_path is not None
-        try:
-            preflight(self.offload_path, 0)
-        except DiskSpaceError:
-            pass  # the space is checked against the bytes the tier needs once the blocks and optimizer are known
-        except DiskTierError as error:
-            raise ValueError(f"{self.offload_call}: {error}") from error
+    def activation_modes(self, num_blocks: int) -> list[str]:
+        """Each of ``num_blocks`` blocks' placement of its activations as given (``"recompute"`` where none is)."""
+        return per_block_modes(self.activations or "recompute", num_blocks)
 
 
 def default_sharding(
@@ -245,8 +237,9 @@ def default_sharding(
     Returns:
         The value, and ``None`` or the reason it is not ``"node"``.
     """
-    if options.offload_device == "disk":
-        return False, "the disk tier keeps each rank's copy of the training state in files of its own"
+    refusal = options.home_kind.sharding_refusal if options.home_kind is not None else None
+    if refusal is not None:
+        return False, refusal
     if precision == "16-mixed":
         return False, "the gradient scaler of precision='16-mixed' checks every gradient, which a sharded rank lacks"
     if averaging:

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 from collections.abc import KeysView, Sequence
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from time import perf_counter  # bound at import: a test's patch of time.perf_counter times its own code
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from lightning.pytorch import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_superpipe.memory.home import Home, KindSteps
-from lightning_superpipe.streaming.optimizers import shadow_of
-from lightning_superpipe.streaming.speculation import scale_gradients
-from lightning_superpipe.streaming.wrappers import BeforeCalls
+from lightning_superpipe.stepping.optimizers import shadow_of
+from lightning_superpipe.stepping.speculation import scale_gradients
+from lightning_superpipe.wrappers import BeforeCalls
 
 #: Lightning callbacks that read no weights in the training loop's hooks (or read them through the strategy's
 #: checkpoint calls, which wait themselves), by class name, so that their presence keeps the step pipelined.
@@ -49,6 +49,26 @@ WINDOW_HOOKS = (
 )
 
 
+class SyncedHome(Protocol):
+    """What a pipelined step needs of a block's home (:class:`~lightning_superpipe.memory.home.Home`): its masters
+    taken in once the block is stepped."""
+
+    def mark_changed(self, param: nn.Parameter) -> None: ...
+
+    def changed(self) -> Any: ...
+
+    def sync(self, pieces: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class KindSteps:
+    """A kind of home's own step of some blocks, pipelined: ``run(done)`` steps them in ``blocks``' order on the
+    optimizer thread and calls ``done(index)`` as each block's new weights can be copied to the device."""
+
+    blocks: list[int]
+    run: Callable[[Callable[[int], None]], None]
+
+
 class PipelinedStep:
     """The optimizer steps launched on the optimizer thread and not yet waited for.
 
@@ -59,7 +79,7 @@ class PipelinedStep:
             may need: :meth:`~lightning_superpipe.memory.home.Homes.before_step_wait`).
     """
 
-    def __init__(self, executor: Executor, homes: Sequence[Optional[Home]],
+    def __init__(self, executor: Executor, homes: Sequence[Optional[SyncedHome]],
                  before_wait: Callable[[], None] = lambda: None) -> None:
         self._executor = executor
         self._homes = homes

@@ -3,24 +3,39 @@
 Streamed weights travel as full-precision tensors (float32, bfloat16 or float16), one flat buffer per block, and the
 hooks bind device tensors into the modules. bitsandbytes' 4-bit layers (``Linear4bit``: NF4 or FP4, with or without
 double quantization; QLoRA's frozen base) are the exception: their packed weights and quantization state travel as the
-bytes they are and are rebuilt on the device for bitsandbytes' own kernels (:mod:`lightning_superpipe.memory.packed`),
-when they stream with a block. Any other quantized layer (bitsandbytes 8-bit, GPTQ, AWQ, HQQ, quanto, torchao) holds
-packed integers and a state its own kernels read from attributes of its own tensor classes: streamed as tensors, it
-would fail deep inside the engine or its kernel. :func:`check_quantized_layers` names the first such layer instead,
-with what to do, and refuses what the 4-bit layers do not support yet (activations kept or offloaded).
+bytes they are and are rebuilt on the device for bitsandbytes' own kernels
+(:mod:`lightning_superpipe.memory.fourbit.packed`), when they stream with a block. Any other quantized layer
+(bitsandbytes 8-bit, GPTQ, AWQ, HQQ, quanto, torchao) holds packed integers and a state its own kernels read from
+attributes of its own tensor classes: streamed as tensors, it would fail deep inside the engine or its kernel.
+:func:`check_quantized_layers` names the first such layer instead, with what to do, and refuses what the 4-bit layers do
+not support yet (activations kept or offloaded).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
 
-from lightning_superpipe.memory.packed import packed_format
-from lightning_superpipe.streaming.activations import per_block_modes
-from lightning_superpipe.streaming.options import SuperpipeOptions
+from lightning_superpipe.memory.fourbit.packed import packed_format
+
+
+class ActivationKnobs(Protocol):
+    """The knobs that say where the blocks' activations live (:class:`~lightning_superpipe.run.options.
+    SuperpipeOptions`)."""
+
+    @property
+    def activations(self) -> Any: ...
+
+    @property
+    def memory_budget(self) -> Any: ...
+
+    def activation_modes(self, num_blocks: int) -> Sequence[str]:
+        """Each block's placement of its activations, ``"recompute"`` where none is given."""
+        ...
 
 #: Packages whose layers and tensor classes hold quantized weights, and what users call them.
 QUANTIZATION_PACKAGES = {
@@ -113,7 +128,7 @@ def _advice(module: nn.Module, package: str) -> str:
 
 
 def check_quantized_layers(
-    model: nn.Module, block_params: list[list[nn.Parameter]], options: Optional[SuperpipeOptions] = None
+    model: nn.Module, block_params: list[list[nn.Parameter]], options: Optional[ActivationKnobs] = None
 ) -> None:
     """Raises if a module of ``model`` holds quantized weights the strategy cannot stream (see the module's
     docstring), or if bitsandbytes 4-bit weights stream (with ``block_params``) under knobs (``options``) they do not
@@ -142,7 +157,7 @@ def check_quantized_layers(
         _check_knobs(options, packed_blocks, len(block_params))
 
 
-def _check_knobs(options: SuperpipeOptions, packed_blocks: list[int], num_blocks: int) -> None:
+def _check_knobs(options: ActivationKnobs, packed_blocks: list[int], num_blocks: int) -> None:
     """Refuses the knobs 4-bit blocks do not support yet (``packed_blocks``: the blocks holding such weights)."""
     what = f"bitsandbytes 4-bit weights stream in {len(packed_blocks)} of the {num_blocks} blocks"
     if options.activations is None and options.memory_budget is not None:
@@ -151,7 +166,7 @@ def _check_knobs(options: SuperpipeOptions, packed_blocks: list[int], num_blocks
             " backward outside autograd's saved tensors, so their blocks must recompute in backward, and the planner"
             " may choose to keep activations. Pin it: `SuperpipeStrategy(memory_budget=..., activations='recompute')`."
         )
-    modes = per_block_modes(options.activations or "recompute", num_blocks)
+    modes = options.activation_modes(num_blocks)
     kept = [i for i in packed_blocks if modes[i] != "recompute"]
     if kept:
         raise QuantizedLayerError(
