@@ -69,7 +69,8 @@ class Profile:
         d2h_bytes_per_s: Device-to-host speed of the copy path, the same way.
         asynchronous: Whether copies run beside compute (CUDA, an emulated link) or on the compute thread (a CPU
             device), where their time adds to it.
-        overlap_optimizer: Whether the optimizer steps each block during backward (:mod:`..streaming.overlap`).
+        overlap_optimizer: Whether the optimizer steps each block during backward
+            (:mod:`lightning_superpipe.stepping.overlap`).
         micro_batches: Micro-batches per optimizer step (``accumulate_grad_batches``).
         trunk_bytes: Device bytes of the weights outside blocks (always resident).
         trunk_gradient_bytes: The most device bytes of their gradients at once.
