@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,17 @@ class SourcedRecord:
 
     where: str
     fields: dict[str, Any]
+
+
+def find_files(folder: Path, suffixes: Collection[str]) -> list[Path]:
+    """Files under ``folder`` with one of ``suffixes`` (any case), recursively, hidden ones left out, in order."""
+    return sorted(
+        path
+        for path in folder.rglob("*")
+        if path.is_file()
+        and path.suffix.lower() in suffixes
+        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+    )
 
 
 def read_text_file(path: Path) -> str:

@@ -33,6 +33,7 @@ from lightning_superpipe.recipes.data_files import (
     JSONL_SUFFIX,
     TABLE_BUILDERS,
     SourcedRecord,
+    find_files,
     jsonl_records,
     table_records,
 )
@@ -109,13 +110,7 @@ def embedded_conversations() -> list[SourcedRecord]:
 
 def find_record_files(folder: Path) -> list[Path]:
     """``.jsonl``, ``.json`` and ``.parquet`` files under ``folder``, recursively, hidden ones left out, in order."""
-    return sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file()
-        and path.suffix.lower() in RECORD_SUFFIXES
-        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
+    return find_files(folder, RECORD_SUFFIXES)
 
 
 def read_records(data_path: str | None) -> list[SourcedRecord]:

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_superpipe.recipes.data_files import JSONL_SUFFIX, jsonl_records, read_text_file
+from lightning_superpipe.recipes.data_files import JSONL_SUFFIX, find_files, jsonl_records, read_text_file
 from lightning_superpipe.recipes.errors import RecipeError
 from lightning_superpipe.recipes.instruction_data import (
     FORMATS,
@@ -96,14 +96,7 @@ def read_jsonl(path: Path, text_field: str) -> list[str]:
 
 def find_text_files(folder: Path) -> list[Path]:
     """Text and JSONL files under ``folder``, recursively, hidden ones left out, in a fixed order."""
-    suffixes = {*TEXT_SUFFIXES, JSONL_SUFFIX}
-    return sorted(
-        path
-        for path in folder.rglob("*")
-        if path.is_file()
-        and path.suffix.lower() in suffixes
-        and not any(part.startswith(".") for part in path.relative_to(folder).parts)
-    )
+    return find_files(folder, {*TEXT_SUFFIXES, JSONL_SUFFIX})
 
 
 def read_documents(data_path: str | None, text_field: str = "text") -> list[str]:
