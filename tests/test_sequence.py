@@ -222,3 +222,22 @@ def test_a_chunked_model_returns_the_loss_without_logits_and_runs_whole_without_
     with pytest.raises(ValueError, match="needs a transformers causal LM .* got Linear"):
         chunk_causal_lm_loss(nn.Linear(2, 2))
     assert unchunk_causal_lm_loss(model) and model(input_ids=input_ids, labels=input_ids).logits is not None
+
+
+def test_the_recipes_module_takes_chunked_loss_and_tiled_mlps_and_gives_the_whole_computations_loss():
+    from lightning_superpipe.recipes import CausalLMModule
+    from lightning_superpipe.recipes.errors import RecipeError
+
+    config = {key: value for key, value in SMALL.items() if key != "vocab_size"}
+    batch = {"input_ids": torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(6))}
+    losses = []
+    for chunks in ({}, {"loss_chunk_tokens": 7, "mlp_tile_tokens": 16}):
+        torch.manual_seed(0)
+        module = CausalLMModule(config=config, vocab_size=96, **chunks)
+        losses.append(module._loss(batch)[0])
+        losses[-1].backward()
+    assert torch.allclose(losses[1], losses[0], rtol=1e-6, atol=0)
+    assert unchunk_causal_lm_loss(module.model) and untile_position_wise(module.model) == 2
+    for bad in (0, 2.5, True):
+        with pytest.raises(RecipeError, match=f"model.loss_chunk_tokens={bad!r} must be a whole number of tokens"):
+            CausalLMModule(config=config, vocab_size=96, loss_chunk_tokens=bad)

@@ -42,6 +42,7 @@ from lightning_superpipe.recipes.settings import (
 )
 from lightning_superpipe.recipes.tokenization import TextTokenizer
 from lightning_superpipe.rng import rng_states, set_rng_states
+from lightning_superpipe.sequence import chunk_causal_lm_loss, tile_position_wise
 from lightning_superpipe.strategies.superpipe import SuperpipeStrategy
 
 # The settings (and their schedule) live in ``settings`` now; ``lightning_superpipe.recipes.causal_lm.LoRASettings`` and
@@ -80,6 +81,12 @@ class CausalLMModule(LightningModule):
             (:class:`~lightning_superpipe.recipes.errors.TokenizerError`) unless ``resize_token_embeddings``.
         resize_token_embeddings: Add embedding rows, randomly initialised, when the tokenizer has more token ids
             than the pretrained model embeds (a tokenizer given tokens of its own); off, that is an error.
+        loss_chunk_tokens: Compute the head and the loss over chunks of this many tokens, each chunk's logits
+            recomputed in backward (:func:`~lightning_superpipe.sequence.chunk_causal_lm_loss`), so that the
+            whole sequence's logits never exist; ``None`` computes them whole. For long sequences and large
+            vocabularies; losses equal the whole computation's to fp32 rounding.
+        mlp_tile_tokens: Run each layer's MLP over tiles of this many positions, recomputed in backward
+            (:func:`~lightning_superpipe.sequence.tile_position_wise`); ``None`` runs it whole.
         build_in_configure_model: Build the model in ``configure_model`` rather than here. Under
             ``SuperpipeStrategy(offload_device="disk")`` its blocks are then initialized, or read from
             ``pretrained_path``'s safetensors files, one at a time into the tier's files, so that the model never
@@ -101,8 +108,13 @@ class CausalLMModule(LightningModule):
         vocab_size: int | None = None,
         build_in_configure_model: bool = False,
         resize_token_embeddings: bool = False,
+        loss_chunk_tokens: int | None = None,
+        mlp_tile_tokens: int | None = None,
     ) -> None:
         super().__init__()
+        for name, value in (("loss_chunk_tokens", loss_chunk_tokens), ("mlp_tile_tokens", mlp_tile_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise RecipeError(f"model.{name}={value!r} must be a whole number of tokens, 1 or more (or null)")
         self.save_hyperparameters()
         # Checkpoints keep the settings as plain dicts, which ``torch.load(weights_only=True)`` accepts and
         # ``load_from_checkpoint`` passes back to this constructor.
@@ -162,7 +174,12 @@ class CausalLMModule(LightningModule):
                 model = quantized(model, self.quantization)
         if self.quantization is not None:
             model = prepare_for_training(model, self.quantization)
-        self.model = add_lora(model, self.lora) if self.lora is not None else model
+        model = add_lora(model, self.lora) if self.lora is not None else model
+        if settings.get("loss_chunk_tokens") is not None:
+            chunk_causal_lm_loss(model, settings["loss_chunk_tokens"])
+        if settings.get("mlp_tile_tokens") is not None:
+            tile_position_wise(model, settings["mlp_tile_tokens"])
+        self.model = model
 
     def forward(
         self,
